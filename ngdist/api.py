@@ -1,0 +1,69 @@
+"""``ngdist.compile``: model in, distributed trainer out."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import onnx
+
+from ngdist import optim
+from ngdist.errors import GraphError
+from ngdist.frontends.onnx import build_training_model
+from ngdist.ir.model import load_proto, split_training_model
+from ngdist.passes.pipeline import run_passes
+from ngdist.runtime.comm import Communicator, world_rank_size
+from ngdist.runtime.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+_UNSET: Any = object()
+
+
+def rank() -> int:
+    """This process's rank (0 when not launched by mpiexec)."""
+    return world_rank_size()[0]
+
+
+def size() -> int:
+    """The number of ranks (1 when not launched by mpiexec)."""
+    return world_rank_size()[1]
+
+
+def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,
+                      labels: str = "y", optimizer: Any = _UNSET, params: list[str] | None = None,
+                      frozen: list[str] | None = None, output: str | None = None
+                      ) -> onnx.ModelProto:
+    """A training model from a path or ModelProto: used as is if it already is one."""
+    proto = model if isinstance(model, onnx.ModelProto) else load_proto(model)
+    if proto.training_info:
+        if loss is not _UNSET or optimizer is not _UNSET or params or frozen:
+            raise GraphError("the model is already a training model (it has training_info); "
+                             "do not pass loss=, optimizer=, params= or frozen=")
+        return proto
+    return build_training_model(
+        proto, loss="softmax_cross_entropy" if loss is _UNSET else loss, labels=labels,
+        optimizer=optim.SGD(lr=0.01) if optimizer is _UNSET else optimizer,
+        params=params, frozen=frozen, output=output)
+
+
+def compile(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,  # noqa: A001
+            labels: str = "y", optimizer: Any = _UNSET, strategy: str = "allreduce",
+            bucket_bytes: int = 25 << 20, params: list[str] | None = None,
+            frozen: list[str] | None = None, output: str | None = None,
+            timeout: float | None = None, intra_op_threads: int | None = None,
+            providers: list[str] | None = None, overlap: bool = True,
+            **strategy_options: Any) -> Trainer:
+    """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
+
+    ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
+    the input named ``labels`` and updated by ``optimizer``; or a training model (from
+    ``trainer.save`` or ``ngdist rewrite``), used as it is.
+    """
+    proto = to_training_model(model, loss=loss, labels=labels, optimizer=optimizer,
+                              params=params, frozen=frozen, output=output)
+    comm = Communicator(timeout=timeout)
+    inference, step = split_training_model(proto)
+    step = run_passes(step, strategy, bucket_bytes=bucket_bytes, **strategy_options)
+    return Trainer(inference, step=step, comm=comm, intra_op_threads=intra_op_threads,
+                   providers=providers, overlap=overlap)

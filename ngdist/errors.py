@@ -1,0 +1,34 @@
+"""Exceptions raised by ngdist. Every error a user can cause derives from NgdistError."""
+from __future__ import annotations
+
+
+class NgdistError(Exception):
+    """Base class of every error ngdist raises on purpose."""
+
+
+class ModelLoadError(NgdistError):
+    """A file is not a readable ONNX model (missing, truncated, not ONNX)."""
+
+
+class GraphError(NgdistError):
+    """A graph cannot be processed as asked (bad structure, unknown names)."""
+
+
+class GradientError(GraphError):
+    """Reverse-mode differentiation is impossible, e.g. an op has no gradient rule."""
+
+
+class InputError(NgdistError):
+    """A batch given to ``Trainer.step`` does not fit the model."""
+
+
+class CommError(NgdistError):
+    """A communication op failed, or ranks disagree."""
+
+
+class CommTimeoutError(CommError):
+    """A collective did not complete within the configured timeout."""
+
+
+class ExecutionError(NgdistError):
+    """onnxruntime failed while running a compute segment (the message names the segment)."""

@@ -1,0 +1,1 @@
+"""Frontends: bring a model in as a standard ONNX training model."""

@@ -1,0 +1,192 @@
+"""ONNX frontend: a forward-only ONNX model + loss + optimizer -> a standard training model.
+
+The result is an ``onnx.ModelProto`` whose ``graph`` is the (untouched) inference graph and whose
+``training_info[0].algorithm`` is one training step written with ONNX's own
+``ai.onnx.preview.training`` ops: the forward nodes, the loss, one ``Gradient`` node and one
+optimizer node (``Momentum`` / ``Adam`` / ``Adagrad``). Parameters keep their initializer names.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ngdist import optim
+from ngdist.errors import GraphError
+from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.ir.model import IR_VERSION, load_proto
+
+logger = logging.getLogger(__name__)
+
+MIN_OPSET = 18
+STEP, LR = "ngdist.step", "ngdist.lr"
+LOSSES = {"softmax_cross_entropy": "softmax_cross_entropy", "cross_entropy": "softmax_cross_entropy",
+          "mse": "mse", "mean_squared_error": "mse"}
+FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
+
+
+def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Opset >= 18, symbolic batch dimension on data inputs, fresh shape inference."""
+    model = copy.deepcopy(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < MIN_OPSET:
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as exc:
+            raise GraphError(f"cannot convert the model from opset {opset} to {MIN_OPSET}: "
+                             f"{exc}; export it with opset {MIN_OPSET} or newer") from None
+    model.ir_version = IR_VERSION
+    init_names = {t.name for t in model.graph.initializer}
+    for inp in model.graph.input:
+        if inp.name in init_names or not inp.type.tensor_type.HasField("shape"):
+            continue
+        dims = inp.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_param = "batch"
+    for out in model.graph.output:
+        dims = out.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value"):
+            dims[0].Clear()
+            dims[0].dim_param = "batch"
+    del model.graph.value_info[:]
+    try:
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # inference is a help, not a requirement
+        logger.warning("shape inference failed on the forward model: %s", exc)
+    return model
+
+
+def choose_params(model: onnx.ModelProto, params: list[str] | None,
+                  frozen: list[str] | None) -> list[str]:
+    inits = {t.name: t for t in model.graph.initializer}
+    if params is not None:
+        unknown = [p for p in params if p not in inits]
+        if unknown:
+            raise GraphError(f"params {unknown} are not initializers of the model; it has "
+                             f"{sorted(inits)[:20]}")
+        chosen = list(params)
+    else:
+        chosen = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
+    frozen_set = set(frozen or [])
+    unknown = frozen_set - set(inits)
+    if unknown:
+        raise GraphError(f"frozen names {sorted(unknown)} are not initializers of the model")
+    chosen = [p for p in chosen if p not in frozen_set]
+    bad = [p for p in chosen if inits[p].data_type not in FLOAT_TYPES]
+    if bad:
+        raise GraphError(f"params {bad} are not floating-point tensors and cannot be trained")
+    if not chosen:
+        raise GraphError("the model has no trainable parameters (no float initializers left "
+                         "after freezing)")
+    return chosen
+
+
+def _loss_nodes(kind: str | None, output: onnx.ValueInfoProto, labels: str
+                ) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], str]:
+    """Loss nodes, the labels input, and the loss value name."""
+    if kind is None:
+        return [], [], output.name
+    if kind not in LOSSES:
+        raise ValueError(f"unknown loss {kind!r}; choose one of {sorted(LOSSES)} or None "
+                         "(the model's first output is already the loss)")
+    kind = LOSSES[kind]
+    dims = output.type.tensor_type.shape.dim
+    batch = dims[0].dim_param or dims[0].dim_value if dims else "batch"
+    if kind == "softmax_cross_entropy":
+        lab = helper.make_tensor_value_info(labels, TensorProto.INT64, [batch or "batch"])
+        nodes = [helper.make_node("SoftmaxCrossEntropyLoss", [output.name, labels], ["ngdist.loss"],
+                                  name="ngdist/loss", reduction="mean")]
+    else:
+        shape = [d.dim_param or d.dim_value or None for d in dims] if dims else None
+        lab = helper.make_tensor_value_info(labels, output.type.tensor_type.elem_type, shape)
+        nodes = [helper.make_node("Sub", [output.name, labels], ["ngdist/loss/diff"],
+                                  name="ngdist/loss/sub"),
+                 helper.make_node("Mul", ["ngdist/loss/diff", "ngdist/loss/diff"],
+                                  ["ngdist/loss/sq"], name="ngdist/loss/square"),
+                 helper.make_node("ReduceMean", ["ngdist/loss/sq"], ["ngdist.loss"],
+                                  name="ngdist/loss/mean", keepdims=0)]
+    return nodes, [lab], "ngdist.loss"
+
+
+def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
+                         loss: str | None = "softmax_cross_entropy", labels: str = "y",
+                         optimizer: optim.Optimizer | str = optim.SGD(lr=0.01),
+                         params: list[str] | None = None, frozen: list[str] | None = None,
+                         output: str | None = None) -> onnx.ModelProto:
+    """Forward model -> training model (TrainingInfoProto with Gradient + optimizer op)."""
+    if not isinstance(forward, onnx.ModelProto):
+        forward = load_proto(forward)
+    if forward.training_info:
+        raise GraphError("the model already holds a training_info; load it with "
+                         "ngdist.compile(path) without loss/optimizer, or strip it first")
+    opt = optim.from_spec(optimizer)
+    model = normalize_forward(forward)
+    g = model.graph
+    chosen = choose_params(model, params, frozen)
+    outputs = {o.name: o for o in g.output}
+    out_name = output or g.output[0].name
+    if out_name not in outputs:
+        raise GraphError(f"output {out_name!r} is not an output of the model "
+                         f"(outputs: {list(outputs)})")
+    init_names = {t.name for t in g.initializer}
+    data_inputs = [copy.deepcopy(i) for i in g.input if i.name not in init_names]
+    if loss is not None and labels in {i.name for i in g.input} | init_names:
+        raise GraphError(f"labels name {labels!r} is already a name in the model; pass labels=")
+    loss_nodes, label_inputs, loss_name = _loss_nodes(loss, outputs[out_name], labels)
+
+    inits = {t.name: t for t in g.initializer}
+    grads = [f"{p}.grad" for p in chosen]
+    nodes = [copy.deepcopy(n) for n in g.node] + loss_nodes
+    nodes.append(helper.make_node("Gradient", chosen, grads, name="ngdist/gradient",
+                                  domain=PREVIEW_TRAINING, xs=chosen, y=loss_name))
+    states: list[onnx.TensorProto] = [numpy_helper.from_array(np.array(0, np.int64), STEP),
+                                      numpy_helper.from_array(np.array(opt.lr, np.float32), LR)]
+    state_groups = []
+    for suffix in opt.state_suffixes:
+        group = []
+        for p in chosen:
+            arr = numpy_helper.to_array(inits[p])
+            states.append(numpy_helper.from_array(np.zeros_like(arr), f"{p}.{suffix}"))
+            group.append(f"{p}.{suffix}")
+        state_groups.append(group)
+    t_name = STEP
+    if opt.step_offset:
+        nodes.append(helper.make_node("Constant", [], ["ngdist/one"], name="ngdist/one",
+                                      value=numpy_helper.from_array(np.array(1, np.int64))))
+        nodes.append(helper.make_node("Add", [STEP, "ngdist/one"], ["ngdist.step.t"],
+                                      name="ngdist/step_t"))
+        t_name = "ngdist.step.t"
+    flat_states = [s for group in state_groups for s in group]
+    new_names = [f"{p}.new" for p in chosen] + [f"{s}.new" for s in flat_states]
+    nodes.append(helper.make_node(opt.op_type, [LR, t_name, *chosen, *grads, *flat_states],
+                                  new_names, name=f"ngdist/{opt.op_type.lower()}",
+                                  domain=PREVIEW_TRAINING, **opt.attributes()))
+    nodes.append(helper.make_node("Constant", [], ["ngdist/step_one"], name="ngdist/step_one",
+                                  value=numpy_helper.from_array(np.array(1, np.int64))))
+    nodes.append(helper.make_node("Add", [STEP, "ngdist/step_one"], [f"{STEP}.new"],
+                                  name="ngdist/step_inc"))
+    alg_outputs = [helper.make_tensor_value_info(loss_name, TensorProto.UNDEFINED, None)]
+    alg_outputs += [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
+                    for n in [*new_names, f"{STEP}.new"]]
+    alg = helper.make_graph(nodes, "ngdist_step", data_inputs + label_inputs, alg_outputs,
+                            initializer=states)
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(alg)
+    binding = {p: f"{p}.new" for p in chosen}
+    binding.update({s: f"{s}.new" for s in flat_states})
+    binding[STEP] = f"{STEP}.new"
+    for k, v in binding.items():
+        kv = info.update_binding.add()
+        kv.key, kv.value = k, v
+    model.opset_import.append(helper.make_opsetid(PREVIEW_TRAINING, 1))
+    roles = {p: "param" for p in chosen}
+    roles.update({s: "state" for s in [STEP, *flat_states]})
+    roles[LR] = "hyper"
+    helper.set_model_props(model, {"ngdist.roles": json.dumps(roles), "ngdist.loss": loss_name})
+    return model

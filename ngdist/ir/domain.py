@@ -1,0 +1,128 @@
+"""The ``ngdist`` op domain: every communication op, in one table.
+
+Each entry says what the passes and the runtime need to know about an op: its inputs and
+outputs, its attributes with defaults, and whether the op's outputs alias its inputs in
+shape and type (true for every op here except AllGather/ReduceScatter). The table is
+registered with ``onnx.defs`` so that ``onnx.checker`` accepts rewritten files.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from onnx import defs
+
+logger = logging.getLogger(__name__)
+
+DOMAIN = "ngdist"
+DOMAIN_VERSION = 1
+PREVIEW_TRAINING = "ai.onnx.preview.training"
+
+
+@dataclass(frozen=True)
+class CommOpSpec:
+    """What one communication op is."""
+
+    name: str
+    doc: str
+    inputs: str  # "variadic" or "single"
+    attributes: dict[str, object] = field(default_factory=dict)
+    same_shape: bool = True  # output i has the shape and type of input i
+    collective: bool = True  # every rank takes part
+
+
+COMM_OPS: dict[str, CommOpSpec] = {
+    spec.name: spec
+    for spec in [
+        CommOpSpec(
+            "AllReduce",
+            "Reduces every input over all ranks (sum or mean); several inputs form one fused "
+            "bucket sent as one message. Output i has the shape of input i.",
+            "variadic",
+            {"reduction": "mean", "bucket": 0, "algorithm": "mpi"},
+        ),
+        CommOpSpec(
+            "Broadcast",
+            "Every rank receives the root's value of each input.",
+            "variadic",
+            {"root": 0},
+        ),
+        CommOpSpec(
+            "AllGather",
+            "Concatenates every rank's input along axis 0, in rank order.",
+            "single",
+            {},
+            same_shape=False,
+        ),
+        CommOpSpec(
+            "ReduceScatter",
+            "Sums the inputs over ranks and gives rank r the r-th slice along axis 0.",
+            "single",
+            {"reduction": "sum"},
+            same_shape=False,
+        ),
+        CommOpSpec(
+            "PushSum",
+            "Stochastic Gradient Push gossip: inputs are parameters then the push-sum weight; "
+            "each rank keeps a share and pushes shares to its out-peers of the iteration.",
+            "variadic",
+            {"graph": "exponential", "peers_per_itr": 1, "overlap": 0, "synch_freq": 0},
+        ),
+        CommOpSpec(
+            "PSPushPull",
+            "Parameter-server step: gradients pushed to the shard owners, owners update, "
+            "updated parameters pulled back.",
+            "variadic",
+            {"grad_shard_bytes": 0, "servers": 0},
+            same_shape=False,
+        ),
+    ]
+}
+
+
+def is_comm_node(domain: str, op_type: str) -> bool:
+    return domain == DOMAIN and op_type in COMM_OPS
+
+
+def _schema(spec: CommOpSpec) -> defs.OpSchema:
+    variadic = defs.OpSchema.FormalParameterOption.Variadic
+    single = defs.OpSchema.FormalParameterOption.Single
+    option = variadic if spec.inputs == "variadic" else single
+    attr_type = {
+        str: defs.OpSchema.AttrType.STRING,
+        int: defs.OpSchema.AttrType.INT,
+        float: defs.OpSchema.AttrType.FLOAT,
+    }
+    attributes = [
+        defs.OpSchema.Attribute(name, attr_type[type(default)], f"{name} (default {default!r})",
+                                required=False)
+        for name, default in spec.attributes.items()
+    ]
+    return defs.OpSchema(
+        spec.name,
+        DOMAIN,
+        DOMAIN_VERSION,
+        spec.doc,
+        inputs=[defs.OpSchema.FormalParameter("inputs", "T", param_option=option,
+                                              is_homogeneous=False, min_arity=1)],
+        outputs=[defs.OpSchema.FormalParameter("outputs", "T", param_option=option,
+                                               is_homogeneous=False, min_arity=1)],
+        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)",
+                                 "tensor(bfloat16)", "tensor(int64)", "tensor(int32)"],
+                           "numeric tensors")],
+        attributes=attributes,
+    )
+
+
+def register_domain() -> None:
+    """Register every comm op with onnx.defs (idempotent)."""
+    for spec in COMM_OPS.values():
+        if defs.has(spec.name, DOMAIN):
+            continue
+        try:
+            defs.register_schema(_schema(spec))
+        except Exception as exc:  # pragma: no cover - depends on the onnx build
+            logger.warning("could not register ngdist.%s with onnx.defs: %s", spec.name, exc)
+
+
+register_domain()

@@ -1,0 +1,250 @@
+"""Load, save and split training models.
+
+A training model is standard ONNX: ``model.graph`` is the deployable inference graph with the
+parameters as initializers, and ``model.training_info[0]`` holds one training step
+(``algorithm``) plus ``update_binding``. onnx_ir drops ``training_info``, so this module owns the
+conversion between that file format and the *step graph* the passes work on:
+
+* step graph inputs: the data inputs, then every value the step updates or reads as state
+  (parameters, buffers such as BatchNorm statistics, optimizer state, hyper-parameters), each
+  with its current value as an initializer;
+* step graph initializers that are not inputs: constants (frozen weights, shape tensors);
+* step graph outputs: the loss, then the new value of every bound name.
+
+The roles of names, the binding and the loss name ride along in ``graph.metadata_props`` so
+that every pass sees them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+
+from ngdist.errors import GraphError, ModelLoadError
+from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
+
+logger = logging.getLogger(__name__)
+
+IR_VERSION = 10  # onnxruntime 1.31 reads at most 13; onnx 1.23 would write 14
+ROLES = ("data", "param", "buffer", "state", "hyper")
+MODEL_LEVEL = ("param", "buffer")  # roles whose values live in model.graph.initializer
+
+
+@dataclass
+class StepMeta:
+    """What the passes need besides the nodes: roles of names, update binding, loss name."""
+
+    roles: dict[str, str]
+    binding: dict[str, str]
+    loss: str
+
+    def names(self, role: str) -> list[str]:
+        return [n for n, r in self.roles.items() if r == role]
+
+
+def get_meta(model: ir.Model) -> StepMeta:
+    props = model.graph.metadata_props
+    try:
+        return StepMeta(json.loads(props["ngdist.roles"]), json.loads(props["ngdist.binding"]),
+                        props["ngdist.loss"])
+    except KeyError as exc:
+        raise GraphError(f"step graph lacks ngdist metadata {exc}; build it with "
+                         "ngdist.ir.model.split_training_model") from None
+
+
+def set_meta(model: ir.Model, meta: StepMeta) -> None:
+    props = model.graph.metadata_props
+    props["ngdist.roles"] = json.dumps(meta.roles)
+    props["ngdist.binding"] = json.dumps(meta.binding)
+    props["ngdist.loss"] = meta.loss
+
+
+# --------------------------------------------------------------------------- files
+
+def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX file, with an error that says what is wrong and what to do."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    data = path.read_bytes()
+    if not data:
+        raise ModelLoadError(f"{path}: the file is empty; it is not an ONNX model")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(
+            f"{path}: not a valid ONNX file ({exc}); the file is truncated or not ONNX. "
+            "Re-export the model or check the path.") from None
+    if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.node:
+        raise ModelLoadError(
+            f"{path}: parsed, but holds no ONNX graph (ir_version={model.ir_version}, "
+            f"{len(model.graph.node)} nodes); the file is truncated or not ONNX")
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ModelLoadError(f"{path}: the ONNX model is invalid ({first}); the file may be "
+                             "truncated or produced by a broken exporter") from None
+    return model
+
+
+def save_proto(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write atomically: a temporary file in the same folder, then rename over the target."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(model.SerializeToString())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info("wrote %s (%d bytes)", path, path.stat().st_size)
+
+
+# --------------------------------------------------------------------------- split / assemble
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    return {i for n in graph.node for i in n.input if i} | {o.name for o in graph.output}
+
+
+def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Model]:
+    """ModelProto with training_info -> (inference model, step graph as onnx_ir model)."""
+    if not model.training_info:
+        raise GraphError(
+            "the model has no training_info: it is a forward-only model. Build a training "
+            "model with ngdist.compile(..., loss=..., optimizer=...) or `ngdist rewrite "
+            "--loss ... --optimizer ...`")
+    info = model.training_info[0]
+    alg = copy.deepcopy(info.algorithm)
+    binding = {kv.key: kv.value for kv in info.update_binding}
+    props = {p.key: p.value for p in model.metadata_props}
+    stored_roles = json.loads(props.get("ngdist.roles", "{}"))
+    main_inits = {t.name: t for t in model.graph.initializer}
+    alg_inits = {t.name: t for t in alg.initializer}
+    used = _used_names(alg)
+
+    roles: dict[str, str] = {}
+    for inp in alg.input:
+        if inp.name not in alg_inits and inp.name not in main_inits:
+            roles[inp.name] = "data"
+    for name in main_inits:
+        if name in binding:
+            roles[name] = stored_roles.get(name, "param")
+    for name in alg_inits:
+        roles[name] = stored_roles.get(name, "state" if name in binding else "hyper")
+    missing = [k for k in binding if k not in roles]
+    if missing:
+        raise GraphError(f"update_binding names {missing}, which are initializers of neither "
+                         "the main graph nor the algorithm graph")
+
+    existing_inputs = {i.name for i in alg.input}
+    # Everything the step reads from the main graph becomes a step input (if updated) or constant.
+    for name, tensor in main_inits.items():
+        if name not in used and name not in binding:
+            continue
+        alg.initializer.append(tensor)
+        if name in binding and name not in existing_inputs:
+            alg.input.append(onnx.helper.make_tensor_value_info(
+                name, tensor.data_type, list(tensor.dims)))
+    for name, tensor in alg_inits.items():
+        if name not in existing_inputs:
+            alg.input.append(onnx.helper.make_tensor_value_info(
+                name, tensor.data_type, list(tensor.dims)))
+    # Data inputs first, then updatable values, in a stable order.
+    order = {"data": 0, "param": 1, "buffer": 2, "state": 3, "hyper": 4}
+    inputs = sorted(alg.input, key=lambda v: order.get(roles.get(v.name, "data"), 0))
+    del alg.input[:]
+    alg.input.extend(inputs)
+
+    loss = props.get("ngdist.loss") or alg.output[0].name
+    opsets = {o.domain: o.version for o in model.opset_import}
+    step_proto = onnx.helper.make_model(
+        alg, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+        ir_version=IR_VERSION)
+    try:
+        step_proto = onnx.shape_inference.infer_shapes(step_proto)
+    except Exception as exc:  # shapes help the autodiff; they are not required
+        logger.debug("shape inference of the step graph failed: %s", exc)
+    step = ir.from_proto(step_proto)
+    set_meta(step, StepMeta(roles, binding, loss))
+    inference = copy.deepcopy(model)
+    del inference.training_info[:]
+    return inference, step
+
+
+def assemble_training_model(inference: onnx.ModelProto, step: ir.Model,
+                            values: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+    """Inverse of split_training_model. ``values`` overrides initial values (trained weights)."""
+    meta = get_meta(step)
+    values = values or {}
+    model = copy.deepcopy(inference)
+    main_names = {t.name for t in model.graph.initializer}
+    for t in model.graph.initializer:
+        if t.name in values:
+            t.CopyFrom(numpy_helper.from_array(np.asarray(values[t.name]), t.name))
+    step_proto = ir.to_proto(step)
+    alg = step_proto.graph
+    for p in list(alg.metadata_props):
+        if p.key.startswith("ngdist."):
+            alg.metadata_props.remove(p)
+    keep_inputs = [i for i in alg.input if meta.roles.get(i.name, "data") == "data"]
+    del alg.input[:]
+    alg.input.extend(keep_inputs)
+    kept = []
+    for t in alg.initializer:
+        role = meta.roles.get(t.name)
+        if t.name in main_names:
+            if role in MODEL_LEVEL and t.name not in values:
+                # keep the main graph in step with the step graph's current value
+                for mt in model.graph.initializer:
+                    if mt.name == t.name:
+                        mt.CopyFrom(t)
+            continue
+        if role in MODEL_LEVEL:  # a parameter that the inference graph does not hold
+            model.graph.initializer.append(
+                numpy_helper.from_array(np.asarray(values[t.name]), t.name)
+                if t.name in values else t)
+            continue
+        kept.append(numpy_helper.from_array(np.asarray(values[t.name]), t.name)
+                    if t.name in values else t)
+    del alg.initializer[:]
+    alg.initializer.extend(kept)
+    info = model.training_info.add()
+    info.algorithm.CopyFrom(alg)
+    for k, v in meta.binding.items():
+        entry = info.update_binding.add()
+        entry.key, entry.value = k, v
+    opsets = {o.domain: o.version for o in model.opset_import}
+    for o in step_proto.opset_import:
+        opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+    del model.opset_import[:]
+    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in opsets.items())
+    model.ir_version = IR_VERSION
+    for key, value in (("ngdist.roles", json.dumps(meta.roles)), ("ngdist.loss", meta.loss)):
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                            key: value})
+    return model
+
+
+def uses_domain(step: ir.Model, domain: str = DOMAIN) -> bool:
+    return any(n.domain == domain for n in step.graph)
+
+
+def ensure_opset(step: ir.Model, domain: str, version: int = DOMAIN_VERSION) -> None:
+    step.opset_imports.setdefault(domain, version)
+    step.graph.opset_imports.setdefault(domain, version)

@@ -1,0 +1,150 @@
+"""Reverse-mode autodiff: lowers ``ai.onnx.preview.training.Gradient`` to ordinary ONNX ops."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from ngdist.errors import GradientError
+from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.passes.autodiff import rules  # noqa: F401  (registers every rule family)
+from ngdist.passes.autodiff.registry import NON_DIFFERENTIABLE, GradContext, attr, get_rule
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    table: dict[str, ir.Value] = {v.name: v for v in graph.inputs}
+    table.update(graph.initializers)
+    for node in graph:
+        for out in node.outputs:
+            if out.name:
+                table[out.name] = out
+    return table
+
+
+def _is_float(value: ir.Value) -> bool:
+    return value.dtype is None or value.dtype in FLOAT_TYPES
+
+
+def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value,
+                  opset: int) -> list[ir.Value | None]:
+    """Emit nodes (before ``anchor``) computing dy/dx for every x; None where y ignores x."""
+    nodes = [n for n in graph if n is not anchor and n.domain != PREVIEW_TRAINING]
+    # forward reachability from xs, backward reachability from y
+    from_x: set[int] = {id(x) for x in xs}
+    for node in nodes:
+        if node.op_type in NON_DIFFERENTIABLE and node.domain == "":
+            continue
+        if any(id(i) in from_x for i in node.inputs if i is not None):
+            from_x.update(id(o) for o in node.outputs)
+    to_y: set[int] = {id(y)}
+    active: list[ir.Node] = []
+    for node in reversed(nodes):
+        if any(id(o) in to_y for o in node.outputs) and \
+                any(i is not None and id(i) in from_x for i in node.inputs):
+            active.append(node)
+            to_y.update(id(i) for i in node.inputs if i is not None)
+    if id(y) not in from_x:
+        return [None] * len(xs)
+
+    missing = [n for n in active
+               if get_rule(n) is None and not (n.domain == "" and n.op_type in NON_DIFFERENTIABLE)]
+    if missing:
+        listing = ", ".join(f"{n.op_type} (node '{n.name}')" for n in missing)
+        ops = sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in missing})
+        raise GradientError(
+            f"no gradient rule for {len(missing)} node(s) on the path to the loss: {listing}. "
+            f"Ops without a rule: {', '.join(ops)}. Mark the inputs that feed them as frozen, "
+            "or register a rule with ngdist.passes.autodiff.register")
+
+    ctx = GradContext(graph, anchor, opset)
+    grads: dict[int, list[ir.Value]] = {}
+
+    def total(value: ir.Value) -> ir.Value | None:
+        parts = grads.get(id(value))
+        if not parts:
+            return None
+        if len(parts) > 1:
+            summed = ctx.op("Sum", *parts)
+            grads[id(value)] = [summed]
+        g = grads[id(value)][0]
+        if g.shape is None and value.shape is not None:
+            g.shape = value.shape.copy() if hasattr(value.shape, "copy") else value.shape
+        if g.type is None and value.type is not None:
+            g.type = value.type
+        return g
+
+    ctx.current = None
+    grads[id(y)] = [ctx.op("CastLike", ctx.op("ConstantOfShape", ctx.op("Shape", y),
+                                               value=ir.tensor(np.ones(1, np.float32))), y)]
+    for node in active:
+        if node.domain == "" and node.op_type in NON_DIFFERENTIABLE:
+            continue
+        gys = [total(o) for o in node.outputs]
+        if all(g is None for g in gys):
+            continue
+        ctx.current = node
+        rule = get_rule(node)
+        assert rule is not None
+        try:
+            gxs = list(rule(ctx, node, gys))
+        except GradientError:
+            raise
+        except Exception as exc:
+            raise GradientError(f"gradient rule of {node.op_type} failed on node '{node.name}': "
+                                f"{exc}") from exc
+        if len(gxs) < len(node.inputs):
+            gxs += [None] * (len(node.inputs) - len(gxs))
+        for inp, gx in zip(node.inputs, gxs):
+            if inp is None or gx is None or id(inp) not in from_x or not _is_float(inp):
+                continue
+            grads.setdefault(id(inp), []).append(gx)
+    ctx.current = None
+    return [total(x) for x in xs]
+
+
+class AutodiffPass(ir.passes.InPlacePass):
+    """Replaces every ``ai.onnx.preview.training.Gradient`` node by ordinary ONNX ops.
+
+    For each Gradient node (attributes ``xs``, ``y``) the backward graph is emitted just before
+    it, reusing forward activations; its outputs keep their names (e.g. ``W.grad``), so later
+    passes and ``update_binding`` see the same names. A parameter the loss does not depend on
+    gets a zero gradient (with a warning). An op on the path without a rule raises
+    GradientError listing every such node at once.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        opset = model.opset_imports.get("", 18)
+        modified = False
+        for node in [n for n in graph if n.domain == PREVIEW_TRAINING and n.op_type == "Gradient"]:
+            table = _values_by_name(graph)
+            xs_names = list(attr(node, "xs", []))
+            y_name = attr(node, "y")
+            unknown = [n for n in [*xs_names, y_name] if n not in table]
+            if unknown:
+                raise GradientError(f"Gradient node '{node.name}' names values {unknown} that "
+                                    "the graph does not define")
+            xs = [table[n] for n in xs_names]
+            dxs = differentiate(graph, node, xs, table[y_name], opset)
+            for x, dx, out in zip(xs, dxs, node.outputs):
+                if dx is None:
+                    logger.warning("loss '%s' does not depend on '%s': its gradient is zero",
+                                   y_name, x.name)
+                    ctx = GradContext(graph, node, opset)
+                    dx = ctx.zeros_like(x)
+                if dx.producer() is None or dx.is_graph_input() or dx.is_graph_output() or \
+                        dx.is_initializer() or any(dx is o for o in graph.outputs):
+                    dx = GradContext(graph, node, opset).op("Identity", dx)
+                out_name = out.name
+                dx.shape, dx.type = x.shape, x.type
+                out.replace_all_uses_with(dx, replace_graph_outputs=True)
+                out.name = f"{out_name}.replaced"
+                dx.name = out_name
+            graph.remove(node, safe=True)
+            modified = True
+        return ir.passes.PassResult(model, modified)

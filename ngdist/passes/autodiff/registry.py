@@ -1,0 +1,164 @@
+"""Gradient-rule registry and the context rules emit their nodes through.
+
+A rule is ``rule(ctx, node, grads) -> list`` where ``grads[i]`` is the gradient flowing into
+``node.outputs[i]`` (``None`` when nothing flows there) and the result holds one entry per
+input of ``node``: an ``ir.Value`` with the input's shape, or ``None`` for "no gradient"
+(indices, shapes, masks). Rules only *emit* nodes through ``ctx``; they never mutate the
+forward graph, so forward activations are reused, never recomputed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from ngdist.errors import GradientError
+
+GradRule = Callable[["GradContext", ir.Node, list["ir.Value | None"]], Sequence["ir.Value | None"]]
+
+_RULES: dict[tuple[str, str], GradRule] = {}
+
+# Ops whose outputs never carry a gradient (shape computations, comparisons, indices).
+NON_DIFFERENTIABLE: set[str] = {
+    "Shape", "Size", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "Not", "And",
+    "Or", "Xor", "ArgMax", "ArgMin", "NonZero", "ConstantOfShape", "Constant", "OneHot",
+    "Range", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+    "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Bernoulli", "Multinomial", "EyeLike",
+}
+
+
+def register(*op_types: str, domain: str = "") -> Callable[[GradRule], GradRule]:
+    """Decorator: ``@register("Add")`` makes the function the gradient rule of Add."""
+
+    def wrap(fn: GradRule) -> GradRule:
+        for op in op_types:
+            _RULES[(domain, op)] = fn
+        return fn
+
+    return wrap
+
+
+def get_rule(node: ir.Node) -> GradRule | None:
+    return _RULES.get((node.domain or "", node.op_type))
+
+
+def registered_ops() -> list[str]:
+    return sorted(op for _, op in _RULES)
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+class GradContext:
+    """Emits backward nodes before ``anchor`` in the graph; small helpers for common idioms."""
+
+    def __init__(self, graph: ir.Graph, anchor: ir.Node, opset: int) -> None:
+        self.graph = graph
+        self.anchor = anchor
+        self.opset = opset
+        self._count = 0
+        self.current: ir.Node | None = None  # the forward node being differentiated
+
+    # -- emission ---------------------------------------------------------------------------
+    def _name(self, op_type: str) -> str:
+        self._count += 1
+        base = self.current.name if self.current is not None and self.current.name else "grad"
+        return f"{base}/grad/{op_type}_{self._count}"
+
+    def op(self, op_type: str, *inputs: ir.Value | None, domain: str = "",
+           **attributes: Any) -> ir.Value:
+        return self.op_multi(op_type, *inputs, num_outputs=1, domain=domain, **attributes)[0]
+
+    def op_multi(self, op_type: str, *inputs: ir.Value | None, num_outputs: int,
+                 domain: str = "", **attributes: Any) -> Sequence[ir.Value]:
+        attrs = ir.convenience.convert_attributes(
+            {k: v for k, v in attributes.items() if v is not None})
+        name = self._name(op_type)
+        node = ir.Node(domain, op_type, list(inputs), attrs, num_outputs=num_outputs, name=name)
+        for i, out in enumerate(node.outputs):
+            out.name = f"{name}:{i}"
+        self.graph.insert_before(self.anchor, node)
+        return node.outputs
+
+    # -- constants --------------------------------------------------------------------------
+    def const(self, value: Any, like: ir.Value | None = None, dtype: Any = None) -> ir.Value:
+        """A constant; with ``like`` it is cast to that value's element type (CastLike)."""
+        arr = np.asarray(value, dtype=dtype if dtype is not None else
+                         (np.float32 if like is not None else None))
+        out = self.op("Constant", value=ir.tensor(arr))
+        return self.op("CastLike", out, like) if like is not None else out
+
+    def ints(self, values: Sequence[int]) -> ir.Value:
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    def constant_value(self, value: ir.Value | None) -> np.ndarray | None:
+        """The value of a constant input (initializer or Constant node), else None."""
+        if value is None:
+            return None
+        if value.const_value is not None and not value.is_graph_input():
+            return value.const_value.numpy()
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant":
+            for key in ("value", "value_int", "value_ints", "value_float", "value_floats"):
+                a = producer.attributes.get(key)
+                if a is not None:
+                    v = a.value
+                    return v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+        return None
+
+    # -- shapes -----------------------------------------------------------------------------
+    @staticmethod
+    def rank(value: ir.Value) -> int | None:
+        return value.shape.rank() if value.shape is not None else None
+
+    def zeros_like(self, value: ir.Value) -> ir.Value:
+        zero = self.op("ConstantOfShape", self.op("Shape", value),
+                       value=ir.tensor(np.zeros(1, np.float32)))
+        return self.op("CastLike", zero, value)
+
+    def unbroadcast(self, grad: ir.Value, like: ir.Value, grad_rank: int | None = None) -> ir.Value:
+        """Sum ``grad`` down to the shape of ``like`` (the inverse of numpy broadcasting)."""
+        gshape, xshape = grad.shape, like.shape
+        if gshape is not None and xshape is not None and tuple(gshape.dims) == tuple(xshape.dims):
+            return grad
+        rg = grad_rank if grad_rank is not None else self.rank(grad)
+        rx = self.rank(like)
+        if rg is None or rx is None:
+            raise GradientError(
+                f"cannot reduce the gradient of '{like.name}' to its shape: rank unknown "
+                f"(node '{self.current.name if self.current else '?'}'); give the model's "
+                "inputs shapes with a known rank")
+        lead = list(range(rg - rx))
+        static_axes: list[int] | None = list(lead)
+        if gshape is not None and xshape is not None:
+            for i, xd in enumerate(xshape.dims):
+                gd = gshape.dims[i + rg - rx]
+                if isinstance(xd, int) and xd == 1 and gd != 1:
+                    static_axes.append(i + rg - rx)
+                elif xd != gd and not (isinstance(xd, int) and isinstance(gd, int) and xd == gd):
+                    if not (isinstance(xd, int) and xd != 1):
+                        static_axes = None  # symbolic dims that may or may not broadcast
+                        break
+        else:
+            static_axes = None
+        if static_axes is not None:
+            out = grad
+            if static_axes:
+                out = self.op("ReduceSum", grad, self.ints(static_axes), keepdims=1)
+            if lead or static_axes:
+                out = self.op("Reshape", out, self.op("Shape", like))
+            return out
+        # dynamic: reduce the axes where like has extent 1 and grad does not
+        sx = self.op("Shape", like)
+        if rg > rx:
+            sx = self.op("Concat", self.ints([1] * (rg - rx)), sx, axis=0)
+        sg = self.op("Shape", grad)
+        one = self.ints([1])
+        mask = self.op("And", self.op("Equal", sx, one), self.op("Not", self.op("Equal", sg, one)))
+        axes = self.op("Reshape", self.op("NonZero", mask), self.ints([-1]))
+        red = self.op("ReduceSum", grad, axes, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", red, self.op("Shape", like))

@@ -1,0 +1,9 @@
+"""Gradient rules, one module per op family; importing this package registers them all."""
+from ngdist.passes.autodiff.rules import (  # noqa: F401
+    activation,
+    elementwise,
+    linalg,
+    loss,
+    reduce,
+    shape,
+)

@@ -1,0 +1,55 @@
+"""Elementwise arithmetic with numpy broadcasting: Add, Sub, Mul, Div, Neg, Identity, Cast."""
+from __future__ import annotations
+
+from ngdist.passes.autodiff.registry import register
+
+
+@register("Add")
+def add(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs
+    return [ctx.unbroadcast(g, a), ctx.unbroadcast(g, b)]
+
+
+@register("Sub")
+def sub(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs
+    return [ctx.unbroadcast(g, a), ctx.unbroadcast(ctx.op("Neg", g), b)]
+
+
+@register("Mul")
+def mul(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs
+    return [ctx.unbroadcast(ctx.op("Mul", g, b), a), ctx.unbroadcast(ctx.op("Mul", g, a), b)]
+
+
+@register("Div")
+def div(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs
+    (y,) = node.outputs
+    ga = ctx.op("Div", g, b)
+    gb = ctx.op("Neg", ctx.op("Mul", ga, y))  # -g * a / b^2 == -(g / b) * y
+    return [ctx.unbroadcast(ga, a), ctx.unbroadcast(gb, b)]
+
+
+@register("Neg")
+def neg(ctx, node, gys):
+    return [ctx.op("Neg", gys[0])]
+
+
+@register("Identity")
+def identity(ctx, node, gys):
+    return [gys[0]]
+
+
+@register("Cast")
+def cast(ctx, node, gys):
+    return [ctx.op("CastLike", gys[0], node.inputs[0])]
+
+
+@register("Sum")
+def sum_(ctx, node, gys):
+    return [ctx.unbroadcast(gys[0], x) for x in node.inputs]

@@ -1,0 +1,63 @@
+"""Matrix products: Gemm and MatMul (batched, broadcast, 1-D operands)."""
+from __future__ import annotations
+
+from ngdist.passes.autodiff.registry import attr, register
+
+
+@register("Gemm")
+def gemm(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs[0], node.inputs[1]
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    alpha, beta = attr(node, "alpha", 1.0), attr(node, "beta", 1.0)
+    ta, tb = attr(node, "transA", 0), attr(node, "transB", 0)
+    if (ta, tb) == (0, 0):
+        ga = ctx.op("Gemm", g, b, transB=1, alpha=alpha)
+        gb = ctx.op("Gemm", a, g, transA=1, alpha=alpha)
+    elif (ta, tb) == (0, 1):
+        ga = ctx.op("Gemm", g, b, alpha=alpha)
+        gb = ctx.op("Gemm", g, a, transA=1, alpha=alpha)
+    elif (ta, tb) == (1, 0):
+        ga = ctx.op("Gemm", b, g, transB=1, alpha=alpha)
+        gb = ctx.op("Gemm", a, g, alpha=alpha)
+    else:
+        ga = ctx.op("Gemm", b, g, transA=1, transB=1, alpha=alpha)
+        gb = ctx.op("Gemm", g, a, transA=1, transB=1, alpha=alpha)
+    grads = [ga, gb]
+    if c is not None:
+        gc = g if beta == 1.0 else ctx.op("Mul", g, ctx.const(beta, like=g))
+        grads.append(ctx.unbroadcast(gc, c, grad_rank=2))
+    return grads
+
+
+def _swap_last(ctx, v, rank):
+    perm = list(range(rank))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return ctx.op("Transpose", v, perm=perm)
+
+
+@register("MatMul")
+def matmul(ctx, node, gys):
+    (g,) = gys
+    a, b = node.inputs
+    ra, rb = ctx.rank(a), ctx.rank(b)
+    if ra is None or rb is None:
+        raise ValueError("MatMul operands need a known rank")
+    a2 = a if ra >= 2 else ctx.op("Unsqueeze", a, ctx.ints([0]))
+    b2 = b if rb >= 2 else ctx.op("Unsqueeze", b, ctx.ints([1]))
+    g2 = g
+    if ra == 1:
+        g2 = ctx.op("Unsqueeze", g2, ctx.ints([-1 if rb == 1 else -2]))
+    if rb == 1:
+        g2 = ctx.op("Unsqueeze", g2, ctx.ints([-1]))
+    rout = max(ra, rb, 2)
+    ga = ctx.op("MatMul", g2, _swap_last(ctx, b2, max(rb, 2)))
+    gb = ctx.op("MatMul", _swap_last(ctx, a2, max(ra, 2)), g2)
+    if not (ra == rb == 2):
+        ga = ctx.unbroadcast(ga, a2, grad_rank=rout) if ra >= 2 else \
+            ctx.op("Reshape", ctx.op("ReduceSum", ga, ctx.ints(list(range(rout - 1))), keepdims=0),
+                   ctx.op("Shape", a))
+        gb = ctx.unbroadcast(gb, b2, grad_rank=rout) if rb >= 2 else \
+            ctx.op("Reshape", ctx.op("ReduceSum", gb, ctx.ints(list(range(rout - 2)) + [rout - 1]),
+                                     keepdims=0), ctx.op("Shape", b))
+    return [ga, gb]

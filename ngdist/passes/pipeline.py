@@ -1,0 +1,64 @@
+"""Strategies as named pass pipelines, and the functions that run them.
+
+``allreduce``: autodiff -> AllReduce insertion -> bucketing -> optimizer lowering.
+``local``: autodiff -> optimizer lowering (one process, no communication).
+Later strategies (``pushsum``, ``ps``, ``simple``) register themselves in ``STRATEGIES``.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import onnx
+import onnx_ir as ir
+
+from ngdist.errors import NgdistError
+from ngdist.ir.model import assemble_training_model, split_training_model
+from ngdist.passes.allreduce import AllReduceInsertionPass
+from ngdist.passes.autodiff import AutodiffPass
+from ngdist.passes.bucketing import BucketingPass
+from ngdist.passes.optimizers import OptimizerLoweringPass
+
+logger = logging.getLogger(__name__)
+
+PipelineFactory = Callable[..., list[ir.passes.PassBase]]
+
+
+def _allreduce(bucket_bytes: int = 25 << 20, all_reduce_alg: str = "mpi",
+               **_: object) -> list[ir.passes.PassBase]:
+    return [AllReduceInsertionPass("mean", all_reduce_alg), BucketingPass(bucket_bytes)]
+
+
+def _local(**_: object) -> list[ir.passes.PassBase]:
+    return []
+
+
+STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local}
+
+
+def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,
+               **options: object) -> ir.Model:
+    """Autodiff, the strategy's comm passes, then optimizer lowering (if ``lower``)."""
+    if strategy not in STRATEGIES:
+        raise NgdistError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    passes: list[ir.passes.PassBase] = [AutodiffPass(), *STRATEGIES[strategy](**options)]
+    if lower:
+        passes.append(OptimizerLoweringPass())
+    manager = ir.passes.PassManager(passes, steps=1)
+    try:
+        return manager(step).model
+    except ir.passes.PassError as exc:
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, NgdistError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def rewrite(model: onnx.ModelProto, strategy: str = "allreduce", **options: object
+            ) -> onnx.ModelProto:
+    """Training model -> training model with the strategy's comm ops, fully lowered."""
+    inference, step = split_training_model(model)
+    step = run_passes(step, strategy, **options)
+    return assemble_training_model(inference, step)

@@ -1,0 +1,1 @@
+"""Runtime: partitioning, the executor, the communicator and the trainer."""

@@ -1,0 +1,141 @@
+"""The communicator: MPI world (or one local rank), timeouts, start-up agreement checks."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ngdist.errors import CommError, CommTimeoutError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = float(os.environ.get("NGDIST_TIMEOUT", "300"))
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world_rank_size() -> tuple[int, int]:
+    """(rank, size) of this process; (0, 1) when not launched by mpiexec."""
+    if not _launched_by_mpi():
+        return 0, 1
+    world = _mpi().COMM_WORLD
+    return world.Get_rank(), world.Get_size()
+
+
+def _launched_by_mpi() -> bool:
+    keys = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+            "HYDI_CONTROL_FD", "PMI_FD")
+    return any(k in os.environ for k in keys)
+
+
+class Communicator:
+    """Rank, size and the waits of every collective, each bounded by ``timeout`` seconds."""
+
+    def __init__(self, timeout: float | None = None, backend: str | None = None) -> None:
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        rank, size = world_rank_size()
+        self.world: Any = _mpi().COMM_WORLD if size > 1 else None
+        self.rank, self.size = rank, size
+        self.backend = backend or ("mpi" if size > 1 else "local")
+        self.bytes_sent = 0
+        self.local_size = 1
+        if self.world is not None:
+            MPI = _mpi()
+            self.local_size = self.world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+            install_abort_hook(self.world)
+
+    # ------------------------------------------------------------------ waits
+    def wait(self, request: Any, what: Any, peers: list[int] | None = None) -> None:
+        """Wait for an MPI request; raise CommTimeoutError naming the op after the timeout."""
+        if request.Test():
+            return
+        deadline = time.monotonic() + self.timeout
+        spin_until = time.monotonic() + 0.002
+        while not request.Test():
+            now = time.monotonic()
+            if now > deadline:
+                name = getattr(what, "name", str(what))
+                op = getattr(what, "op_type", "")
+                who = f"peers {peers}" if peers is not None else f"ranks 0..{self.size - 1}"
+                raise CommTimeoutError(
+                    f"{('ngdist.' + op + ' ') if op else ''}'{name}' did not complete within "
+                    f"{self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
+                    "probably died or is running a different program. Check the other ranks' "
+                    "output; raise the limit with timeout= or NGDIST_TIMEOUT")
+            time.sleep(0 if now < spin_until else 0.0002)
+
+    # ------------------------------------------------------------------ start-up checks
+    def check_same(self, payload: bytes, what: str) -> None:
+        """Every rank must hold the same ``payload`` (compared by SHA-256), else CommError."""
+        if self.world is None:
+            return
+        digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype=np.uint8).copy()
+        table = np.empty((self.size, digest.size), np.uint8)
+        self.wait(self.world.Iallgather(digest, table), f"start-up check of the {what}")
+        differ = [r for r in range(self.size) if not np.array_equal(table[r], table[0])]
+        if differ:
+            raise CommError(
+                f"ranks {differ} hold a different {what} than rank 0 (sha256 "
+                f"{table[0].tobytes().hex()[:12]} on rank 0, {table[differ[0]].tobytes().hex()[:12]}"
+                f" on rank {differ[0]}); start every rank with the same model and options")
+
+    def broadcast_(self, arrays: list[np.ndarray], root: int = 0) -> None:
+        """In-place broadcast of every array from ``root`` (one message per dtype)."""
+        if self.world is None or not arrays:
+            return
+        by_dtype: dict[np.dtype, list[np.ndarray]] = {}
+        for a in arrays:
+            by_dtype.setdefault(a.dtype, []).append(a)
+        for dtype, group in by_dtype.items():
+            buf = np.concatenate([a.reshape(-1) for a in group])
+            self.wait(self.world.Ibcast(buf, root=root), "initial broadcast of parameters")
+            offset = 0
+            for a in group:
+                a.reshape(-1)[...] = buf[offset:offset + a.size]
+                offset += a.size
+
+    def barrier(self) -> None:
+        if self.world is not None:
+            self.wait(self.world.Ibarrier(), "barrier")
+
+
+_hook_lock = threading.Lock()
+_hook_installed = False
+
+
+def install_abort_hook(world: Any) -> None:
+    """An uncaught exception on one rank aborts the whole MPI job instead of leaving the
+    other ranks blocked; the message is printed first, with the rank."""
+    global _hook_installed
+    with _hook_lock:
+        if _hook_installed:
+            return
+        _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):  # pragma: no cover - runs at interpreter exit
+        from ngdist.errors import NgdistError
+
+        rank = world.Get_rank()
+        if isinstance(exc, NgdistError):
+            sys.stderr.write(f"ngdist: error on rank {rank}: {exc_type.__name__}: {exc}\n")
+        else:
+            sys.stderr.write(f"ngdist: uncaught exception on rank {rank}:\n")
+            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+        sys.stderr.write(f"ngdist: rank {rank} aborts the MPI job\n")
+        sys.stderr.flush()
+        world.Abort(1)
+
+    sys.excepthook = hook
+    del previous

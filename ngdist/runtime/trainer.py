@@ -1,0 +1,213 @@
+"""The Trainer: holds parameters and optimizer state as OrtValues and runs training steps."""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from ngdist.errors import InputError
+from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
+                             split_training_model)
+from ngdist.runtime.comm import Communicator
+from ngdist.runtime.executor import Executor, StepTimes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """What one step reports. ``loss`` is this rank's loss on its own shard."""
+
+    loss: float
+    step_time: float
+    compute_time: float
+    comm_time: float
+    wait_time: float
+    samples: int
+    bytes_sent: int
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_time if self.step_time > 0 else float("nan")
+
+
+def _default_threads(comm: Communicator) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
+
+
+class Trainer:
+    """Trains a rewritten training model on this rank; every rank runs the same program."""
+
+    def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
+                 comm: Communicator | None = None, timeout: float | None = None,
+                 intra_op_threads: int | None = None, providers: list[str] | None = None,
+                 overlap: bool = True) -> None:
+        self.comm = comm or Communicator(timeout=timeout)
+        if step is None:
+            inference, step = split_training_model(model)
+        else:
+            inference = model
+        self.inference = inference
+        self.step_model = step
+        self.meta = get_meta(step)
+        proto = ir.to_proto(step)
+        threads = intra_op_threads or _default_threads(self.comm)
+        self.executor = Executor(proto, self.comm, providers=providers, intra_op_threads=threads,
+                                 overlap=overlap)
+        graph = proto.graph
+        inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
+        self.values: dict[str, ort.OrtValue] = {}
+        for name, role in self.meta.roles.items():
+            if role != "data":
+                self.values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(inits[name]))
+        self.steps_done = 0
+        self._predict_cache: tuple[int, ort.InferenceSession] | None = None
+        # every rank: same graph (structure and constants), then rank 0's values
+        self.comm.check_same(self._graph_fingerprint(proto), "step graph")
+        self.comm.broadcast_([v.numpy() for v in self.values.values()])
+        logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
+                    self.comm.rank, self.comm.size, self.comm.backend,
+                    sum(1 for i in self.executor.items if hasattr(i, "nodes")),
+                    len(self.executor.comm_nodes))
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def _graph_fingerprint(self, proto: onnx.ModelProto) -> bytes:
+        g = copy.deepcopy(proto.graph)
+        for t in g.initializer:
+            if self.meta.roles.get(t.name, "data") != "data":
+                t.ClearField("raw_data")
+                for f in ("float_data", "int64_data", "int32_data", "double_data"):
+                    t.ClearField(f)
+        return g.SerializeToString(deterministic=True)
+
+    # ------------------------------------------------------------------ data
+    def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """This rank's contiguous slice of every global batch (dict, tuple or array)."""
+        for batch in batches:
+            yield self._slice(batch)
+
+    def _slice(self, batch: Any) -> Any:
+        if isinstance(batch, Mapping):
+            return {k: self._slice(v) for k, v in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(self._slice(v) for v in batch)
+        arr = np.asarray(batch)
+        return np.array_split(arr, self.size)[self.rank]
+
+    def _feeds(self, batch: Mapping[str, Any]) -> tuple[dict[str, ort.OrtValue], int]:
+        if not isinstance(batch, Mapping):
+            raise InputError(f"step() takes a dict of input name -> array; got "
+                             f"{type(batch).__name__}. Inputs: {sorted(self.data_inputs)}")
+        missing = [n for n in self.data_inputs if n not in batch]
+        if missing:
+            raise InputError(f"the batch is missing input(s) {missing}; the model's data inputs "
+                             f"are {sorted(self.data_inputs)}")
+        unknown = [n for n in batch if n not in self.data_inputs]
+        if unknown:
+            raise InputError(f"the batch has unknown input(s) {unknown}; the model's data inputs "
+                             f"are {sorted(self.data_inputs)}")
+        feeds, samples = {}, 0
+        for name, info in self.data_inputs.items():
+            tt = info.type.tensor_type
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+            arr = np.ascontiguousarray(np.asarray(batch[name]), dtype=dtype)
+            if tt.HasField("shape"):
+                dims = tt.shape.dim
+                if arr.ndim != len(dims):
+                    raise InputError(f"input '{name}' has shape {arr.shape}, the model expects "
+                                     f"rank {len(dims)} ({_shape_str(dims)})")
+                for axis, d in enumerate(dims):
+                    if d.HasField("dim_value") and arr.shape[axis] != d.dim_value:
+                        raise InputError(f"input '{name}' has shape {arr.shape}; the model "
+                                         f"expects {_shape_str(dims)} (axis {axis})")
+            samples = samples or (arr.shape[0] if arr.ndim else 1)
+            feeds[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+        return feeds, samples
+
+    # ------------------------------------------------------------------ training
+    def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats:
+        feeds, samples = self._feeds(batch)
+        feeds.update(self.values)
+        times = StepTimes()
+        sent0 = self.comm.bytes_sent
+        t0 = time.perf_counter()
+        outputs = self.executor.run(feeds, times)
+        for name, out in self.meta.binding.items():
+            self.values[name] = outputs[out]
+        self.steps_done += 1
+        loss = float(outputs[self.meta.loss].numpy())
+        return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
+                         samples, self.comm.bytes_sent - sent0)
+
+    def set_lr(self, lr: float) -> None:
+        if "ngdist.lr" not in self.values:
+            raise KeyError("this model has no ngdist.lr hyper-parameter")
+        self.values["ngdist.lr"] = ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32))
+
+    # ------------------------------------------------------------------ access
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable parameters, by their initializer names."""
+        return {n: self.values[n].numpy().copy() for n in self.meta.names("param")}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of everything the step updates or reads (params, buffers, optimizer state)."""
+        return {n: v.numpy().copy() for n, v in self.values.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        unknown = set(state) - set(self.values)
+        if unknown:
+            raise KeyError(f"unknown names in state: {sorted(unknown)}")
+        for n, v in state.items():
+            self.values[n] = ort.OrtValue.ortvalue_from_numpy(np.array(v, dtype=self.values[n].numpy().dtype))
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The training model with the current values: deployable graph + training_info."""
+        values = {n: v.numpy() for n, v in self.values.items()}
+        return assemble_training_model(self.inference, self.step_model, values)
+
+    def inference_model(self) -> onnx.ModelProto:
+        model = copy.deepcopy(self.inference)
+        for t in model.graph.initializer:
+            if t.name in self.values:
+                t.CopyFrom(numpy_helper.from_array(self.values[t.name].numpy(), t.name))
+        return model
+
+    def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Runs the inference graph with the current parameters."""
+        if self._predict_cache is None or self._predict_cache[0] != self.steps_done:
+            sess = ort.InferenceSession(self.inference_model().SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+            self._predict_cache = (self.steps_done, sess)
+        return self._predict_cache[1].run(None, dict(inputs))
+
+    def save(self, path: str | os.PathLike, all_ranks: bool = False) -> None:
+        """Writes the trained model atomically; by default only rank 0 writes (ranks agree)."""
+        if self.rank == 0 or all_ranks:
+            save_proto(self.to_onnx(), path)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def _shape_str(dims) -> str:
+    return "[" + ", ".join(d.dim_param or str(d.dim_value) if (d.dim_param or d.HasField("dim_value"))
+                           else "?" for d in dims) + "]"

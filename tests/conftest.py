@@ -1,0 +1,53 @@
+"""Shared test helpers: run a script on N ranks under the venv's real mpiexec, with a timeout."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mpiexec() -> str:
+    exe = Path(sys.executable).parent / "mpiexec"
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("mpiexec")
+    if not found:
+        pytest.skip("no mpiexec: install the mpich wheel (pip install mpich)")
+    return found
+
+
+def run_ranks(n: int, script: str, tmp_path: Path, *, timeout: float = 120,
+              args: list[str] | None = None, env: dict[str, str] | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Write ``script`` to a file and run it on ``n`` ranks; fail (not hang) after ``timeout``."""
+    path = tmp_path / "rank_script.py"
+    path.write_text(textwrap.dedent(script))
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [mpiexec(), "-n", str(n), sys.executable, str(path), *(args or [])]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=full_env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as exc:
+        subprocess.run(["pkill", "-f", str(path)], check=False)
+        pytest.fail(f"{n} ranks did not finish within {timeout} s (hang):\n"
+                    f"{(exc.stdout or b'')!s}\n{(exc.stderr or b'')!s}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{n} ranks exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
+                    f"stderr:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def ranks(tmp_path):
+    """``ranks(n, script, **kw)`` runs a script under mpiexec in tmp_path."""
+    def run(n: int, script: str, **kw):
+        return run_ranks(n, script, tmp_path, **kw)
+    return run
