@@ -1,0 +1,5 @@
+import sys
+
+from ngdist.cli import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""``ngdist demo``: train an MLP on the bundled digits data, data-parallel over the MPI ranks."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ngdist demo")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--save")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    x_train, y_train, x_test, y_test = load_digits()
+    trainer = ngdist.compile(zoo.mlp((64, 256, 10), seed=0), loss="softmax_cross_entropy",
+                             labels="y", optimizer=ngdist.optim.SGD(lr=args.lr, momentum=0.9),
+                             strategy="allreduce")
+    rank, size = trainer.rank, trainer.size
+    global_batch = args.batch_size * size
+    steps_per_epoch = len(x_train) // global_batch
+    start = time.perf_counter()
+    bar = tqdm(total=args.epochs * steps_per_epoch, disable=rank != 0, unit="step",
+               desc=f"digits MLP on {size} rank(s)")
+    loss = float("nan")
+    for epoch in range(args.epochs):
+        perm = np.random.default_rng(epoch).permutation(len(x_train))  # same on every rank
+        batches = ((x_train[perm[i:i + global_batch]], y_train[perm[i:i + global_batch]])
+                   for i in range(0, steps_per_epoch * global_batch, global_batch))
+        for x, y in trainer.shard(batches):
+            loss = trainer.step({"x": x, "y": y}).loss
+            bar.update(1)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+    bar.close()
+    accuracy = float((trainer.predict({"x": x_test})[0].argmax(1) == y_test).mean())
+    if rank == 0:
+        print(f"ranks: {size}  epochs: {args.epochs}  global batch: {global_batch}  "
+              f"time: {time.perf_counter() - start:.1f} s")
+        print(f"final training loss (rank 0 shard): {loss:.4f}")
+        print(f"test accuracy: {accuracy:.4f} on {len(y_test)} held-out digits")
+    if args.save:
+        trainer.save(args.save)
+        if rank == 0:
+            print(f"saved trained model to {args.save}")
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
