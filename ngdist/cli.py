@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 from ngdist.errors import NgdistError
+from ngdist.launch import mpiexec_cmd
 
 logger = logging.getLogger("ngdist.cli")
 
@@ -19,17 +18,6 @@ EPILOG = """examples:
   ngdist inspect mlp.dist.onnx                  parameters, gradients, comm nodes, buckets
   ngdist run -n 4 -- python train.py            launch 4 ranks with the bundled mpiexec
 """
-
-
-def _mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise NgdistError("no mpiexec found: install the MPI wheel with `pip install mpich` "
-                          "(it puts mpiexec next to this Python)")
-    return found
 
 
 def cmd_rewrite(args: argparse.Namespace) -> int:
@@ -72,11 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not command:
         raise NgdistError("nothing to run: give a command after --, e.g. "
                           "`ngdist run -n 2 -- python train.py`")
-    cmd = [_mpiexec(), "-n", str(args.n)]
-    if args.hostfile:
-        cmd += ["-f", args.hostfile]
-    if args.hosts:
-        cmd += ["-hosts", args.hosts]
+    cmd = mpiexec_cmd(args.n, args.hostfile, args.hosts)
     env = dict(os.environ)
     if args.timeout is not None:
         env["NGDIST_TIMEOUT"] = str(args.timeout)
@@ -86,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.n > 1 and "PMI_RANK" not in os.environ:
-        cmd = [_mpiexec(), "-n", str(args.n), sys.executable, "-m", "ngdist.demo",
+        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.demo",
                "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
                "--lr", str(args.lr)]
         if args.save:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -13,14 +12,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def mpiexec() -> str:
-    exe = Path(sys.executable).parent / "mpiexec"
-    if exe.exists():
-        return str(exe)
-    found = shutil.which("mpiexec")
-    if not found:
-        pytest.skip("no mpiexec: install the mpich wheel (pip install mpich)")
-    return found
+def mpiexec(n: int) -> list[str]:
+    """The same launch command as `ngdist run` (ngdist.launch), so tests see what users see."""
+    from ngdist.errors import NgdistError
+    from ngdist.launch import mpiexec_cmd
+
+    try:
+        return mpiexec_cmd(n)
+    except NgdistError as exc:
+        pytest.skip(str(exc))
 
 
 def run_ranks(n: int, script: str, tmp_path: Path, *, timeout: float = 120,
@@ -31,7 +31,7 @@ def run_ranks(n: int, script: str, tmp_path: Path, *, timeout: float = 120,
     path.write_text(textwrap.dedent(script))
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [mpiexec(), "-n", str(n), sys.executable, str(path), *(args or [])]
+    cmd = [*mpiexec(n), sys.executable, str(path), *(args or [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env=full_env, cwd=tmp_path)

@@ -1,0 +1,166 @@
+"""Bad input ends with a clear error (and a non-zero CLI exit), never a hang (issue 2)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import ngdist
+from ngdist import zoo
+from ngdist.errors import GradientError, InputError, ModelLoadError
+from ngdist.ir.model import save_proto
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "ngdist", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=120)
+
+
+@pytest.fixture
+def mlp_file(tmp_path) -> Path:
+    path = tmp_path / "mlp.onnx"
+    save_proto(zoo.mlp((64, 16, 10)), path)
+    return path
+
+
+def test_truncated_file(tmp_path, mlp_file):
+    data = mlp_file.read_bytes()
+    bad = tmp_path / "truncated.onnx"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated or not ONNX"):
+        ngdist.compile(str(bad))
+    proc = cli("inspect", str(bad), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("ngdist: error: ")
+    assert "truncated" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_not_onnx_and_missing(tmp_path):
+    text = tmp_path / "notes.onnx"
+    text.write_text("this is a text file, not a model\n" * 10)
+    with pytest.raises(ModelLoadError, match="truncated or not ONNX"):
+        ngdist.compile(str(text))
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="the file is empty"):
+        ngdist.compile(str(empty))
+    with pytest.raises(ModelLoadError, match="no such file"):
+        ngdist.compile(str(tmp_path / "absent.onnx"))
+    proc = cli("rewrite", str(text), "-o", str(tmp_path / "out.onnx"), "--optimizer", "sgd:lr=0.1",
+               cwd=tmp_path)
+    assert proc.returncode == 1 and "not ONNX" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_op_without_gradient_rule(tmp_path):
+    # Hardmax has no gradient rule; the error names the op type and the node
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+         helper.make_node("Hardmax", ["h"], ["hm"], name="the_hardmax"),
+         helper.make_node("Mul", ["hm", "h"], ["logits"], name="mul")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3])], [w])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    with pytest.raises(GradientError, match=r"Hardmax \(node 'the_hardmax'\)"):
+        ngdist.compile(model)
+    path = tmp_path / "hardmax.onnx"
+    save_proto(model, path)
+    proc = cli("rewrite", str(path), "-o", str(tmp_path / "o.onnx"), "--optimizer", "sgd", cwd=tmp_path)
+    assert proc.returncode == 1 and "Hardmax (node 'the_hardmax')" in proc.stderr
+
+
+def test_batch_errors():
+    tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1))
+    x = np.zeros((4, 64), np.float32)
+    y = np.zeros(4, np.int64)
+    with pytest.raises(InputError, match=r"the batch is missing input\(s\) \['y'\]; the model's "
+                                         r"data inputs are \['x', 'y'\]"):
+        tr.step({"x": x})
+    with pytest.raises(InputError, match=r"unknown input\(s\) \['z'\]"):
+        tr.step({"x": x, "y": y, "z": y})
+    with pytest.raises(InputError, match=r"input 'x' has shape \(4, 63\); the model expects "
+                                         r"\[batch, 64\] \(axis 1\)"):
+        tr.step({"x": np.zeros((4, 63), np.float32), "y": y})
+    with pytest.raises(InputError, match=r"input 'x' has shape \(64,\), the model expects rank 2"):
+        tr.step({"x": np.zeros(64, np.float32), "y": y})
+    before = tr.parameters()
+    tr.step({"x": x, "y": y})  # after errors, the trainer still works
+    assert tr.steps_done == 1
+    assert not all(np.array_equal(before[k], v) for k, v in tr.parameters().items())
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1))
+    path = tmp_path / "trained.onnx"
+    tr.save(path)
+    original = path.read_bytes()
+    tr.step({"x": np.ones((4, 64), np.float32), "y": np.arange(4)})
+
+    def boom(self, *a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(onnx.ModelProto, "SerializeToString", boom)
+    with pytest.raises(OSError, match="simulated"):
+        tr.save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == original  # the old file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trained.onnx"]  # no temp left over
+    loaded = onnx.load(path)
+    onnx.checker.check_model(loaded)
+    assert loaded.training_info
+
+
+DIFFERENT_MODEL = """
+import ngdist
+from ngdist import zoo
+hidden = 16 if ngdist.rank() == 0 else 17
+ngdist.compile(zoo.mlp((64, hidden, 10)), optimizer=ngdist.optim.SGD(lr=0.1), timeout=20)
+"""
+
+
+@pytest.mark.mpi
+def test_rank_with_different_model(ranks):
+    proc = ranks(2, DIFFERENT_MODEL, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "ranks [1] hold a different step graph than rank 0" in proc.stderr
+    assert "start every rank with the same model" in proc.stderr
+
+
+RANK_DIES = """
+import os, sys, numpy as np, ngdist
+from ngdist import zoo
+tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1), timeout=5)
+x, y = np.ones((4, 64), np.float32), np.arange(4)
+for step in range(50):
+    if step == 3 and tr.rank == 1:
+        if sys.argv[1] == "exit0":
+            os._exit(0)  # vanishes without finalizing MPI, status 0
+        elif sys.argv[1] == "sysexit":
+            sys.exit(0)  # a user's early exit: MPI is finalized on this rank only
+        else:
+            os.kill(os.getpid(), 9)  # killed (e.g. by the OOM killer)
+    tr.step({"x": x, "y": y})
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["exit0", "sysexit", "sigkill"])
+def test_rank_dies_mid_training(ranks, how):
+    proc = ranks(2, RANK_DIES, args=[how], timeout=60, check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    if how == "sigkill":  # the MPI launcher reports the killed rank
+        assert "Killed (signal 9)" in out, out[-2000:]
+    else:  # the survivor's collective times out with an error naming the op
+        assert "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, out[-2000:]
+        assert "did not complete within 5 s on rank 0" in out
