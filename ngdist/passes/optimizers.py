@@ -52,9 +52,12 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
         greg = g if nc == 0 else ctx.op("Add", ctx.op("Mul", ctx.const(nc, like=x), x), g)
         if node.op_type == "Momentum":
             (v,) = (s[i] for s in states)
-            beta = ctx.op("Where", tpos, ctx.const(a["beta"], like=x), ctx.const(1.0, like=x))
-            v_new = ctx.op("Add", ctx.op("Mul", ctx.const(a["alpha"], like=x), v),
-                           ctx.op("Mul", beta, greg))
+            scaled = greg
+            if a["beta"] != 1.0:  # beta is 1 on the first step (T == 0), beta after
+                beta = ctx.op("Where", tpos, ctx.const(a["beta"], like=x), ctx.const(1.0, like=x))
+                scaled = ctx.op("Mul", beta, greg)
+            v_new = scaled if a["alpha"] == 0.0 else \
+                ctx.op("Add", ctx.op("Mul", ctx.const(a["alpha"], like=x), v), scaled)
             step = v_new if a["mode"] == "standard" else \
                 ctx.op("Add", greg, ctx.op("Mul", ctx.const(a["alpha"], like=x), v_new))
             new_x.append(ctx.op("Sub", x, ctx.op("Mul", lr, step)))

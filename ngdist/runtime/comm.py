@@ -17,6 +17,7 @@ from ngdist.errors import CommError, CommTimeoutError
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = float(os.environ.get("NGDIST_TIMEOUT", "300"))
+WAIT_MODE = os.environ.get("NGDIST_WAIT", "watchdog")
 
 
 def _mpi():
@@ -50,29 +51,49 @@ class Communicator:
         self.backend = backend or ("mpi" if size > 1 else "local")
         self.bytes_sent = 0
         self.local_size = 1
+        self._watchdog = _Watchdog()
         if self.world is not None:
             MPI = _mpi()
             self.local_size = self.world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
             install_abort_hook(self.world)
 
     # ------------------------------------------------------------------ waits
+    def timeout_message(self, what: Any, peers: list[int] | None = None) -> str:
+        name = getattr(what, "name", str(what))
+        op = getattr(what, "op_type", "")
+        who = f"peers {peers}" if peers is not None else f"ranks 0..{self.size - 1}"
+        return (f"{('ngdist.' + op + ' ') if op else ''}'{name}' did not complete within "
+                f"{self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
+                "probably died or is running a different program. Check the other ranks' "
+                "output; raise the limit with timeout= or NGDIST_TIMEOUT")
+
     def wait(self, request: Any, what: Any, peers: list[int] | None = None) -> None:
-        """Wait for an MPI request; raise CommTimeoutError naming the op after the timeout."""
+        """Wait for an MPI request, bounded by the timeout.
+
+        Default ("watchdog"): a blocking MPI Wait (MPI's own progress engine, much faster than
+        polling) while a watchdog thread watches the deadline; past it, the watchdog prints the
+        CommTimeoutError message and aborts the MPI job, since a blocked MPI call cannot be
+        interrupted. With NGDIST_WAIT=poll the request is polled instead and CommTimeoutError is
+        raised in this thread (slower for large messages).
+        """
         if request.Test():
             return
+        if WAIT_MODE == "poll":
+            self._poll(request, what, peers)
+            return
+        token = self._watchdog.arm(self, what, peers)
+        try:
+            request.Wait()
+        finally:
+            self._watchdog.disarm(token)
+
+    def _poll(self, request: Any, what: Any, peers: list[int] | None) -> None:
         deadline = time.monotonic() + self.timeout
         spin_until = time.monotonic() + 0.002
         while not request.Test():
             now = time.monotonic()
             if now > deadline:
-                name = getattr(what, "name", str(what))
-                op = getattr(what, "op_type", "")
-                who = f"peers {peers}" if peers is not None else f"ranks 0..{self.size - 1}"
-                raise CommTimeoutError(
-                    f"{('ngdist.' + op + ' ') if op else ''}'{name}' did not complete within "
-                    f"{self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
-                    "probably died or is running a different program. Check the other ranks' "
-                    "output; raise the limit with timeout= or NGDIST_TIMEOUT")
+                raise CommTimeoutError(self.timeout_message(what, peers))
             time.sleep(0 if now < spin_until else 0.0002)
 
     # ------------------------------------------------------------------ start-up checks
@@ -108,6 +129,44 @@ class Communicator:
     def barrier(self) -> None:
         if self.world is not None:
             self.wait(self.world.Ibarrier(), "barrier")
+
+
+class _Watchdog:
+    """One daemon thread that aborts the MPI job when an armed wait passes its deadline."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[float, Communicator, Any, list[int] | None]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, comm: Communicator, what: Any, peers: list[int] | None) -> int:
+        with self._lock:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + comm.timeout, comm, what, peers)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ngdist-watchdog",
+                                                daemon=True)
+                self._thread.start()
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        with self._lock:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:  # pragma: no cover - exercised in multi-rank tests
+        while True:
+            time.sleep(0.05)
+            now = time.monotonic()
+            with self._lock:
+                expired = [v for v in self._armed.values() if v[0] < now]
+            if expired:
+                _, comm, what, peers = expired[0]
+                sys.stderr.write(f"ngdist: error on rank {comm.rank}: CommTimeoutError: "
+                                 f"{comm.timeout_message(what, peers)}\n"
+                                 f"ngdist: rank {comm.rank} aborts the MPI job\n")
+                sys.stderr.flush()
+                comm.world.Abort(1)
 
 
 _hook_lock = threading.Lock()
