@@ -62,6 +62,7 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
             "or register a rule with ngdist.passes.autodiff.register")
 
     ctx = GradContext(graph, anchor, opset)
+    ctx.needed = from_x
     grads: dict[int, list[ir.Value]] = {}
 
     def total(value: ir.Value) -> ir.Value | None:

@@ -62,6 +62,12 @@ class GradContext:
         self.opset = opset
         self._count = 0
         self.current: ir.Node | None = None  # the forward node being differentiated
+        self.needed: set[int] | None = None  # ids of values that want a gradient (None: all)
+
+    def needs(self, value: ir.Value | None) -> bool:
+        """Whether a gradient for ``value`` is wanted (it depends on an x); rules skip the rest."""
+        return value is not None and (self.needed is None or id(value) in self.needed) and \
+            (value.dtype is None or value.dtype.is_floating_point())
 
     # -- emission ---------------------------------------------------------------------------
     def _name(self, op_type: str) -> str:
@@ -121,8 +127,16 @@ class GradContext:
         return self.op("CastLike", zero, value)
 
     def unbroadcast(self, grad: ir.Value, like: ir.Value, grad_rank: int | None = None) -> ir.Value:
-        """Sum ``grad`` down to the shape of ``like`` (the inverse of numpy broadcasting)."""
+        """Sum ``grad`` down to the shape of ``like`` (the inverse of numpy broadcasting).
+
+        A ``grad`` of unknown shape (a value the rule just emitted) is taken to have the shape
+        of the current node's first output, as for every broadcasting elementwise op.
+        """
         gshape, xshape = grad.shape, like.shape
+        if gshape is None and grad_rank is None and self.current is not None and \
+                self.current.outputs:
+            gshape = self.current.outputs[0].shape
+            grad_rank = gshape.rank() if gshape is not None else None
         if gshape is not None and xshape is not None and tuple(gshape.dims) == tuple(xshape.dims):
             return grad
         rg = grad_rank if grad_rank is not None else self.rank(grad)

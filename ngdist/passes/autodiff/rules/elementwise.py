@@ -1,4 +1,5 @@
-"""Elementwise arithmetic with numpy broadcasting: Add, Sub, Mul, Div, Neg, Identity, Cast."""
+"""Elementwise arithmetic with numpy broadcasting: Add, Sub, Mul, Div, Neg, Identity, Cast,
+CastLike (its target-type input gets no gradient), Sum."""
 from __future__ import annotations
 
 from ngdist.passes.autodiff.registry import register
@@ -48,6 +49,11 @@ def identity(ctx, node, gys):
 @register("Cast")
 def cast(ctx, node, gys):
     return [ctx.op("CastLike", gys[0], node.inputs[0])]
+
+
+@register("CastLike")
+def cast_like(ctx, node, gys):
+    return [ctx.op("CastLike", gys[0], node.inputs[0]), None]
 
 
 @register("Sum")

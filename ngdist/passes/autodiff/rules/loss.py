@@ -35,8 +35,10 @@ def softmax_cross_entropy(ctx, node, gys):
         w = keep if w is None else ctx.op("Mul", w, keep)
         labels64 = ctx.op("Where", ctx.op("Equal", labels64, ctx.ints([ignore_index])),
                           ctx.ints([0]), labels64)
-    onehot = ctx.op("OneHot", labels64, depth,
-                    ctx.op("CastLike", ctx.const(np.array([0.0, 1.0], np.float32)), scores), axis=1)
+    # float32 values, then the scores' type: onnxruntime has no float64 OneHot kernel
+    onehot = ctx.op("CastLike", ctx.op("OneHot", labels64, depth,
+                                       ctx.const(np.array([0.0, 1.0], np.float32)), axis=1),
+                    scores)
     diff = ctx.op("Sub", ctx.op("Softmax", scores, axis=1), onehot)
     if reduction == "none":
         scale = g

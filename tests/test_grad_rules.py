@@ -1,0 +1,348 @@
+"""Every gradient rule against central finite differences, from one table.
+
+Each case is a tiny model: the op (or a few ops) -> a scalar loss sum_i ReduceSum(y_i * w_i)
+with fixed random weights w_i. ``ngdist.passes.autodiff.AutodiffPass`` lowers a
+``Gradient`` node of that model; the gradients it emits are compared, in float64, with central
+differences of the untouched forward model. Both models run on onnxruntime; where onnxruntime
+has no float64 kernel (Conv, ConvTranspose, AveragePool, Erf, OneHot...) they run on ONNX's
+reference evaluator instead. The same gradient graph is then run in float32 on onnxruntime,
+the runtime training uses, and must agree with the float64 result.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
+
+from ngdist.errors import GradientError
+from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.ir.model import IR_VERSION
+from ngdist.passes.autodiff import AutodiffPass
+
+H = 1e-6  # central-difference step (float64)
+
+
+class ConvTranspose(_RefConvTranspose):
+    """onnx 1.23's reference ConvTranspose mixes up channels when group > 1: run each group
+    through its (correct) group == 1 path and concatenate the results."""
+
+    def _run(self, X, W, B=None, group=None, **kw):  # type: ignore[override]
+        if not group or group == 1:
+            return super()._run(X, W, B, group=1, **kw)
+        cin, cout = X.shape[1] // group, W.shape[1]
+        parts = [super(ConvTranspose, self)._run(
+            X[:, i * cin:(i + 1) * cin], W[i * cin:(i + 1) * cin],
+            None if B is None else B[i * cout:(i + 1) * cout], group=1, **kw)[0]
+            for i in range(group)]
+        return (np.concatenate(parts, axis=1),)
+
+
+# ----------------------------------------------------------------------------- the table
+
+@dataclass
+class Const:
+    """A float input that is a constant of the model, not differentiated."""
+
+    value: np.ndarray
+
+
+@dataclass
+class Case:
+    id: str
+    nodes: list[onnx.NodeProto]
+    inputs: dict[str, np.ndarray]  # differentiated graph inputs (float64)
+    consts: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)  # weighted into the loss
+    opset: int = 18
+    symbolic: bool = False  # graph inputs declared with symbolic dims only
+    fresh: bool = False  # a new session per evaluation (random ops with a fixed seed)
+
+    def __repr__(self) -> str:
+        return self.id
+
+
+def _rng(key: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(key.encode()))
+
+
+class Gen:
+    """Random inputs of one case, reproducible from the case id."""
+
+    def __init__(self, key: str) -> None:
+        self.rng = _rng(key)
+
+    def n(self, *shape: int) -> np.ndarray:
+        return self.rng.standard_normal(shape)
+
+    def away(self, *shape: int, gap: float = 0.1) -> np.ndarray:
+        """Away from zero (kinks of Relu, Abs...)."""
+        return self.rng.choice([-1.0, 1.0], shape) * self.rng.uniform(gap, 1.5, shape)
+
+    def pos(self, *shape: int) -> np.ndarray:
+        return self.rng.uniform(0.5, 2.0, shape)
+
+    def distinct(self, *shape: int) -> np.ndarray:
+        """All values distinct, at least 0.01 apart (max/min keep their argument under +-H)."""
+        size = int(np.prod(shape))
+        return self.rng.permutation(np.linspace(-2.0, 2.0, size)).reshape(shape)
+
+
+def op_case(cid: str, op: str, inputs: list, n_out: int = 1, used: list[int] | None = None,
+            opset: int = 18, symbolic: bool = False, fresh: bool = False, domain: str = "",
+            **attrs) -> Case:
+    """One node. inputs: float arrays are differentiated, Const/int/bool arrays are constants,
+    None is an absent optional input."""
+    names, diff, consts = [], {}, {}
+    for i, v in enumerate(inputs):
+        if v is None:
+            names.append("")
+            continue
+        name = f"in{i}"
+        names.append(name)
+        if isinstance(v, Const):
+            consts[name] = np.asarray(v.value)
+        elif np.asarray(v).dtype.kind == "f":
+            diff[name] = np.asarray(v, np.float64)
+        else:
+            consts[name] = np.asarray(v)
+    outs = [f"out{i}" for i in range(n_out)]
+    node = helper.make_node(op, names, outs, name="node0", domain=domain, **attrs)
+    return Case(cid, [node], diff, consts, [outs[i] for i in (used or [0])], opset, symbolic,
+                fresh)
+
+
+def graph_case(cid: str, nodes: list[onnx.NodeProto], inputs: dict, consts: dict | None = None,
+               outputs: list[str] | None = None, opset: int = 18) -> Case:
+    return Case(cid, nodes, {k: np.asarray(v, np.float64) for k, v in inputs.items()},
+                dict(consts or {}), outputs or [nodes[-1].output[0]], opset)
+
+
+def mk(op: str, ins: list[str], outs: list[str], **attrs) -> onnx.NodeProto:
+    return helper.make_node(op, ins, outs, name=f"{op.lower()}_{outs[0]}", **attrs)
+
+
+def _cases() -> list[Case]:
+    cases: list[Case] = []
+    add = cases.append
+
+    def c(cid: str, op: str, make, **kw):  # make(gen) -> list of inputs
+        add(op_case(cid, op, make(Gen(cid)), **kw))
+
+    # --- elementwise, with broadcasting -----------------------------------------------------
+    c("Add-same", "Add", lambda g: [g.n(3, 4), g.n(3, 4)])
+    c("Add-bcast-trailing", "Add", lambda g: [g.n(2, 3, 4), g.n(4)])
+    c("Add-bcast-both", "Add", lambda g: [g.n(3, 1), g.n(1, 4)])
+    c("Add-scalar", "Add", lambda g: [g.n(2, 3), g.n()])
+    c("Add-symbolic", "Add", lambda g: [g.n(2, 3, 4), g.n(3, 1)], symbolic=True)
+    c("Add-const", "Add", lambda g: [g.n(2, 3), Const(g.n(3))])
+    c("Sub-bcast", "Sub", lambda g: [g.n(2, 3), g.n(3)])
+    c("Sub-both", "Sub", lambda g: [g.n(3, 1), g.n(1, 3)])
+    c("Mul-bcast", "Mul", lambda g: [g.n(2, 3, 4), g.n(3, 1)])
+    c("Mul-symbolic", "Mul", lambda g: [g.n(2, 1, 4), g.n(3, 1)], symbolic=True)
+    c("Mul-self", "Mul", lambda g: [g.n(2, 3)] * 2)
+    c("Div-bcast", "Div", lambda g: [g.n(2, 3), g.pos(3)])
+    c("Div-both", "Div", lambda g: [g.n(3, 1), g.pos(1, 4)])
+    c("Sum-3", "Sum", lambda g: [g.n(2, 3), g.n(3), g.n(1, 3)])
+    c("Sum-1", "Sum", lambda g: [g.n(2, 3)])
+    c("Neg", "Neg", lambda g: [g.n(2, 3)])
+    c("Identity", "Identity", lambda g: [g.n(2, 3)])
+    c("Cast-double", "Cast", lambda g: [g.n(2, 3)], to=TensorProto.DOUBLE)
+    add(graph_case("Cast-int-path-cut", [
+        mk("Cast", ["x"], ["xi"], to=TensorProto.INT64),
+        mk("Cast", ["xi"], ["xf"], to=TensorProto.DOUBLE),
+        mk("CastLike", ["xf", "x"], ["xl"]),
+        mk("Mul", ["x", "xl"], ["y"])], {"x": Gen("cast").pos(2, 3) * 3 + 0.25}))
+    # --- activations --------------------------------------------------------------------------
+    c("Relu", "Relu", lambda g: [g.away(3, 4)])
+    c("Sigmoid", "Sigmoid", lambda g: [g.n(3, 4)])
+    c("Tanh", "Tanh", lambda g: [g.n(3, 4)])
+    for axis in (-1, 0, 1):
+        c(f"Softmax-axis{axis}", "Softmax", lambda g: [g.n(2, 3, 4)], axis=axis)
+    for axis in (1, -1):
+        c(f"LogSoftmax-axis{axis}", "LogSoftmax", lambda g: [g.n(2, 3, 4)], axis=axis)
+    # --- matrix products ----------------------------------------------------------------------
+    for ta in (0, 1):
+        for tb in (0, 1):
+            c(f"Gemm-t{ta}{tb}", "Gemm", lambda g, ta=ta, tb=tb: [
+                g.n(*((4, 3) if ta else (3, 4))), g.n(*((5, 4) if tb else (4, 5))), g.n(3, 5)],
+              transA=ta, transB=tb, alpha=0.7, beta=1.3)
+    c("Gemm-C-row", "Gemm", lambda g: [g.n(3, 4), g.n(5, 4), g.n(5)], transB=1)
+    c("Gemm-C-col", "Gemm", lambda g: [g.n(3, 4), g.n(4, 5), g.n(3, 1)])
+    c("Gemm-C-scalar", "Gemm", lambda g: [g.n(3, 4), g.n(4, 5), g.n(1)], beta=0.5)
+    c("Gemm-noC", "Gemm", lambda g: [g.n(3, 4), g.n(4, 5)])
+    for cid, sa, sb in [("2d", (3, 4), (4, 5)), ("batched-left", (2, 3, 4), (4, 5)),
+                        ("batched-right", (3, 4), (2, 4, 5)), ("batched-both", (2, 3, 4), (2, 4, 5)),
+                        ("bcast-batch", (2, 1, 3, 4), (5, 4, 2)), ("vec-mat", (4,), (2, 4, 5)),
+                        ("mat-vec", (2, 3, 4), (4,)), ("vec-vec", (4,), (4,))]:
+        c(f"MatMul-{cid}", "MatMul", lambda g, sa=sa, sb=sb: [g.n(*sa), g.n(*sb)])
+    c("MatMul-symbolic", "MatMul", lambda g: [g.n(2, 3, 4), g.n(4, 5)], symbolic=True)
+    # --- shape ops ----------------------------------------------------------------------------
+    c("Reshape", "Reshape", lambda g: [g.n(2, 3, 4), np.array([4, -1])])
+    c("Flatten-1", "Flatten", lambda g: [g.n(2, 3, 4)], axis=1)
+    c("Flatten-2", "Flatten", lambda g: [g.n(2, 3, 4)], axis=2)
+    c("Transpose-perm", "Transpose", lambda g: [g.n(2, 3, 4)], perm=[1, 2, 0])
+    c("Transpose-default", "Transpose", lambda g: [g.n(2, 3, 4)])
+    # --- losses ------------------------------------------------------------------------------
+    labels = np.array([0, 2, 1, 2, 0])
+    for red in ("mean", "sum", "none"):
+        c(f"SCE-{red}", "SoftmaxCrossEntropyLoss", lambda g: [g.n(5, 3), labels], reduction=red)
+    c("SCE-weights", "SoftmaxCrossEntropyLoss", lambda g: [g.n(5, 3), labels, Const(g.pos(3))])
+    c("SCE-ignore", "SoftmaxCrossEntropyLoss", lambda g: [g.n(5, 3), labels], ignore_index=2)
+    c("SCE-weights-ignore-none", "SoftmaxCrossEntropyLoss",
+      lambda g: [g.n(5, 3), labels, Const(g.pos(3))], ignore_index=0, reduction="none")
+    c("SCE-spatial", "SoftmaxCrossEntropyLoss",
+      lambda g: [g.n(2, 3, 4), np.array([[0, 1, 2, 1], [2, 2, 0, 1]])])
+    # --- reductions ---------------------------------------------------------------------------
+    for op in ("ReduceSum", "ReduceMean"):
+        c(f"{op}-axis1-keep", op, lambda g: [g.n(2, 3, 4), np.array([1])])
+        c(f"{op}-neg-drop", op, lambda g: [g.n(2, 3, 4), np.array([-1, 0])], keepdims=0)
+        c(f"{op}-all", op, lambda g: [g.n(2, 3, 4)], keepdims=0)
+        c(f"{op}-noop", op, lambda g: [g.n(2, 3), np.array([], np.int64)],
+          noop_with_empty_axes=1)
+    return cases
+
+
+CASES = _cases()
+
+
+# ----------------------------------------------------------------------------- the harness
+
+def _elem(dtype) -> int:
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _cast(arr: np.ndarray, dtype) -> np.ndarray:
+    return arr.astype(dtype) if arr.dtype.kind == "f" else arr
+
+
+def _model(case: Case, dtype, outputs: list[str], extra_nodes=(), weights=None,
+           extra_outputs=()) -> onnx.ModelProto:
+    inputs = []
+    for name, arr in case.inputs.items():
+        dims = [f"{name}_d{i}" for i in range(arr.ndim)] if case.symbolic else list(arr.shape)
+        inputs.append(helper.make_tensor_value_info(name, _elem(dtype), dims))
+    inits = [numpy_helper.from_array(_cast(v, dtype), k) for k, v in case.consts.items()]
+    inits += [numpy_helper.from_array(_cast(v, dtype), k) for k, v in (weights or {}).items()]
+    outs = [onnx.ValueInfoProto(name=o) for o in [*outputs, *extra_outputs]]
+    graph = helper.make_graph([*case.nodes, *extra_nodes], case.id, inputs, outs, inits)
+    opsets = [helper.make_opsetid("", case.opset), helper.make_opsetid(PREVIEW_TRAINING, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION)
+
+
+def _loss_nodes(case: Case) -> tuple[list[onnx.NodeProto], list[str]]:
+    nodes, parts = [], []
+    for i, out in enumerate(case.outputs):
+        nodes += [mk("CastLike", [f"w{i}", out], [f"wc{i}"]),
+                  mk("Mul", [out, f"wc{i}"], [f"wy{i}"]),
+                  mk("ReduceSum", [f"wy{i}"], [f"part{i}"], keepdims=0)]
+        parts.append(f"part{i}")
+    nodes.append(mk("Sum", parts, ["loss"]))
+    return nodes, parts
+
+
+class Runner:
+    """onnxruntime when it can run the model, else ONNX's reference evaluator."""
+
+    def __init__(self, model: onnx.ModelProto, fresh: bool = False, ort_only: bool = False):
+        self.model, self.fresh = model, fresh
+        self.bytes = model.SerializeToString()
+        try:
+            self.sess = self._ort()
+        except Exception as exc:  # onnxruntime lacks a kernel (float64 Conv, Erf, ...)
+            if ort_only or "NOT_IMPLEMENTED" not in str(exc):
+                raise
+            self.sess = None
+            self.ref = ReferenceEvaluator(model, new_ops=[ConvTranspose])
+
+    def _ort(self) -> ort.InferenceSession:
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        return ort.InferenceSession(self.bytes, opts, providers=["CPUExecutionProvider"])
+
+    @property
+    def backend(self) -> str:
+        return "onnxruntime" if self.sess is not None else "reference"
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.sess is None:
+            return [np.asarray(v) for v in self.ref.run(None, feeds)]
+        sess = self._ort() if self.fresh else self.sess
+        return sess.run(None, feeds)
+
+
+def weights_for(case: Case) -> dict[str, np.ndarray]:
+    probe = Runner(_model(case, np.float64, case.outputs), case.fresh)
+    outs = probe(dict(case.inputs))
+    rng = _rng("weights/" + case.id)
+    return {f"w{i}": rng.standard_normal(np.shape(o)) for i, o in enumerate(outs)}
+
+
+def grad_model(case: Case, dtype, weights) -> onnx.ModelProto:
+    """The forward model + loss + a Gradient node, lowered by AutodiffPass."""
+    loss_nodes, _ = _loss_nodes(case)
+    xs = list(case.inputs)
+    grad = helper.make_node("Gradient", xs, [f"{x}.grad" for x in xs], name="gradient",
+                            domain=PREVIEW_TRAINING, xs=xs, y="loss")
+    proto = _model(case, dtype, ["loss", *[f"{x}.grad" for x in xs]],
+                   [*loss_nodes, grad], weights)
+    proto = onnx.shape_inference.infer_shapes(proto)
+    model = ir.from_proto(proto)
+    AutodiffPass()(model)
+    assert not [n for n in model.graph if n.domain == PREVIEW_TRAINING]
+    return ir.to_proto(model)
+
+
+def forward_model(case: Case, weights) -> onnx.ModelProto:
+    loss_nodes, _ = _loss_nodes(case)
+    return _model(case, np.float64, ["loss"], loss_nodes, weights)
+
+
+def central_differences(run: Runner, feeds: dict[str, np.ndarray], name: str) -> np.ndarray:
+    x = feeds[name]
+    out = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        vals = []
+        for sign in (1.0, -1.0):
+            moved = x.copy()
+            moved[idx] += sign * H
+            vals.append(float(run({**feeds, name: moved})[0]))
+        out[idx] = (vals[0] - vals[1]) / (2 * H)
+    return out
+
+
+def check_case(case: Case) -> dict[str, np.ndarray]:
+    weights = weights_for(case)
+    feeds = dict(case.inputs)
+    run64 = Runner(grad_model(case, np.float64, weights), case.fresh)
+    got = run64(feeds)
+    fwd = Runner(forward_model(case, weights), case.fresh)
+    np.testing.assert_allclose(got[0], fwd(feeds)[0], rtol=1e-7, atol=1e-9,
+                               err_msg="the gradient model changed the loss")
+    grads = dict(zip(case.inputs, got[1:]))
+    for name in case.inputs:
+        expected = central_differences(fwd, feeds, name)
+        scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+        np.testing.assert_allclose(
+            grads[name], expected, rtol=1e-5, atol=1e-6 * scale,
+            err_msg=f"{case.id}: d loss / d {name} vs central differences ({fwd.backend})")
+    # the same gradient graph in float32 on onnxruntime, the runtime that trains
+    run32 = Runner(grad_model(case, np.float32, weights), case.fresh, ort_only=True)
+    got32 = run32({k: v.astype(np.float32) for k, v in feeds.items()})
+    for name, g32 in zip(case.inputs, got32[1:]):
+        scale = max(1.0, float(np.abs(grads[name]).max(initial=0.0)))
+        np.testing.assert_allclose(g32, grads[name], rtol=2e-4, atol=2e-4 * scale,
+                                   err_msg=f"{case.id}: float32 gradient of {name}")
+    return grads
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rule_matches_central_differences(case: Case) -> None:
+    check_case(case)
