@@ -1,0 +1,369 @@
+"""Keras / TensorFlow frontend: Keras model -> standard ONNX training model -> ngdist trainer.
+
+Export goes through ``tf2onnx.convert.from_function`` (``from_keras`` fails on Keras 3) on
+``model(x, training=False)`` at opset <= 18. tf2onnx freezes variables into constants and
+renames, transposes (Conv kernels HWIO -> OIHW), fuses (BiasAdd into Conv) or drops them (an
+all-zero bias is optimised away). To find every variable again, the frontend gives each float
+variable unique random values for the duration of the export, then looks for each initializer
+among the variables up to a transpose and/or reshape, puts the true values back (in ONNX
+layout) and names the initializer after the variable's path (``sequential/dense/kernel``).
+``trainer.to_keras(model)`` applies the inverse transforms and assigns the trained values.
+
+Supported: layers whose training-mode and inference-mode computations coincide (Dense,
+Conv, pooling, activations, Flatten/Reshape, Embedding, LayerNormalization, ...). Dropout
+exports as a no-op (a warning says so). A *trainable* BatchNormalization is refused: tf2onnx
+folds gamma, beta and the moving statistics into new constants, so gamma and beta have no
+counterpart left in the graph (a frozen one, ``trainable=False``, is fine).
+
+Losses: ``SparseCategoricalCrossentropy`` (``from_logits=True``, or ``False`` on a model whose
+output is a Softmax: the Softmax's input becomes the logits for training, the inference graph
+keeps the probabilities) and ``MeanSquaredError``. Optimizers: ``keras.optimizers.SGD``
+(momentum, Nesterov) and ``Adam`` map exactly onto ONNX Momentum and Adam (Keras' Adam, like
+ONNX's, adds epsilon after the bias correction is folded into the learning rate). Keras'
+decoupled ``weight_decay``, gradient clipping, EMA, AMSGrad and learning-rate schedules have
+no counterpart and are refused.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ngdist import optim
+from ngdist.errors import GraphError
+
+if TYPE_CHECKING:
+    from ngdist.runtime.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+OPSET = 18
+_UNSET: Any = object()
+
+
+def _tf() -> tuple[Any, Any, Any]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        import keras
+        import tensorflow as tf
+        import tf2onnx
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the Keras frontend needs tensorflow and tf2onnx: "
+                          "pip install 'ngdist[tensorflow]'") from exc
+    return tf, keras, tf2onnx
+
+
+def is_module(obj: Any) -> bool:
+    """True for a Keras model or layer, without importing TensorFlow."""
+    return any(c.__name__ in ("Layer", "Model") and c.__module__.split(".")[0] in ("keras",
+                                                                                   "tf_keras")
+               for c in type(obj).__mro__)
+
+
+@dataclass
+class VariableLink:
+    """How an ONNX initializer holds a Keras variable: onnx = reshape(transpose(var, perm))."""
+
+    path: str
+    perm: tuple[int, ...]
+    shape: tuple[int, ...]
+    trainable: bool
+
+    def to_onnx(self, value: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.transpose(value, self.perm)).reshape(self.shape)
+
+    def to_keras(self, value: np.ndarray, var_shape: tuple[int, ...]) -> np.ndarray:
+        transposed = tuple(var_shape[p] for p in self.perm)
+        return np.transpose(value.reshape(transposed), np.argsort(self.perm))
+
+
+@dataclass
+class KerasExport:
+    model: onnx.ModelProto
+    input_names: list[str]
+    output_names: list[str]
+    links: dict[str, VariableLink] = field(default_factory=dict)  # onnx name -> variable
+
+
+# --------------------------------------------------------------------------- export
+
+def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -> list[Any]:
+    tf, _, _ = _tf()
+    if example_inputs is not None:
+        items = example_inputs if isinstance(example_inputs, (tuple, list)) else [example_inputs]
+        shapes = [(None, *np.shape(x)[1:]) for x in items]
+        dtypes = [tf.as_dtype(np.asarray(x).dtype) for x in items]
+    else:
+        try:
+            inputs = model.inputs
+        except (AttributeError, ValueError):
+            inputs = None
+        if not inputs:
+            raise ValueError("the Keras model has no defined inputs; pass example_inputs "
+                             "(one example batch)")
+        shapes = [(None, *tuple(x.shape)[1:]) for x in inputs]
+        dtypes = [tf.as_dtype(x.dtype) for x in inputs]
+    if names is None:
+        names = ["x"] if len(shapes) == 1 else [f"x{i}" for i in range(len(shapes))]
+    if len(names) != len(shapes):
+        raise ValueError(f"{len(names)} input names for {len(shapes)} model inputs")
+    return [tf.TensorSpec(s, d, name=n) for s, d, n in zip(shapes, dtypes, names)]
+
+
+def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+        for i, name in enumerate(node.output):
+            if name == old:
+                node.output[i] = new
+    for vi in [*graph.input, *graph.output, *graph.value_info]:
+        if vi.name == old:
+            vi.name = new
+    for t in graph.initializer:
+        if t.name == old:
+            t.name = new
+
+
+def _match(arr: np.ndarray, marked: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
+    hits = []
+    for path, v in marked.items():
+        if v.size != arr.size or v.dtype != arr.dtype:
+            continue
+        for perm in itertools.permutations(range(v.ndim)):
+            if np.array_equal(np.transpose(v, perm).reshape(arr.shape), arr):
+                hits.append((path, perm))
+                break
+    return hits
+
+
+def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str] | None = None,
+           opset: int = OPSET) -> KerasExport:
+    """Converts ``model(x, training=False)`` and links every initializer to its variable."""
+    tf, keras, tf2onnx = _tf()
+    if opset > OPSET:
+        raise ValueError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
+    trainable_bn = [layer.name for layer in _layers(model)
+                    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
+    if trainable_bn:
+        raise GraphError(f"trainable Keras BatchNormalization layers {trainable_bn} cannot be "
+                         "trained through tf2onnx (it folds gamma, beta and the moving "
+                         "statistics into new constants); set layer.trainable = False, remove "
+                         "them, or use the PyTorch frontend")
+    if any(isinstance(layer, keras.layers.Dropout) for layer in _layers(model)):
+        logger.warning("Keras Dropout layers export as no-ops: ngdist trains this model "
+                       "without dropout")
+    specs = _input_specs(model, example_inputs, input_names)
+    variables = [v for v in model.variables if np.dtype(v.dtype).kind == "f"]
+    original = [v.numpy() for v in variables]
+    rng = np.random.default_rng(20240607)
+    marked = {}
+    try:
+        for v in variables:  # unique values: nothing is folded away as 0/1, matches are unique
+            val = (rng.standard_normal(v.shape) + 3.0).astype(original[0].dtype)
+            v.assign(val)
+            marked[v.path] = val
+        fn = tf.function(lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False))
+        proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
+    finally:
+        for v, val in zip(variables, original):
+            v.assign(val)
+    by_path = {v.path: (v, val) for v, val in zip(variables, original)}
+    exp = KerasExport(proto, [s.name for s in specs], [])
+    for t in proto.graph.initializer:
+        arr = numpy_helper.to_array(t)
+        if arr.dtype.kind != "f":
+            continue
+        hits = _match(arr, marked)
+        if len(hits) > 1:
+            raise GraphError(f"initializer {t.name!r} matches several variables "
+                             f"{[h[0] for h in hits]}")
+        if hits:
+            path, perm = hits[0]
+            var, value = by_path[path]
+            exp.links[t.name] = VariableLink(path, perm, tuple(arr.shape), bool(var.trainable))
+            t.CopyFrom(numpy_helper.from_array(exp.links[t.name].to_onnx(value), t.name))
+    _check_links(model, exp, marked)
+    for old in list(exp.links):
+        new = exp.links[old].path
+        _rename_value(proto.graph, old, new)
+        exp.links[new] = exp.links.pop(old)
+    outs = [o.name for o in proto.graph.output]
+    exp.output_names = ["output"] if len(outs) == 1 else [f"output{i}" for i in range(len(outs))]
+    for old, new in zip(outs, exp.output_names):
+        _rename_value(proto.graph, old, new)
+    logger.info("exported Keras model %s: %d nodes, %d linked variables", model.name,
+                len(proto.graph.node), len(exp.links))
+    return exp
+
+
+def _layers(model: Any) -> list[Any]:
+    out, stack = [], [model]
+    while stack:
+        layer = stack.pop()
+        out.append(layer)
+        stack.extend(getattr(layer, "layers", []) or [])
+    return out
+
+
+def _check_links(model: Any, exp: KerasExport, marked: dict[str, np.ndarray]) -> None:
+    counts: dict[str, int] = {}
+    for link in exp.links.values():
+        counts[link.path] = counts.get(link.path, 0) + 1
+    twice = [p for p, c in counts.items() if c > 1 and
+             any(lk.trainable for lk in exp.links.values() if lk.path == p)]
+    if twice:
+        raise GraphError(f"tf2onnx emitted several copies of the trainable variables {twice}; "
+                         "ngdist cannot keep the copies equal while training")
+    missing = [v.path for v in model.trainable_variables
+               if np.dtype(v.dtype).kind == "f" and v.path not in counts]
+    if missing:
+        raise GraphError(f"trainable variables {missing} have no counterpart in the exported "
+                         "ONNX graph (tf2onnx folded them into other constants, or the model "
+                         "does not use them); freeze them (trainable=False) to train the rest")
+
+
+# --------------------------------------------------------------------------- translation
+
+def _softmax_logits(proto: onnx.ModelProto, output: str) -> str | None:
+    producer = next((n for n in proto.graph.node if output in n.output), None)
+    if producer is None or producer.op_type != "Softmax":
+        return None
+    return producer.input[0]
+
+
+def translate_loss(loss: Any, proto: onnx.ModelProto, output: str) -> tuple[str | None, str]:
+    """(ngdist loss name, the value it applies to): Keras loss object or name."""
+    _, keras, _ = _tf()
+    if loss is None:
+        return None, output
+    config: dict[str, Any] = {}
+    if isinstance(loss, keras.losses.Loss):
+        config = loss.get_config()
+        name = type(loss).__name__
+    elif isinstance(loss, str):
+        name = loss
+    else:
+        raise GraphError(f"loss {loss!r} has no ngdist counterpart")
+    if name in ("SparseCategoricalCrossentropy", "sparse_categorical_crossentropy"):
+        if config.get("ignore_class") is not None:
+            raise GraphError("SparseCategoricalCrossentropy(ignore_class=...) is not supported")
+        if config.get("from_logits", False):
+            return "softmax_cross_entropy", output
+        logits = _softmax_logits(proto, output)
+        if logits is None:
+            raise GraphError("SparseCategoricalCrossentropy(from_logits=False) needs a model "
+                             "whose output is a Softmax; make the model output logits and use "
+                             "from_logits=True")
+        return "softmax_cross_entropy", logits
+    if name in ("MeanSquaredError", "mean_squared_error", "mse"):
+        return "mse", output
+    if name in ("softmax_cross_entropy", "cross_entropy"):
+        return name, output
+    raise GraphError(f"loss {name} has no ngdist counterpart; use "
+                     "SparseCategoricalCrossentropy, MeanSquaredError or None")
+
+
+def translate_optimizer(opt: Any) -> optim.Optimizer:
+    """``keras.optimizers.SGD`` / ``Adam`` -> the ngdist optimizer with the same update."""
+    _, keras, _ = _tf()
+    name = type(opt).__name__
+    cfg = opt.get_config()
+    lr = cfg.get("learning_rate")
+    if not isinstance(lr, (int, float)):
+        raise GraphError(f"{name}: learning-rate schedules are not supported; use a constant "
+                         "learning rate and trainer.set_lr()")
+    unsupported = [k for k in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm")
+                   if cfg.get(k)] + (["use_ema"] if cfg.get("use_ema") else [])
+    if unsupported:
+        raise GraphError(f"{name}: {unsupported} have no ONNX counterpart (Keras' weight decay "
+                         "is decoupled); leave them unset")
+    if isinstance(opt, keras.optimizers.SGD):
+        return optim.SGD(lr=float(lr), momentum=float(cfg.get("momentum", 0.0)),
+                         nesterov=bool(cfg.get("nesterov", False)))
+    if isinstance(opt, keras.optimizers.Adam):
+        if cfg.get("amsgrad"):
+            raise GraphError("Adam(amsgrad=True) is not supported")
+        return optim.Adam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
+                          eps=float(cfg["epsilon"]))
+    raise GraphError(f"optimizer {name} has no ngdist counterpart; use keras.optimizers.SGD, "
+                     "keras.optimizers.Adam or an ngdist.optim optimizer")
+
+
+# --------------------------------------------------------------------------- training model
+
+def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET,
+                   labels: str = "y", optimizer: Any = _UNSET,
+                   input_names: Sequence[str] | None = None,
+                   frozen: Sequence[str] | None = None) -> tuple[onnx.ModelProto, KerasExport]:
+    """The standard ONNX training model of a Keras model (its compiled loss/optimizer if unset)."""
+    from ngdist.frontends.onnx import build_training_model
+
+    if loss is _UNSET:
+        loss = getattr(model, "loss", None) or "sparse_categorical_crossentropy"
+    if optimizer is _UNSET:
+        optimizer = getattr(model, "optimizer", None) or optim.SGD(lr=0.01)
+    exp = export(model, example_inputs, input_names=input_names)
+    proto = exp.model
+    kind, target = translate_loss(loss, proto, exp.output_names[0])
+    if isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad)):
+        opt = optim.from_spec(optimizer)
+    else:
+        opt = translate_optimizer(optimizer)
+    frozen_set = set(frozen or [])
+    params = [n for n, lk in exp.links.items() if lk.trainable and n not in frozen_set]
+    extra = target != exp.output_names[0]
+    if extra:  # train on the Softmax's input; the deployed graph keeps the probabilities
+        proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(target))
+    result = build_training_model(proto, loss=kind, labels=labels, optimizer=opt,
+                                  params=params, output=target)
+    if extra:
+        for graph in (proto.graph, result.graph):
+            keep = [o for o in graph.output if o.name != target]
+            del graph.output[:]
+            graph.output.extend(keep)
+    return result, exp
+
+
+# --------------------------------------------------------------------------- write-back
+
+def to_keras(trainer: Trainer, model: Any, exp: KerasExport) -> Any:
+    """Assigns the trainer's values to the Keras variables they came from."""
+    values = trainer.state_dict()
+    variables = {v.path: v for v in model.variables}
+    for name, link in exp.links.items():
+        if name in values and link.path in variables:
+            var = variables[link.path]
+            var.assign(link.to_keras(values[name], tuple(var.shape)).astype(var.dtype))
+    return model
+
+
+def compile(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET,  # noqa: A001
+            labels: str = "y", optimizer: Any = _UNSET,
+            input_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None,
+            **trainer_options: Any) -> Trainer:
+    """Export a Keras model, build its training model and return a trainer.
+
+    The trainer gains ``to_keras(model=None)``, which writes the trained weights back.
+    """
+    from ngdist import api
+
+    proto, exp = training_model(model, example_inputs, loss=loss, labels=labels,
+                                optimizer=optimizer, input_names=input_names, frozen=frozen)
+    trainer = api.compile(proto, **trainer_options)
+
+    def _write_back(self: Trainer, target: Any = None) -> Any:
+        return to_keras(self, model if target is None else target, exp)
+
+    trainer.to_keras = types.MethodType(_write_back, trainer)  # type: ignore[attr-defined]
+    trainer.keras_export = exp  # type: ignore[attr-defined]
+    return trainer

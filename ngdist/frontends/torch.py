@@ -1,0 +1,450 @@
+"""PyTorch frontend: ``torch.nn.Module`` -> standard ONNX training model -> ngdist trainer.
+
+Export path (measured with torch 2.13): the dynamo exporter drops a training-mode
+BatchNormalization altogether, so the module is exported twice with the TorchScript exporter
+(``dynamo=False``, ``do_constant_folding=False``, opset 18, a symbolic batch axis):
+
+* in ``TrainingMode.TRAINING`` for the training step: ``BatchNormalization(training_mode=1)``
+  (batch statistics; its running-mean/-variance outputs become the new buffer values) and
+  ``Dropout`` with ``training_mode=True`` (a fresh mask every step);
+* in ``TrainingMode.EVAL`` for ``model.graph``, the deployable inference graph (running
+  statistics, no dropout), exactly what ``module.eval()`` computes.
+
+Both exports name their initializers after ``module.state_dict()``, which is how trained values
+are written back (``trainer.to_torch(module)``). Exporting runs the module's forward, which
+updates BatchNorm buffers in training mode: the frontend restores every buffer afterwards.
+
+Semantic adjustments: ONNX's BatchNormalization updates the running variance with the
+*biased* batch variance, PyTorch with the unbiased one; the frontend rescales the
+running-variance output by n / (n - 1) so that running statistics match PyTorch's.
+``BatchNorm(momentum=None)`` (cumulative average) has no ONNX counterpart and is refused.
+
+Optimizers: ``torch.optim.SGD`` (momentum, dampening 0, Nesterov, weight decay) maps exactly
+onto ONNX Momentum. ``torch.optim.Adam`` maps onto ONNX Adam, which adds epsilon to sqrt(v)
+*before* the bias correction: torch's update equals ONNX's with epsilon scaled by
+sqrt(1 - beta2^t), a difference below 1e-8 relative for the default eps = 1e-8 unless a
+gradient's running RMS is itself near 1e-8. AdamW, AMSGrad, ``maximize`` and per-group
+hyper-parameters are refused with a clear error.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import logging
+import types
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ngdist import optim
+from ngdist.errors import GraphError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ngdist.runtime.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+OPSET = 18
+_UNSET: Any = object()
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("the PyTorch frontend needs torch and onnxscript: "
+                          "pip install 'ngdist[torch]'") from exc
+    return torch
+
+
+def is_module(obj: Any) -> bool:
+    """True for a ``torch.nn.Module`` instance, without importing torch."""
+    return any(c.__name__ == "Module" and c.__module__.startswith("torch.nn")
+               for c in type(obj).__mro__)
+
+
+@dataclass
+class TorchExport:
+    """Both exports of one module and how ONNX names map to the module's state_dict."""
+
+    train: onnx.ModelProto
+    eval: onnx.ModelProto
+    input_names: list[str]
+    output_names: list[str]
+    params: dict[str, str] = field(default_factory=dict)   # onnx name -> parameter name
+    buffers: dict[str, str] = field(default_factory=dict)  # onnx name -> buffer name
+
+
+# --------------------------------------------------------------------------- export
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    torch = _torch()
+    items = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    out = []
+    for x in items:
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs must be tensors or numpy arrays; got "
+                            f"{type(x).__name__}")
+        out.append(x)
+    if not out:
+        raise ValueError("example_inputs is empty: pass one example batch for the module's "
+                         "forward (e.g. torch.zeros(2, 1, 8, 8))")
+    return tuple(out)
+
+
+def _default_input_names(module: Any, n: int) -> list[str]:
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:n]]
+    if len(names) < n or len(set(names)) < n:
+        names = [f"input{i}" for i in range(n)]
+    return names
+
+
+def _export_once(module: Any, args: tuple[Any, ...], mode: Any, input_names: list[str],
+                 output_names: list[str], opset: int) -> onnx.ModelProto:
+    torch = _torch()
+    dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(module, args, buf, dynamo=False, training=mode,
+                          do_constant_folding=False, opset_version=opset,
+                          input_names=input_names, output_names=output_names,
+                          dynamic_axes=dynamic, keep_initializers_as_inputs=False)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> None:
+    """Give every initializer that holds a state_dict tensor under another name that name.
+
+    With constant folding off the exporter keeps state_dict names; an exporter that renames
+    (``onnx::MatMul_12``) is matched by exact value and shape, refusing ambiguous matches.
+    """
+    g = model.graph
+    taken = {t.name for t in g.initializer if t.name in state}
+    renames: dict[str, str] = {}
+    for t in g.initializer:
+        if t.name in state:
+            continue
+        arr = numpy_helper.to_array(t)
+        if arr.dtype.kind != "f":
+            continue
+        hits = [k for k, v in state.items() if k not in taken and v.shape == arr.shape
+                and v.dtype == arr.dtype and np.array_equal(v, arr)]
+        if len(hits) == 1:
+            renames[t.name] = hits[0]
+            taken.add(hits[0])
+        elif len(hits) > 1:
+            raise GraphError(f"the exported initializer {t.name!r} equals several state_dict "
+                             f"entries {hits}; cannot tell which one it is")
+    if not renames:
+        return
+    for t in g.initializer:
+        t.name = renames.get(t.name, t.name)
+    for node in g.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+
+
+def _check_batchnorm(module: Any) -> None:
+    torch = _torch()
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+            if sub.momentum is None and sub.track_running_stats:
+                raise GraphError(f"BatchNorm '{name}' has momentum=None (cumulative moving "
+                                 "average), which ONNX BatchNormalization cannot express; "
+                                 "give it a momentum (e.g. 0.1)")
+
+
+def _unbiased_running_var(model: onnx.ModelProto) -> int:
+    """Rescale the running-variance update of training-mode BatchNormalization to torch's.
+
+    ONNX: rv' = m * rv + (1 - m) * var_biased. torch: rv' = m * rv + (1 - m) * var_biased
+    * n / (n - 1), n = elements per channel. Rewritten as m * rv + (rv'_onnx - m * rv) * n /
+    (n - 1) on the node's own outputs, so the correction lives beside the node in the graph.
+    """
+    g = model.graph
+    new_nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in g.node:
+        new_nodes.append(node)
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if node.op_type != "BatchNormalization" or not training or len(node.output) < 3 \
+                or not node.output[2]:
+            continue
+        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
+        x, rv, out = node.input[0], node.input[4], node.output[2]
+        p = f"{node.name or out}/torch_unbiased"
+        biased = f"{p}/biased"
+        node.output[2] = biased
+        m = numpy_helper.from_array(np.array(momentum, np.float32), f"{p}/momentum")
+        one = numpy_helper.from_array(np.array(1.0, np.float32), f"{p}/one")
+        idx = numpy_helper.from_array(np.array(1, np.int64), f"{p}/channel_axis")
+        g.initializer.extend([m, one, idx])
+        new_nodes += [
+            helper.make_node("Size", [x], [f"{p}/size"], name=f"{p}/Size"),
+            helper.make_node("Shape", [x], [f"{p}/shape"], name=f"{p}/Shape"),
+            helper.make_node("Gather", [f"{p}/shape", idx.name], [f"{p}/channels"],
+                             name=f"{p}/Gather", axis=0),
+            helper.make_node("Cast", [f"{p}/size"], [f"{p}/size_f"], name=f"{p}/CastSize",
+                             to=onnx.TensorProto.FLOAT),
+            helper.make_node("Cast", [f"{p}/channels"], [f"{p}/channels_f"],
+                             name=f"{p}/CastChannels", to=onnx.TensorProto.FLOAT),
+            helper.make_node("Div", [f"{p}/size_f", f"{p}/channels_f"], [f"{p}/n"],
+                             name=f"{p}/PerChannel"),
+            helper.make_node("Sub", [f"{p}/n", one.name], [f"{p}/n_minus_1"], name=f"{p}/Nm1"),
+            helper.make_node("Div", [f"{p}/n", f"{p}/n_minus_1"], [f"{p}/bessel"],
+                             name=f"{p}/Bessel"),
+            helper.make_node("Mul", [m.name, rv], [f"{p}/kept"], name=f"{p}/Kept"),
+            helper.make_node("Sub", [biased, f"{p}/kept"], [f"{p}/fresh"], name=f"{p}/Fresh"),
+            helper.make_node("Mul", [f"{p}/fresh", f"{p}/bessel"], [f"{p}/fresh_unbiased"],
+                             name=f"{p}/Unbias"),
+            helper.make_node("Add", [f"{p}/kept", f"{p}/fresh_unbiased"], [out],
+                             name=f"{p}/RunningVar"),
+        ]
+        count += 1
+    del g.node[:]
+    g.node.extend(new_nodes)
+    return count
+
+
+def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
+           output_names: Sequence[str] | None = None, opset: int = OPSET) -> TorchExport:
+    """Exports ``module`` in training and eval mode; its parameters and buffers are untouched."""
+    torch = _torch()
+    if not is_module(module):
+        raise TypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
+    if opset < 15:
+        raise ValueError("opset must be >= 15 (training-mode BatchNormalization)")
+    _check_batchnorm(module)
+    args = _as_tuple(example_inputs)
+    in_names = list(input_names) if input_names else _default_input_names(module, len(args))
+    if len(in_names) != len(args):
+        raise ValueError(f"{len(in_names)} input names for {len(args)} example inputs")
+    out_names = list(output_names) if output_names else ["output"]
+    was_training = module.training
+    snapshot = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+    try:
+        with torch.no_grad():
+            train = _export_once(module, args, torch.onnx.TrainingMode.TRAINING, in_names,
+                                 out_names, opset)
+            module.load_state_dict(snapshot)
+            ev = _export_once(module, args, torch.onnx.TrainingMode.EVAL, in_names,
+                              out_names, opset)
+    finally:
+        module.load_state_dict(snapshot)  # tracing in training mode moved BN statistics
+        module.train(was_training)
+    state = {k: v.cpu().numpy() for k, v in snapshot.items() if v.is_floating_point()}
+    params = {n for n, _ in module.named_parameters()}
+    result = TorchExport(train, ev, in_names, out_names)
+    for model in (train, ev):
+        _rename_initializers(model, state)
+        for t in model.graph.initializer:  # the values before tracing touched them
+            if t.name in state:
+                t.CopyFrom(numpy_helper.from_array(state[t.name], t.name))
+    for t in train.graph.initializer:
+        if t.name in state:
+            (result.params if t.name in params else result.buffers)[t.name] = t.name
+    fixed = _unbiased_running_var(train)
+    logger.info("exported %s: %d nodes (train), %d (eval), %d params, %d buffers, %d BN "
+                "running-variance corrections", type(module).__name__, len(train.graph.node),
+                len(ev.graph.node), len(result.params), len(result.buffers), fixed)
+    return result
+
+
+# --------------------------------------------------------------------------- translation
+
+def translate_loss(loss: Any) -> str | None:
+    """torch loss module / ngdist loss name / None -> ngdist loss name."""
+    if loss is None or isinstance(loss, str):
+        return loss
+    torch = _torch()
+    nn = torch.nn
+    if isinstance(loss, nn.CrossEntropyLoss):
+        if loss.weight is not None or loss.label_smoothing != 0.0 or loss.reduction != "mean":
+            raise GraphError("nn.CrossEntropyLoss is supported with reduction='mean', no class "
+                             "weights and label_smoothing=0")
+        return "softmax_cross_entropy"
+    if isinstance(loss, nn.MSELoss):
+        if loss.reduction != "mean":
+            raise GraphError("nn.MSELoss is supported with reduction='mean'")
+        return "mse"
+    raise GraphError(f"loss {type(loss).__name__} has no ngdist counterpart; use "
+                     "nn.CrossEntropyLoss, nn.MSELoss, 'softmax_cross_entropy', 'mse', or "
+                     "None (the module's output is the loss)")
+
+
+def _group_hyper(opt: Any, keys: Sequence[str]) -> dict[str, Any]:
+    groups = opt.param_groups
+    first = {k: groups[0].get(k) for k in keys}
+    for g in groups[1:]:
+        diff = [k for k in keys if g.get(k) != first[k]]
+        if diff:
+            raise GraphError(f"{type(opt).__name__} has parameter groups that differ in {diff}; "
+                             "ngdist applies one set of hyper-parameters to all parameters")
+    return first
+
+
+def translate_optimizer(opt: Any) -> optim.Optimizer:
+    """``torch.optim.SGD`` / ``torch.optim.Adam`` -> the ngdist optimizer with the same math."""
+    torch = _torch()
+    if isinstance(opt, torch.optim.SGD):
+        h = _group_hyper(opt, ["lr", "momentum", "dampening", "nesterov", "weight_decay",
+                               "maximize"])
+        if h["dampening"]:
+            raise GraphError("torch.optim.SGD with dampening != 0 has no ONNX Momentum "
+                             "counterpart")
+        if h["maximize"]:
+            raise GraphError("torch.optim.SGD(maximize=True) is not supported")
+        return optim.SGD(lr=float(h["lr"]), momentum=float(h["momentum"]),
+                         nesterov=bool(h["nesterov"]), weight_decay=float(h["weight_decay"]))
+    if isinstance(opt, torch.optim.Adam):
+        h = _group_hyper(opt, ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
+                               "decoupled_weight_decay"])
+        if h.get("decoupled_weight_decay") or isinstance(opt, torch.optim.AdamW):
+            raise GraphError("AdamW (decoupled weight decay) has no exact ONNX Adam "
+                             "counterpart; use torch.optim.Adam (L2 weight_decay)")
+        if h["amsgrad"] or h["maximize"]:
+            raise GraphError("torch.optim.Adam with amsgrad or maximize is not supported")
+        b1, b2 = (float(b) for b in h["betas"])
+        return optim.Adam(lr=float(h["lr"]), betas=(b1, b2), eps=float(h["eps"]),
+                          weight_decay=float(h["weight_decay"]))
+    raise GraphError(f"optimizer {type(opt).__name__} has no ngdist counterpart; use "
+                     "torch.optim.SGD, torch.optim.Adam or an ngdist.optim optimizer")
+
+
+def _optimizer_params(module: Any, opt: Any) -> list[str]:
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    return [n for n, p in module.named_parameters() if id(p) in ids and p.requires_grad]
+
+
+# --------------------------------------------------------------------------- training model
+
+def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",
+                   labels: str = "y", optimizer: Any = _UNSET,
+                   input_names: Sequence[str] | None = None,
+                   output_names: Sequence[str] | None = None,
+                   frozen: Sequence[str] | None = None) -> tuple[onnx.ModelProto, TorchExport]:
+    """The standard ONNX training model of ``module``: training-mode algorithm, eval graph."""
+    from ngdist.frontends.onnx import build_training_model
+
+    exp = export(module, example_inputs, input_names=input_names, output_names=output_names)
+    if optimizer is _UNSET or optimizer is None:
+        opt, trained = optim.SGD(lr=0.01), [n for n, p in module.named_parameters()
+                                            if p.requires_grad]
+    elif isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad)):
+        opt = optim.from_spec(optimizer)
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]
+    else:
+        opt, trained = translate_optimizer(optimizer), _optimizer_params(module, optimizer)
+    frozen_set = set(frozen or [])
+    trained = [n for n in trained if n in exp.params and n not in frozen_set]
+    if not trained:
+        raise GraphError("no trainable parameter of the module appears in the exported graph")
+    model = build_training_model(exp.train, loss=translate_loss(loss), labels=labels,
+                                 optimizer=opt, params=trained, output=exp.output_names[0])
+    _use_eval_graph(model, exp.eval)
+    return model, exp
+
+
+def _use_eval_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
+    """model.graph <- the eval-mode export; keep every initializer the algorithm reads."""
+    g = model.graph
+    eval_inits = {t.name for t in ev.graph.initializer}
+    extra = [copy.deepcopy(t) for t in g.initializer if t.name not in eval_inits]
+    graph = copy.deepcopy(ev.graph)
+    inits = {t.name: t for t in g.initializer}
+    for t in graph.initializer:
+        if t.name in inits:
+            t.CopyFrom(inits[t.name])
+    graph.initializer.extend(extra)
+    inputs = {i.name: i for i in g.input}
+    for i in graph.input:  # keep the symbolic batch axis chosen for the training graph
+        if i.name in inputs:
+            i.CopyFrom(inputs[i.name])
+    g.CopyFrom(graph)
+
+
+# --------------------------------------------------------------------------- write-back
+
+def to_torch(trainer: Trainer, module: Any, exp: TorchExport, optimizer: Any = None,
+             batches_tracked: dict[str, int] | None = None) -> Any:
+    """Copies the trainer's parameters and buffers (and optimizer state) into ``module``."""
+    torch = _torch()
+    values = trainer.state_dict()
+    target = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for onnx_name, name in {**exp.params, **exp.buffers}.items():
+            if onnx_name in values and name in target:
+                t = target[name]
+                t.copy_(torch.from_numpy(np.ascontiguousarray(values[onnx_name])).to(t.dtype))
+        for name, base in (batches_tracked or {}).items():
+            target[name].fill_(base + trainer.steps_done)
+    if optimizer is not None:
+        _write_optimizer_state(trainer, module, exp, optimizer, values)
+    return module
+
+
+def _write_optimizer_state(trainer: Trainer, module: Any, exp: TorchExport, opt: Any,
+                           values: dict[str, np.ndarray]) -> None:
+    torch = _torch()
+    named = dict(module.named_parameters())
+    steps = int(values.get("ngdist.step", trainer.steps_done))
+    for onnx_name, name in exp.params.items():
+        p = named.get(name)
+        if p is None:
+            continue
+        state = opt.state[p]
+        if isinstance(opt, torch.optim.SGD) and f"{onnx_name}.momentum" in values:
+            if opt.param_groups[0]["momentum"]:
+                state["momentum_buffer"] = torch.from_numpy(values[f"{onnx_name}.momentum"].copy())
+        elif isinstance(opt, torch.optim.Adam) and f"{onnx_name}.adam_m" in values:
+            state["step"] = torch.tensor(float(steps))
+            state["exp_avg"] = torch.from_numpy(values[f"{onnx_name}.adam_m"].copy())
+            state["exp_avg_sq"] = torch.from_numpy(values[f"{onnx_name}.adam_v"].copy())
+
+
+def compile(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",  # noqa: A001
+            labels: str = "y", optimizer: Any = _UNSET, input_names: Sequence[str] | None = None,
+            output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None,
+            **trainer_options: Any) -> Trainer:
+    """Export ``module``, build its training model and return a trainer.
+
+    The trainer gains ``to_torch(module=None, optimizer=None)``: it writes the trained
+    parameters and BatchNorm buffers (and, given the torch optimizer, its state) back.
+    """
+    from ngdist import api
+
+    if input_names is None and isinstance(example_inputs, dict):
+        raise TypeError("example_inputs must be a tensor or a tuple of tensors")
+    model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
+                                optimizer=optimizer, input_names=input_names,
+                                output_names=output_names, frozen=frozen)
+    trainer = api.compile(model, **trainer_options)
+    tracked = {k: int(v) for k, v in module.state_dict().items()
+               if k.endswith("num_batches_tracked")}
+    native = optimizer is _UNSET or optimizer is None or \
+        isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad))
+    default_opt = None if native else optimizer
+
+    def _write_back(self: Trainer, target: Any = None, optimizer: Any = default_opt) -> Any:
+        return to_torch(self, module if target is None else target, exp, optimizer, tracked)
+
+    trainer.to_torch = types.MethodType(_write_back, trainer)  # type: ignore[attr-defined]
+    trainer.torch_export = exp  # type: ignore[attr-defined]
+    return trainer
