@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", help="e.g. sgd:lr=0.05,momentum=0.9,nesterov=1 or adam:lr=1e-3")
     p.add_argument("--params", help="comma-separated initializers to train (default: all float)")
     p.add_argument("--frozen", help="comma-separated initializers to keep fixed")
+    p.add_argument("--graph", dest="opt_graph", choices=["exponential", "ring"],
+                   help="pushsum: gossip graph (default exponential)")
+    p.add_argument("--peers-per-itr", dest="opt_peers_per_itr", type=int,
+                   help="pushsum: out-peers per iteration (default 1)")
+    p.add_argument("--overlap", dest="opt_overlap", action="store_const", const=True,
+                   help="pushsum: non-blocking gossip, messages added one iteration later")
+    p.add_argument("--synch-freq", dest="opt_synch_freq", type=int,
+                   help="pushsum with --overlap: iterations a message may lag (default 0)")
     p.set_defaults(func=cmd_rewrite)
 
     p = sub.add_parser("inspect", help="show parameters, gradients, comm nodes and buckets",

@@ -75,7 +75,8 @@ def summarize(model: onnx.ModelProto) -> Summary:
         s.ops[f"{n.domain + '.' if n.domain and n.domain != PREVIEW_TRAINING else ''}"
               f"{n.op_type}"] += 1
         if n.domain == DOMAIN:
-            nbytes = sum(sizes.get(i.removesuffix(".grad"), 0) for i in n.input)
+            nbytes = sum(sizes.get(i.removesuffix(".grad").removesuffix(".new"), 0)
+                         for i in n.input)
             s.comm.append({"op": n.op_type, "name": n.name, "inputs": list(n.input),
                            "bytes": nbytes,
                            "attrs": {a.name: _attr(a) for a in n.attribute}})

@@ -18,6 +18,7 @@ from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
 from ngdist.passes.optimizers import OptimizerLoweringPass
+from ngdist.passes.pushsum import PushSumPass
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,13 @@ def _local(**_: object) -> list[ir.passes.PassBase]:
     return []
 
 
-STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local}
+def _pushsum(graph: str = "exponential", peers_per_itr: int = 1, overlap: bool = False,
+             synch_freq: int = 0, **_: object) -> list[ir.passes.PassBase]:
+    return [PushSumPass(graph, peers_per_itr, overlap, synch_freq)]
+
+
+STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local,
+                                          "pushsum": _pushsum}
 
 
 def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,

@@ -154,7 +154,7 @@ class Executor:
                 times.wait += time.perf_counter() - t0
                 times.comm += dt
                 for o, arr in zip(out_names, outs):
-                    env[o] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arr))
+                    env[o] = ort.OrtValue.ortvalue_from_numpy(np.asarray(arr, order="C"))
                     pending.pop(o, None)
 
         for item in self.items:
@@ -178,7 +178,7 @@ class Executor:
                 if self.pool is None:
                     outs, dt = self._run_comm(item.index, arrays)
                     times.comm += dt
-                    env.update((o, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a)))
+                    env.update((o, ort.OrtValue.ortvalue_from_numpy(np.asarray(a, order="C")))
                                for o, a in zip(out_names, outs))
                 else:
                     fut = self.pool.submit(lambda i=item.index, a=arrays, o=out_names:

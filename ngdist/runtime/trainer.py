@@ -18,6 +18,7 @@ from onnx import numpy_helper
 from ngdist.errors import InputError
 from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
                              split_training_model)
+from ngdist.passes.pushsum import debias_map
 from ngdist.runtime.comm import Communicator
 from ngdist.runtime.executor import Executor, StepTimes
 
@@ -60,6 +61,7 @@ class Trainer:
         self.inference = inference
         self.step_model = step
         self.meta = get_meta(step)
+        self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
         proto = ir.to_proto(step)
         threads = intra_op_threads or _default_threads(self.comm)
         self.executor = Executor(proto, self.comm, providers=providers, intra_op_threads=threads,
@@ -165,8 +167,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ access
     def parameters(self) -> dict[str, np.ndarray]:
-        """Copies of the trainable parameters, by their initializer names."""
-        return {n: self.values[n].numpy().copy() for n in self.meta.names("param")}
+        """Copies of the trainable parameters (de-biased under pushsum), by initializer name."""
+        values = self._deployable()
+        return {n: np.array(values[n]) for n in self.meta.names("param")}
+
+    def _deployable(self) -> dict[str, np.ndarray]:
+        """Current values with pushsum's numerators replaced by z = x / w (and w by 1)."""
+        values = {n: v.numpy() for n, v in self.values.items()}
+        for p, w in self.debias.items():
+            values[p] = (values[p] / values[w]).astype(values[p].dtype)
+        for w in set(self.debias.values()):
+            values[w] = np.ones_like(values[w])
+        return values
+
+    def flush(self) -> None:
+        """Complete communication still in flight (pushsum with overlap) and add what it
+        brings to the bound values. Call it on every rank, e.g. before reading state_dict()."""
+        bound = {out: name for name, out in self.meta.binding.items()}
+        for node in self.executor.comm_nodes.values():
+            drain = node.state.get("drain")
+            extra = drain() if drain is not None else None
+            for out, arr in zip(node.outputs, extra or ()):
+                name = bound[out]
+                self.values[name] = ort.OrtValue.ortvalue_from_numpy(
+                    np.asarray(self.values[name].numpy() + arr))
+                self._predict_cache = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of everything the step updates or reads (params, buffers, optimizer state)."""
@@ -181,14 +206,14 @@ class Trainer:
 
     def to_onnx(self) -> onnx.ModelProto:
         """The training model with the current values: deployable graph + training_info."""
-        values = {n: v.numpy() for n, v in self.values.items()}
-        return assemble_training_model(self.inference, self.step_model, values)
+        return assemble_training_model(self.inference, self.step_model, self._deployable())
 
     def inference_model(self) -> onnx.ModelProto:
         model = copy.deepcopy(self.inference)
+        values = self._deployable()
         for t in model.graph.initializer:
-            if t.name in self.values:
-                t.CopyFrom(numpy_helper.from_array(self.values[t.name].numpy(), t.name))
+            if t.name in values:
+                t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
         return model
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
