@@ -62,7 +62,7 @@ class Case:
     consts: dict[str, np.ndarray] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # weighted into the loss
     opset: int = 18
-    symbolic: bool = False  # graph inputs declared with symbolic dims only
+    symbolic: bool | str = False  # True: every input dim symbolic; "batch": only dim 0
     fresh: bool = False  # a new session per evaluation (random ops with a fixed seed)
 
     def __repr__(self) -> str:
@@ -96,7 +96,7 @@ class Gen:
 
 
 def op_case(cid: str, op: str, inputs: list, n_out: int = 1, used: list[int] | None = None,
-            opset: int = 18, symbolic: bool = False, fresh: bool = False, domain: str = "",
+            opset: int = 18, symbolic: bool | str = False, fresh: bool = False, domain: str = "",
             **attrs) -> Case:
     """One node. inputs: float arrays are differentiated, Const/int/bool arrays are constants,
     None is an absent optional input."""
@@ -207,6 +207,37 @@ def _cases() -> list[Case]:
         c(f"{op}-all", op, lambda g: [g.n(2, 3, 4)], keepdims=0)
         c(f"{op}-noop", op, lambda g: [g.n(2, 3), np.array([], np.int64)],
           noop_with_empty_axes=1)
+    # --- convolution --------------------------------------------------------------------------
+    c("Conv-2d", "Conv", lambda g: [g.n(2, 3, 5, 5), g.n(4, 3, 3, 3)])
+    c("Conv-bias-pads", "Conv", lambda g: [g.n(2, 2, 5, 4), g.n(3, 2, 3, 2), g.n(3)],
+      pads=[1, 0, 1, 1])
+    c("Conv-stride-floor", "Conv", lambda g: [g.n(1, 2, 7, 6), g.n(2, 2, 3, 3)], strides=[2, 2])
+    c("Conv-stride-unused-taps", "Conv", lambda g: [g.n(1, 1, 10, 5), g.n(2, 1, 2, 2)],
+      strides=[3, 2])
+    c("Conv-dilation", "Conv", lambda g: [g.n(1, 2, 7, 7), g.n(2, 2, 3, 2)], dilations=[2, 3],
+      strides=[2, 1], pads=[1, 2, 0, 1])
+    c("Conv-group", "Conv", lambda g: [g.n(2, 4, 5, 5), g.n(6, 2, 3, 3), g.n(6)], group=2,
+      strides=[2, 2], pads=[1, 1, 1, 1])
+    c("Conv-depthwise", "Conv", lambda g: [g.n(2, 3, 6, 6), g.n(3, 1, 3, 3), g.n(3)], group=3)
+    for pad in ("SAME_UPPER", "SAME_LOWER", "VALID"):
+        c(f"Conv-{pad}", "Conv", lambda g: [g.n(1, 2, 7, 6), g.n(3, 2, 3, 4)], auto_pad=pad,
+          strides=[2, 2])
+    c("Conv-1d", "Conv", lambda g: [g.n(2, 3, 9), g.n(4, 3, 3), g.n(4)], strides=[2],
+      pads=[1, 2], dilations=[2])
+    c("Conv-1d-group", "Conv", lambda g: [g.n(2, 4, 8), g.n(4, 2, 3)], group=2)
+    c("Conv-3d", "Conv", lambda g: [g.n(1, 2, 4, 4, 3), g.n(2, 2, 2, 3, 2)], strides=[2, 1, 1])
+    c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
+      strides=[2, 2], symbolic="batch")
+    c("ConvTranspose-2d", "ConvTranspose", lambda g: [g.n(2, 3, 3, 3), g.n(3, 2, 3, 3)])
+    c("ConvTranspose-stride-outpad", "ConvTranspose",
+      lambda g: [g.n(1, 2, 3, 4), g.n(2, 3, 3, 2), g.n(3)], strides=[2, 3],
+      output_padding=[1, 2], pads=[1, 0, 0, 1])
+    c("ConvTranspose-group", "ConvTranspose", lambda g: [g.n(2, 4, 3, 3), g.n(4, 2, 2, 2)],
+      group=2, strides=[2, 2])
+    c("ConvTranspose-dilation", "ConvTranspose", lambda g: [g.n(1, 2, 3, 3), g.n(2, 2, 2, 2)],
+      dilations=[2, 2], strides=[2, 1], output_padding=[1, 0])
+    c("ConvTranspose-1d", "ConvTranspose", lambda g: [g.n(2, 2, 5), g.n(2, 3, 3), g.n(3)],
+      strides=[3], output_padding=[2], pads=[1, 1])
     return cases
 
 
@@ -227,7 +258,10 @@ def _model(case: Case, dtype, outputs: list[str], extra_nodes=(), weights=None,
            extra_outputs=()) -> onnx.ModelProto:
     inputs = []
     for name, arr in case.inputs.items():
-        dims = [f"{name}_d{i}" for i in range(arr.ndim)] if case.symbolic else list(arr.shape)
+        dims: list = list(arr.shape)
+        if case.symbolic:
+            dims = [f"{name}_d{i}" if case.symbolic is True or i == 0 else d
+                    for i, d in enumerate(dims)]
         inputs.append(helper.make_tensor_value_info(name, _elem(dtype), dims))
     inits = [numpy_helper.from_array(_cast(v, dtype), k) for k, v in case.consts.items()]
     inits += [numpy_helper.from_array(_cast(v, dtype), k) for k, v in (weights or {}).items()]

@@ -1,6 +1,7 @@
 """Gradient rules, one module per op family; importing this package registers them all."""
 from ngdist.passes.autodiff.rules import (  # noqa: F401
     activation,
+    conv,
     elementwise,
     linalg,
     loss,

@@ -1,0 +1,100 @@
+"""Convolutions: Conv and ConvTranspose (N-D, groups, strides, dilations, pads, auto_pad, bias).
+
+Conv's data gradient is a ConvTranspose with the same weight and window (``output_padding``
+restores the rows a strided forward pass dropped when its output size floored); its weight
+gradient is a Conv of the input with the output gradient, batch and channels swapped, the
+forward stride becoming the dilation. ConvTranspose is the adjoint: its data gradient is a Conv,
+its weight gradient the same transposed Conv.
+"""
+from __future__ import annotations
+
+from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import static_dims, window
+
+
+def _swap01(ctx, v, rank: int):
+    return ctx.op("Transpose", v, perm=[1, 0, *range(2, rank)])
+
+
+def weight_grad(ctx, x, gy, *, group: int, channels: int, kernel: list[int], spatial: list[int],
+                strides: list[int], dilations: list[int], begin: list[int], end: list[int]):
+    """dW [M, C/group, *kernel] of ``y = Conv(x, W)`` from x [N, C, *spatial] and gy [N, M, *out]."""
+    rank = len(kernel) + 2
+    if group == 1:
+        xt = _swap01(ctx, x, rank)  # [C, N, *spatial]: channels become the batch
+    else:  # channel order (group, sample) so that conv group g sees group g's channels
+        xr = ctx.op("Reshape", x, ctx.ints([0, group, channels // group, *spatial]))
+        xt = ctx.op("Transpose", xr, perm=[2, 1, 0, *range(3, rank + 1)])
+        xt = ctx.op("Reshape", xt, ctx.ints([channels // group, -1, *spatial]))
+    gt = _swap01(ctx, gy, rank)  # [M, N, *out]: the output gradient is the kernel
+    gw = ctx.op("Conv", xt, gt, strides=dilations, dilations=strides, pads=[*begin, *end],
+                group=group)  # [C/group, M, *kernel'] with kernel' >= kernel
+    extra = []
+    for size, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end):
+        rem = (size + b + e - ((k - 1) * d + 1)) % s
+        extra.append(rem // d)
+    if any(extra):  # the floor of a strided forward pass left taps that touch no output
+        axes = list(range(2, rank))
+        gw = ctx.op("Slice", gw, ctx.ints([0] * len(kernel)), ctx.ints(kernel), ctx.ints(axes))
+    return _swap01(ctx, gw, rank)
+
+
+def _bias_grad(ctx, g, rank: int):
+    return ctx.op("ReduceSum", g, ctx.ints([0, *range(2, rank)]), keepdims=0)
+
+
+def _operands(node, what: str):
+    """x, W, B, spatial dims of x, kernel, group, and the resolved window of a conv node."""
+    x, w = node.inputs[0], node.inputs[1]
+    b = node.inputs[2] if len(node.inputs) > 2 else None
+    spatial = static_dims(x, f"{what} input", 2)
+    shape = attr(node, "kernel_shape")
+    kernel = list(shape) if shape is not None else static_dims(w, f"{what} weight", 2)
+    return x, w, b, spatial, kernel, attr(node, "group", 1), window(node, spatial, kernel)
+
+
+@register("Conv")
+def conv(ctx, node, gys):
+    (g,) = gys
+    x, w, b, spatial, kernel, group, (strides, dilations, begin, end) = _operands(node, "Conv")
+    out = [None, None, None]
+    if ctx.needs(x):
+        rem = [(size + bb + e - ((k - 1) * d + 1)) % s
+               for size, k, s, d, bb, e in zip(spatial, kernel, strides, dilations, begin, end)]
+        out[0] = ctx.op("ConvTranspose", g, w, strides=strides, dilations=dilations,
+                        pads=[*begin, *end], output_padding=rem, group=group)
+    if ctx.needs(w):
+        channels = static_dims(w, "Conv weight", 1)[0] * group
+        out[1] = weight_grad(ctx, x, g, group=group, channels=channels, kernel=kernel,
+                             spatial=spatial, strides=strides, dilations=dilations,
+                             begin=begin, end=end)
+    if ctx.needs(b):
+        out[2] = _bias_grad(ctx, g, len(kernel) + 2)
+    return out
+
+
+@register("ConvTranspose")
+def conv_transpose(ctx, node, gys):
+    (g,) = gys
+    if attr(node, "output_shape") is not None or \
+            str(attr(node, "auto_pad", "NOTSET")) in ("SAME_UPPER", "SAME_LOWER"):
+        raise ValueError("ConvTranspose with output_shape or auto_pad=SAME_* is not "
+                         "differentiated; give explicit pads and output_padding")
+    x, w, b, spatial, kernel, group, (strides, dilations, begin, end) = \
+        _operands(node, "ConvTranspose")
+    extra = list(attr(node, "output_padding", None) or [0] * len(kernel))
+    out = [None, None, None]
+    if ctx.needs(x):
+        out[0] = ctx.op("Conv", g, w, strides=strides, dilations=dilations,
+                        pads=[*begin, *end], group=group)
+    if ctx.needs(w):
+        y_spatial = [s * (n - 1) + p + (k - 1) * d + 1 - bb - e for n, k, s, d, bb, e, p
+                     in zip(spatial, kernel, strides, dilations, begin, end, extra)]
+        channels = static_dims(w, "ConvTranspose weight", 1)[0] * group
+        # ConvTranspose(x, W) = y  <=>  x is the output gradient of Conv(y, W): swap the roles
+        out[1] = weight_grad(ctx, g, x, group=group, channels=channels, kernel=kernel,
+                             spatial=y_spatial, strides=strides, dilations=dilations,
+                             begin=begin, end=end)
+    if ctx.needs(b):
+        out[2] = _bias_grad(ctx, g, len(kernel) + 2)
+    return out
