@@ -238,6 +238,38 @@ def _cases() -> list[Case]:
       dilations=[2, 2], strides=[2, 1], output_padding=[1, 0])
     c("ConvTranspose-1d", "ConvTranspose", lambda g: [g.n(2, 2, 5), g.n(2, 3, 3), g.n(3)],
       strides=[3], output_padding=[2], pads=[1, 1])
+    # --- pooling ------------------------------------------------------------------------------
+    c("MaxPool-2x2", "MaxPool", lambda g: [g.distinct(2, 2, 4, 4)], kernel_shape=[2, 2],
+      strides=[2, 2])
+    c("MaxPool-overlap-pads", "MaxPool", lambda g: [g.distinct(1, 2, 5, 6)], kernel_shape=[3, 3],
+      strides=[2, 2], pads=[1, 1, 1, 1])
+    c("MaxPool-ceil", "MaxPool", lambda g: [g.distinct(1, 1, 5, 5)], kernel_shape=[2, 2],
+      strides=[2, 2], ceil_mode=1)
+    c("MaxPool-dilation", "MaxPool", lambda g: [g.distinct(1, 1, 6, 5)], kernel_shape=[2, 2],
+      dilations=[2, 1])
+    c("MaxPool-1d", "MaxPool", lambda g: [g.distinct(2, 2, 7)], kernel_shape=[3], strides=[2])
+    c("MaxPool-same-upper", "MaxPool", lambda g: [g.distinct(1, 1, 5, 6)], kernel_shape=[3, 3],
+      strides=[2, 2], auto_pad="SAME_UPPER")
+    c("MaxPool-with-indices", "MaxPool", lambda g: [g.distinct(2, 1, 4, 4)], n_out=2,
+      kernel_shape=[2, 2], strides=[1, 1])
+    c("MaxPool-symbolic-batch", "MaxPool", lambda g: [g.distinct(2, 2, 4, 4)],
+      kernel_shape=[2, 2], strides=[2, 2], symbolic="batch")
+    for cip in (0, 1):
+        for ceil in (0, 1):
+            c(f"AveragePool-pads-cip{cip}-ceil{ceil}", "AveragePool",
+              lambda g: [g.n(2, 2, 7, 6)], kernel_shape=[3, 2], strides=[2, 2],
+              pads=[1, 1, 1, 0], count_include_pad=cip, ceil_mode=ceil)
+    c("AveragePool-1d", "AveragePool", lambda g: [g.n(2, 2, 7)], kernel_shape=[3], strides=[2],
+      pads=[1, 1])
+    c("AveragePool-same-lower", "AveragePool", lambda g: [g.n(1, 1, 6, 5)], kernel_shape=[3, 3],
+      strides=[2, 2], auto_pad="SAME_LOWER")
+    c("AveragePool-dilation", "AveragePool", lambda g: [g.n(1, 1, 6, 6)], kernel_shape=[2, 2],
+      dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1, opset=19)
+    c("AveragePool-stride-drops", "AveragePool", lambda g: [g.n(1, 2, 8, 8)],
+      kernel_shape=[2, 2], strides=[3, 3])
+    c("GlobalAveragePool-2d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4, 5)])
+    c("GlobalAveragePool-1d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4)])
+    c("GlobalMaxPool", "GlobalMaxPool", lambda g: [g.distinct(2, 3, 3, 3)])
     return cases
 
 

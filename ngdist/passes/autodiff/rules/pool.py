@@ -1,0 +1,100 @@
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool.
+
+MaxPool routes each output gradient to the element its ``Indices`` output names (the output is
+added to the forward node when absent, so the argmax is never recomputed; ties go to the first
+maximum in row-major order, as onnxruntime's kernel picks). AveragePool spreads the gradient
+over each window with a ConvTranspose of a ones kernel, after dividing it by the window's
+divisor (count_include_pad either way, ceil_mode, pads, strides, dilations).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import ensure_output, static_dims, window
+
+
+@register("MaxPool")
+def max_pool(ctx, node, gys):
+    x = node.inputs[0]
+    if attr(node, "storage_order", 0) != 0:
+        raise ValueError("MaxPool with storage_order=1 (column-major indices) is not "
+                         "differentiated")
+    indices = ensure_output(node, 1, "indices", ir.DataType.INT64, node.outputs[0].shape)
+    g = gys[0]
+    zeros = ctx.op("CastLike", ctx.op("ConstantOfShape", ctx.op("Reshape", ctx.op("Size", x),
+                                                                ctx.ints([1])),
+                                      value=ir.tensor(np.zeros(1, np.float32))), g)
+    flat = ctx.op("ScatterElements", zeros, ctx.op("Reshape", indices, ctx.ints([-1])),
+                  ctx.op("Reshape", g, ctx.ints([-1])), axis=0, reduction="add")
+    return [ctx.op("Reshape", flat, ctx.op("Shape", x))]
+
+
+def _pool_sizes(node, spatial, kernel, strides, dilations, begin, end) -> list[int]:
+    out_shape = node.outputs[0].shape
+    if out_shape is not None and all(isinstance(d, int) for d in list(out_shape.dims)[2:]):
+        return [int(d) for d in list(out_shape.dims)[2:]]
+    sizes = []
+    for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end):
+        span = n + b + e - ((k - 1) * d + 1)
+        o = (-(-span // s) if attr(node, "ceil_mode", 0) else span // s) + 1
+        if attr(node, "ceil_mode", 0) and (o - 1) * s >= n + b:
+            o -= 1  # the last window must start inside the input or the leading pad
+        sizes.append(o)
+    return sizes
+
+
+def _divisors(include_pad: bool, n: int, k: int, s: int, d: int, b: int, e: int,
+              o: int) -> np.ndarray:
+    """How many taps each of the ``o`` windows of one axis averages over."""
+    counts = []
+    for i in range(o):
+        taps = [i * s - b + j * d for j in range(k)]
+        counts.append(sum(1 for t in taps if (t < n + e if include_pad else 0 <= t < n)))
+    return np.asarray(counts, np.float64)
+
+
+@register("AveragePool")
+def average_pool(ctx, node, gys):
+    x, g = node.inputs[0], gys[0]
+    spatial = static_dims(x, "AveragePool input", 2)
+    kernel = list(attr(node, "kernel_shape"))
+    strides, dilations, begin, end = window(node, spatial, kernel)
+    sizes = _pool_sizes(node, spatial, kernel, strides, dilations, begin, end)
+    include_pad = bool(attr(node, "count_include_pad", 0))
+    divisor = np.ones(sizes)
+    crop_end, extra = [], []
+    for axis, (n, k, s, d, b, e, o) in enumerate(
+            zip(spatial, kernel, strides, dilations, begin, end, sizes)):
+        shape = [1] * len(sizes)
+        shape[axis] = o
+        divisor = divisor * _divisors(include_pad, n, k, s, d, b, e, o).reshape(shape)
+        reach = s * (o - 1) + (k - 1) * d + 1 - b  # where the transposed windows end
+        crop_end.append(max(0, reach - n))
+        extra.append(max(0, n - reach))
+    scaled = ctx.op("Mul", g, ctx.const((1.0 / divisor).astype(np.float32), like=g))
+    flat = ctx.op("Reshape", scaled, ctx.ints([-1, 1, *sizes]))
+    ones = ctx.const(np.ones([1, 1, *kernel], np.float32), like=g)
+    spread = ctx.op("ConvTranspose", flat, ones, strides=strides, dilations=dilations,
+                    pads=[*begin, *crop_end], output_padding=extra)
+    return [ctx.op("Reshape", spread, ctx.op("Shape", x))]
+
+
+@register("GlobalAveragePool")
+def global_average_pool(ctx, node, gys):
+    x, (y,) = node.inputs[0], node.outputs
+    ratio = ctx.op("Div", ctx.op("CastLike", ctx.op("Size", y), x),
+                   ctx.op("CastLike", ctx.op("Size", x), x))
+    return [ctx.op("Mul", ctx.op("Expand", gys[0], ctx.op("Shape", x)), ratio)]
+
+
+@register("GlobalMaxPool")
+def global_max_pool(ctx, node, gys):
+    x, (y,) = node.inputs[0], node.outputs
+    rank = ctx.rank(x)
+    if rank is None:
+        raise ValueError("GlobalMaxPool input rank unknown")
+    mask = ctx.op("CastLike", ctx.op("Equal", x, y), x)  # ties share the gradient equally
+    count = ctx.op("ReduceSum", mask, ctx.ints(list(range(2, rank))), keepdims=1)
+    return [ctx.op("Mul", mask, ctx.op("Div", gys[0], count))]
