@@ -64,6 +64,7 @@ class Case:
     opset: int = 18
     symbolic: bool | str = False  # True: every input dim symbolic; "batch": only dim 0
     fresh: bool = False  # a new session per evaluation (random ops with a fixed seed)
+    reference: bool = False  # float64 on ONNX's reference evaluator even if onnxruntime can
 
     def __repr__(self) -> str:
         return self.id
@@ -97,7 +98,7 @@ class Gen:
 
 def op_case(cid: str, op: str, inputs: list, n_out: int = 1, used: list[int] | None = None,
             opset: int = 18, symbolic: bool | str = False, fresh: bool = False, domain: str = "",
-            **attrs) -> Case:
+            reference: bool = False, **attrs) -> Case:
     """One node. inputs: float arrays are differentiated, Const/int/bool arrays are constants,
     None is an absent optional input."""
     names, diff, consts = [], {}, {}
@@ -116,7 +117,7 @@ def op_case(cid: str, op: str, inputs: list, n_out: int = 1, used: list[int] | N
     outs = [f"out{i}" for i in range(n_out)]
     node = helper.make_node(op, names, outs, name="node0", domain=domain, **attrs)
     return Case(cid, [node], diff, consts, [outs[i] for i in (used or [0])], opset, symbolic,
-                fresh)
+                fresh, reference)
 
 
 def graph_case(cid: str, nodes: list[onnx.NodeProto], inputs: dict, consts: dict | None = None,
@@ -270,6 +271,36 @@ def _cases() -> list[Case]:
     c("GlobalAveragePool-2d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4, 5)])
     c("GlobalAveragePool-1d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4)])
     c("GlobalMaxPool", "GlobalMaxPool", lambda g: [g.distinct(2, 3, 3, 3)])
+    # --- normalization --------------------------------------------------------------------
+    stats = lambda g: [Const(g.n(3)), Const(g.pos(3))]  # noqa: E731
+    c("BatchNorm-train-4d", "BatchNormalization",
+      lambda g: [g.n(4, 3, 2, 2), g.n(3), g.n(3), *stats(g)], n_out=3, training_mode=1)
+    c("BatchNorm-train-2d-running-outputs", "BatchNormalization",
+      lambda g: [g.n(6, 3), g.n(3), g.n(3), *stats(g)], n_out=3, training_mode=1,
+      epsilon=1e-3, momentum=0.8)
+    c("BatchNorm-train-symbolic-batch", "BatchNormalization",
+      lambda g: [g.n(3, 3, 4), g.n(3), g.n(3), *stats(g)], n_out=3, training_mode=1,
+      symbolic="batch")
+    c("BatchNorm-inference", "BatchNormalization",
+      lambda g: [g.n(3, 3, 4), g.n(3), g.n(3), g.n(3), g.pos(3)], epsilon=1e-2)
+    c("LayerNorm-last", "LayerNormalization", lambda g: [g.n(2, 3, 4), g.n(4), g.n(4)])
+    c("LayerNorm-axis1-bcast-bias", "LayerNormalization",
+      lambda g: [g.n(2, 3, 4), g.n(3, 4), g.n(4)], axis=1)
+    c("LayerNorm-no-bias", "LayerNormalization", lambda g: [g.n(2, 3, 4), g.n(3, 4)], axis=-2,
+      epsilon=1e-3)
+    # onnxruntime's float64 kernel stashes float32 statistics: run float64 on the reference
+    c("LayerNorm-stats-in-loss", "LayerNormalization", lambda g: [g.n(3, 5), g.n(5), g.n(5)],
+      n_out=3, used=[0, 1, 2], reference=True)
+    c("LayerNorm-float32-stats", "LayerNormalization", lambda g: [g.n(3, 5), g.n(5)],
+      n_out=3, used=[0])
+    train = np.array(True)
+    c("Dropout-train", "Dropout", lambda g: [g.n(4, 5), Const(np.array(0.3)), train], seed=5,
+      fresh=True)
+    c("Dropout-train-mask-output", "Dropout", lambda g: [g.n(4, 5), Const(np.array(0.6)), train],
+      n_out=2, seed=11, fresh=True)
+    c("Dropout-default-ratio", "Dropout", lambda g: [g.n(4, 5), None, train], seed=2, fresh=True)
+    c("Dropout-inference", "Dropout", lambda g: [g.n(4, 5)])
+    c("Dropout-training-false", "Dropout", lambda g: [g.n(4, 5), None, np.array(False)])
     return cases
 
 
@@ -317,10 +348,13 @@ def _loss_nodes(case: Case) -> tuple[list[onnx.NodeProto], list[str]]:
 class Runner:
     """onnxruntime when it can run the model, else ONNX's reference evaluator."""
 
-    def __init__(self, model: onnx.ModelProto, fresh: bool = False, ort_only: bool = False):
+    def __init__(self, model: onnx.ModelProto, fresh: bool = False, ort_only: bool = False,
+                 reference: bool = False):
         self.model, self.fresh = model, fresh
         self.bytes = model.SerializeToString()
         try:
+            if reference:
+                raise NotImplementedError("NOT_IMPLEMENTED: reference evaluator asked for")
             self.sess = self._ort()
         except Exception as exc:  # onnxruntime lacks a kernel (float64 Conv, Erf, ...)
             if ort_only or "NOT_IMPLEMENTED" not in str(exc):
@@ -345,7 +379,7 @@ class Runner:
 
 
 def weights_for(case: Case) -> dict[str, np.ndarray]:
-    probe = Runner(_model(case, np.float64, case.outputs), case.fresh)
+    probe = Runner(_model(case, np.float64, case.outputs), case.fresh, reference=case.reference)
     outs = probe(dict(case.inputs))
     rng = _rng("weights/" + case.id)
     return {f"w{i}": rng.standard_normal(np.shape(o)) for i, o in enumerate(outs)}
@@ -387,9 +421,9 @@ def central_differences(run: Runner, feeds: dict[str, np.ndarray], name: str) ->
 def check_case(case: Case) -> dict[str, np.ndarray]:
     weights = weights_for(case)
     feeds = dict(case.inputs)
-    run64 = Runner(grad_model(case, np.float64, weights), case.fresh)
+    run64 = Runner(grad_model(case, np.float64, weights), case.fresh, reference=case.reference)
     got = run64(feeds)
-    fwd = Runner(forward_model(case, weights), case.fresh)
+    fwd = Runner(forward_model(case, weights), case.fresh, reference=case.reference)
     np.testing.assert_allclose(got[0], fwd(feeds)[0], rtol=1e-7, atol=1e-9,
                                err_msg="the gradient model changed the loss")
     grads = dict(zip(case.inputs, got[1:]))

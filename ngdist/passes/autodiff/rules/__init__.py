@@ -5,6 +5,7 @@ from ngdist.passes.autodiff.rules import (  # noqa: F401
     elementwise,
     linalg,
     loss,
+    norm,
     pool,
     reduce,
     shape,
