@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import onnx
 from onnx import defs
 
 logger = logging.getLogger(__name__)
 
 DOMAIN = "ngdist"
+# values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/mpi.py, allreduce_algs.py)
+ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical")
 DOMAIN_VERSION = 1
 PREVIEW_TRAINING = "ai.onnx.preview.training"
 
@@ -70,11 +73,23 @@ COMM_OPS: dict[str, CommOpSpec] = {
         ),
         CommOpSpec(
             "PSPushPull",
-            "Parameter-server step: gradients pushed to the shard owners, owners update, "
-            "updated parameters pulled back.",
+            "Parameter-server step. Inputs: learning rate, step count, the n parameters, their "
+            "n gradients, then the optimizer state (n per state kind); outputs: the n updated "
+            "parameters. The flattened gradients are cut into shards of at most "
+            "grad_shard_bytes; each shard's owner (a dedicated server rank when servers > 0 or "
+            "chosen at launch, else a co-located worker) sums what every worker pushes, runs "
+            "the 'update' graph (the lowered optimizer, on 1-D slices) on its shard and serves "
+            "the updated shard back. The optimizer state inputs are read once, by the owners.",
             "variadic",
-            {"grad_shard_bytes": 0, "servers": 0},
+            {"grad_shard_bytes": 0, "servers": 0, "update": onnx.GraphProto()},
             same_shape=False,
+        ),
+        CommOpSpec(
+            "CentralReduce",
+            "Ray SGD's 'simple' aggregation: every rank's inputs are gathered at the root, "
+            "reduced there in rank order (sum or mean) and the result is broadcast back.",
+            "variadic",
+            {"root": 0, "reduction": "mean"},
         ),
     ]
 }
@@ -92,6 +107,7 @@ def _schema(spec: CommOpSpec) -> defs.OpSchema:
         str: defs.OpSchema.AttrType.STRING,
         int: defs.OpSchema.AttrType.INT,
         float: defs.OpSchema.AttrType.FLOAT,
+        onnx.GraphProto: defs.OpSchema.AttrType.GRAPH,
     }
     attributes = [
         defs.OpSchema.Attribute(name, attr_type[type(default)], f"{name} (default {default!r})",

@@ -3,20 +3,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.kernels.base import flatten, register_kernel, unflatten
 
 
 @register_kernel("AllReduce", "mpi")
 def allreduce(comm, node, inputs):
-    """Sum (or mean) of a fused bucket: one flat buffer, one in-place Iallreduce."""
+    """Sum (or mean) of a fused bucket: one flat buffer, one in-place Iallreduce, or the
+    point-to-point algorithm named by the ``algorithm`` attribute (kernels/allreduce_algs)."""
     from mpi4py import MPI
 
     buf = flatten(inputs)
     if len(inputs) == 1 and buf.base is not None:
         buf = buf.copy()  # never reduce into a buffer the caller still reads
-    req = comm.world.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-    comm.wait(req, node)
-    comm.bytes_sent += buf.nbytes
+    algorithm = node.attributes.get("algorithm", "mpi")
+    if algorithm != "mpi":
+        sum_inplace(algorithm, comm, node, buf)
+    else:
+        req = comm.world.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        comm.wait(req, node)
+        comm.bytes_sent += buf.nbytes
     if node.attributes.get("reduction", "mean") == "mean":
         if buf.dtype.kind == "f":
             buf /= buf.dtype.type(comm.size)

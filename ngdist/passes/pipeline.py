@@ -13,12 +13,15 @@ import onnx
 import onnx_ir as ir
 
 from ngdist.errors import NgdistError
+from ngdist.ir.domain import ALLREDUCE_ALGORITHMS
 from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
 from ngdist.passes.optimizers import OptimizerLoweringPass
 from ngdist.passes.pushsum import PushSumPass
+from ngdist.passes.ps import PSPushPullPass
+from ngdist.passes.simple import CentralReducePass
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,9 @@ PipelineFactory = Callable[..., list[ir.passes.PassBase]]
 
 def _allreduce(bucket_bytes: int = 25 << 20, all_reduce_alg: str = "mpi",
                **_: object) -> list[ir.passes.PassBase]:
+    if all_reduce_alg not in ALLREDUCE_ALGORITHMS:
+        raise NgdistError(f"unknown all_reduce_alg {all_reduce_alg!r}; choose one of "
+                          f"{list(ALLREDUCE_ALGORITHMS)}")
     return [AllReduceInsertionPass("mean", all_reduce_alg), BucketingPass(bucket_bytes)]
 
 
@@ -41,6 +47,18 @@ def _pushsum(graph: str = "exponential", peers_per_itr: int = 1, overlap: bool =
 
 STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local,
                                           "pushsum": _pushsum}
+
+
+def _simple(**_: object) -> list[ir.passes.PassBase]:
+    return [CentralReducePass(root=0)]
+
+
+def _ps(grad_shard_bytes: int = 10_000_000, servers: int = 0,
+        **_: object) -> list[ir.passes.PassBase]:
+    return [PSPushPullPass(grad_shard_bytes, servers)]
+
+
+STRATEGIES.update(simple=_simple, ps=_ps)  # Ray SGD's strategies (issue 6)
 
 
 def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from ngdist.errors import InputError
+from ngdist.errors import InputError, NgdistError
 from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
                              split_training_model)
 from ngdist.passes.pushsum import debias_map
@@ -52,7 +52,7 @@ class Trainer:
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
                  comm: Communicator | None = None, timeout: float | None = None,
                  intra_op_threads: int | None = None, providers: list[str] | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, devices_per_worker: int = 1) -> None:
         self.comm = comm or Communicator(timeout=timeout)
         if step is None:
             inference, step = split_training_model(model)
@@ -64,8 +64,15 @@ class Trainer:
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
         proto = ir.to_proto(step)
         threads = intra_op_threads or _default_threads(self.comm)
-        self.executor = Executor(proto, self.comm, providers=providers, intra_op_threads=threads,
-                                 overlap=overlap)
+        if devices_per_worker > 1:  # several model replicas in this process (runtime/replicas.py)
+            from ngdist.runtime.replicas import ReplicatedExecutor
+            self.executor = ReplicatedExecutor(
+                proto, self.comm, devices_per_worker, data_inputs=self.meta.names("data"),
+                loss=self.meta.loss, params=self.meta.names("param"), providers=providers,
+                intra_op_threads=threads, overlap=overlap)
+        else:
+            self.executor = Executor(proto, self.comm, providers=providers,
+                                     intra_op_threads=threads, overlap=overlap)
         graph = proto.graph
         inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
         self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
@@ -74,6 +81,9 @@ class Trainer:
             if role != "data":
                 self.values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(inits[name]))
         self.steps_done = 0
+        self.role = "worker"  # "server": a dedicated parameter server (kernels/ps.py), no steps
+        self.num_workers = self.comm.size  # ranks that train (fewer with dedicated servers)
+        self.close_hooks: list[Any] = []
         self._predict_cache: tuple[int, ort.InferenceSession] | None = None
         # every rank: same graph (structure and constants), then rank 0's values
         self.comm.check_same(self._graph_fingerprint(proto), "step graph")
@@ -103,7 +113,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
     def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """This rank's contiguous slice of every global batch (dict, tuple or array)."""
+        """This rank's contiguous slice of every global batch (dict, tuple or array); nothing
+        on a dedicated parameter-server rank."""
+        if self.role == "server":
+            return
         for batch in batches:
             yield self._slice(batch)
 
@@ -113,7 +126,7 @@ class Trainer:
         if isinstance(batch, (tuple, list)):
             return type(batch)(self._slice(v) for v in batch)
         arr = np.asarray(batch)
-        return np.array_split(arr, self.size)[self.rank]
+        return np.array_split(arr, self.num_workers)[self.rank]
 
     def _feeds(self, batch: Mapping[str, Any]) -> tuple[dict[str, ort.OrtValue], int]:
         if not isinstance(batch, Mapping):
@@ -146,7 +159,13 @@ class Trainer:
         return feeds, samples
 
     # ------------------------------------------------------------------ training
-    def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats:
+    def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats | None:
+        """One training step on this rank's batch. ``fetch_stats=False`` returns None without
+        reading the loss back (nothing in a step waits on other ranks beyond its comm ops)."""
+        if self.role == "server":
+            raise NgdistError(f"rank {self.rank} is a dedicated parameter server: it has served "
+                              "the workers' steps and takes none itself; iterate over "
+                              "trainer.shard(...) (empty here) or skip step() on server ranks")
         feeds, samples = self._feeds(batch)
         feeds.update(self.values)
         times = StepTimes()
@@ -156,6 +175,8 @@ class Trainer:
         for name, out in self.meta.binding.items():
             self.values[name] = outputs[out]
         self.steps_done += 1
+        if not fetch_stats:
+            return None
         loss = float(outputs[self.meta.loss].numpy())
         return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
                          samples, self.comm.bytes_sent - sent0)
@@ -230,6 +251,8 @@ class Trainer:
             save_proto(self.to_onnx(), path)
 
     def close(self) -> None:
+        while self.close_hooks:
+            self.close_hooks.pop(0)()
         self.executor.close()
 
 

@@ -1,0 +1,179 @@
+"""Several model replicas in one process (Ray SGD's ``devices_per_worker``).
+
+The step graph is cut in two. The *tower* is every node the gradients and the loss depend
+on: the forward pass, the loss and the backward pass up to the values that enter the
+communication nodes (for a graph without comm nodes, up to the ``<param>.grad`` values). The
+*rest* is communication and the update. Each of the ``D`` replicas runs the tower in its own
+onnxruntime session, on its own thread (``InferenceSession.run`` releases the GIL), on its
+contiguous slice of this rank's batch. The towers' results that depend on the data (gradients,
+loss) are averaged, weighted by slice size, which is exactly the mean over the whole rank's
+batch; values that do not depend on the data are identical in every replica and taken from
+the first. The rest then runs once, with an ordinary ``Executor``, so the cross-process step
+sees one locally averaged gradient per rank: D replicas on each of N ranks train like one
+process with the concatenated batch.
+
+The replica count is a placement decision of the runtime, not part of the program: the saved
+training model is the same for any ``devices_per_worker``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from ngdist.errors import InputError, NgdistError
+from ngdist.ir.domain import DOMAIN, is_comm_node
+from ngdist.ir.model import IR_VERSION
+from ngdist.runtime.comm import Communicator
+from ngdist.runtime.executor import Executor, StepTimes
+
+logger = logging.getLogger(__name__)
+
+
+def _ancestors(nodes: list[onnx.NodeProto], producer: dict[str, int], values: set[str]
+               ) -> set[int]:
+    found: set[int] = set()
+    todo = [producer[v] for v in values if v in producer]
+    while todo:
+        i = todo.pop()
+        if i not in found:
+            found.add(i)
+            todo.extend(producer[v] for v in nodes[i].input if v in producer)
+    return found
+
+
+def split_tower(graph: onnx.GraphProto, data_inputs: list[str], loss: str,
+                params: list[str]) -> tuple[list[int], list[int], set[str]]:
+    """(indices of the tower's nodes, of the rest's live nodes, names of data-dependent
+    values)."""
+    nodes = list(graph.node)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    dependent = set(data_inputs)
+    for n in nodes:
+        if any(i in dependent for i in n.input):
+            dependent.update(o for o in n.output if o)
+    comm = [n for n in nodes if is_comm_node(n.domain, n.op_type)]
+    frontier = {i for n in comm for i in n.input if i in dependent} | {loss}
+    if not comm:
+        frontier |= {f"{p}.grad" for p in params if f"{p}.grad" in producer}
+    tower = _ancestors(nodes, producer, frontier)
+    live = _ancestors(nodes, producer, {o.name for o in graph.output})
+    bad = [nodes[i].name for i in tower if is_comm_node(nodes[i].domain, nodes[i].op_type)]
+    if bad:
+        raise NgdistError(f"devices_per_worker > 1 needs gradients that do not depend on "
+                          f"communication, but they depend on comm node(s) {bad}")
+    return sorted(tower), sorted(live - tower), dependent
+
+
+class ReplicatedExecutor:
+    """``devices`` tower sessions in threads, their results averaged, then the rest."""
+
+    def __init__(self, model: onnx.ModelProto, comm: Communicator, devices: int, *,
+                 data_inputs: list[str], loss: str, params: list[str],
+                 providers: list[str] | None = None, intra_op_threads: int | None = None,
+                 overlap: bool = True) -> None:
+        graph = model.graph
+        tower_idx, rest_idx, self.dependent = split_tower(graph, data_inputs, loss, params)
+        nodes = list(graph.node)
+        tower_nodes = [nodes[i] for i in tower_idx]
+        rest_nodes = [nodes[i] for i in rest_idx]
+        produced = {o for n in tower_nodes for o in n.output if o}
+        consumed_later = {i for n in rest_nodes for i in n.input} | {o.name for o in graph.output}
+        self.crossing = sorted(produced & consumed_later)
+        inputs = {i.name: i for i in graph.input}
+        inits = {t.name: t for t in graph.initializer}
+        needed = list(dict.fromkeys(i for n in tower_nodes for i in n.input
+                                    if i and i not in produced))
+        self.tower_inputs = [n for n in needed if n in inputs]
+        self.data_inputs = data_inputs
+        tower_graph = helper.make_graph(
+            tower_nodes, "ngdist_tower", [inputs[n] for n in self.tower_inputs],
+            [onnx.ValueInfoProto(name=o) for o in self.crossing],
+            initializer=[inits[n] for n in needed if n in inits and n not in inputs])
+        opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+        tower_model = helper.make_model(tower_graph, opset_imports=opsets, ir_version=IR_VERSION)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = max(1, (intra_op_threads or 1) // devices)
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        blob = tower_model.SerializeToString()
+        try:
+            self.towers = [ort.InferenceSession(blob, opts, providers=providers or
+                                                ["CPUExecutionProvider"])
+                           for _ in range(devices)]
+        except Exception as exc:
+            raise NgdistError(f"onnxruntime rejected the replica tower graph: {exc}") from None
+        rest_graph = helper.make_graph(
+            rest_nodes, graph.name, list(graph.input) +
+            [onnx.ValueInfoProto(name=n) for n in self.crossing], list(graph.output),
+            initializer=list(graph.initializer))
+        rest_model = helper.make_model(rest_graph, opset_imports=list(model.opset_import),
+                                       ir_version=model.ir_version)
+        self.rest = Executor(rest_model, comm, providers=providers,
+                             intra_op_threads=intra_op_threads, overlap=overlap)
+        self.items, self.comm_nodes = self.rest.items, self.rest.comm_nodes
+        self.devices = devices
+        self.pool = ThreadPoolExecutor(devices, thread_name_prefix="ngdist-replica")
+        logger.info("%d replicas: tower of %d nodes -> %d values; rest of %d nodes", devices,
+                    len(tower_nodes), len(self.crossing), len(rest_nodes))
+
+    def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
+            ) -> dict[str, ort.OrtValue]:
+        times = times or StepTimes()
+        arrays = {n: feeds[n].numpy() for n in self.data_inputs}
+        sizes = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
+        if len(sizes) != 1:
+            raise InputError(f"the data inputs have different batch sizes {sorted(sizes)}; "
+                             "devices_per_worker splits them along axis 0 together")
+        batch = sizes.pop()
+        bounds = [(batch * d // self.devices, batch * (d + 1) // self.devices)
+                  for d in range(self.devices)]
+        if any(hi == lo for lo, hi in bounds):
+            raise InputError(f"a batch of {batch} sample(s) cannot feed {self.devices} "
+                             "replicas (devices_per_worker); give each at least one sample")
+        shared = {n: feeds[n] for n in self.tower_inputs if n not in arrays}
+
+        def replica(d: int) -> list[np.ndarray]:
+            lo, hi = bounds[d]
+            feed = dict(shared)
+            feed.update((n, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[lo:hi])))
+                        for n, a in arrays.items() if n in self.tower_inputs)
+            outs = self.towers[d].run_with_ort_values(self.crossing, feed)
+            return [o.numpy() for o in outs]
+
+        t0 = time.perf_counter()
+        try:
+            results = list(self.pool.map(replica, range(self.devices)))
+        except NgdistError:
+            raise
+        except Exception as exc:
+            raise NgdistError(f"while executing a replica tower: {exc}") from None
+        times.compute += time.perf_counter() - t0
+        equal = len({hi - lo for lo, hi in bounds}) == 1
+        weights = [(hi - lo) / batch for lo, hi in bounds]
+        rest_feeds = dict(feeds)
+        for j, name in enumerate(self.crossing):
+            vals = [r[j] for r in results]
+            first = vals[0]
+            if name in self.dependent and first.dtype.kind == "f":
+                acc = first.astype(first.dtype, copy=True)
+                if equal:
+                    for v in vals[1:]:
+                        acc += v
+                    acc /= first.dtype.type(self.devices)
+                else:
+                    acc *= first.dtype.type(weights[0])
+                    for v, w in zip(vals[1:], weights[1:]):
+                        acc += v * first.dtype.type(w)
+                first = acc
+            rest_feeds[name] = ort.OrtValue.ortvalue_from_numpy(np.asarray(first, order="C"))
+        return self.rest.run(rest_feeds, times)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.rest.close()
