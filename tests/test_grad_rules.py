@@ -10,6 +10,7 @@ the runtime training uses, and must agree with the float64 result.
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+from onnx.reference.ops._op import OpRunUnaryNum
 from onnx.reference.ops.op_conv_transpose import ConvTranspose as _RefConvTranspose
 
 from ngdist.errors import GradientError
@@ -43,6 +46,26 @@ class ConvTranspose(_RefConvTranspose):
             None if B is None else B[i * cout:(i + 1) * cout], group=1, **kw)[0]
             for i in range(group)]
         return (np.concatenate(parts, axis=1),)
+
+
+class Erf(OpRunUnaryNum):
+    """onnx 1.23's reference Erf rounds through float32; keep float64 precision."""
+
+    def _run(self, x):  # type: ignore[override]
+        return (np.vectorize(math.erf, otypes=[x.dtype])(x),)
+
+
+class Gelu(OpRun):
+    """onnx 1.23 evaluates Gelu through its function body with the float32 Erf above."""
+
+    op_domain = ""
+
+    def _run(self, x, approximate="none"):  # type: ignore[override]
+        if approximate == "tanh":
+            inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)
+            return ((0.5 * x * (1 + np.tanh(inner))).astype(x.dtype),)
+        cdf = 0.5 * (1 + np.vectorize(math.erf, otypes=[x.dtype])(x / math.sqrt(2)))
+        return ((x * cdf).astype(x.dtype),)
 
 
 # ----------------------------------------------------------------------------- the table
@@ -301,6 +324,96 @@ def _cases() -> list[Case]:
     c("Dropout-default-ratio", "Dropout", lambda g: [g.n(4, 5), None, train], seed=2, fresh=True)
     c("Dropout-inference", "Dropout", lambda g: [g.n(4, 5)])
     c("Dropout-training-false", "Dropout", lambda g: [g.n(4, 5), None, np.array(False)])
+    # --- transformer pieces: pointwise math -----------------------------------------------
+    c("Erf", "Erf", lambda g: [g.n(3, 4)])
+    c("Gelu", "Gelu", lambda g: [g.n(3, 4) * 2], opset=20)
+    c("Gelu-tanh", "Gelu", lambda g: [g.n(3, 4) * 2], opset=20, approximate="tanh")
+    add(graph_case("Gelu-erf-decomposition", [
+        mk("Div", ["x", "sqrt2"], ["xs"]), mk("Erf", ["xs"], ["e"]),
+        mk("Add", ["e", "one"], ["e1"]), mk("Mul", ["x", "e1"], ["xe"]),
+        mk("Mul", ["xe", "half"], ["y"])],
+        {"x": Gen("gelu-dec").n(3, 4) * 2},
+        {"sqrt2": np.array(np.sqrt(2.0)), "one": np.array(1.0), "half": np.array(0.5)}))
+    c("Pow-both", "Pow", lambda g: [g.pos(2, 3), g.n(3)])
+    c("Pow-square", "Pow", lambda g: [g.n(2, 3), Const(np.array(2.0))])
+    c("Pow-sqrt-bcast", "Pow", lambda g: [g.pos(2, 3), g.n(1) * 0 + 0.5])
+    c("Pow-int-exponent", "Pow", lambda g: [g.n(2, 3), np.array(3)])
+    c("Sqrt", "Sqrt", lambda g: [g.pos(3, 4)])
+    c("Exp", "Exp", lambda g: [g.n(3, 4)])
+    c("Log", "Log", lambda g: [g.pos(3, 4)])
+    c("Abs", "Abs", lambda g: [g.away(3, 4)])
+    c("Reciprocal", "Reciprocal", lambda g: [g.pos(3, 4)])
+    c("Neg-bcast-graph", "Neg", lambda g: [g.n(2, 1, 3)])
+    c("Clip-both", "Clip", lambda g: [g.distinct(4, 5), Const(np.array(-0.5)),
+                                      Const(np.array(0.7))])
+    c("Clip-min-only", "Clip", lambda g: [g.distinct(4, 5), Const(np.array(0.1))])
+    c("Clip-max-only", "Clip", lambda g: [g.distinct(4, 5), None, Const(np.array(0.3))])
+    c("Clip-none", "Clip", lambda g: [g.n(4, 5)])
+    c("Clip-bounds-are-inputs", "Clip", lambda g: [g.distinct(4, 5), np.array(-0.3),
+                                                   np.array(0.4)])
+    c("LeakyRelu", "LeakyRelu", lambda g: [g.away(3, 4)])
+    c("LeakyRelu-alpha", "LeakyRelu", lambda g: [g.away(3, 4)], alpha=0.2)
+    # --- selection ------------------------------------------------------------------------
+    c("Where-bcast", "Where", lambda g: [g.n(2, 3, 4) > 0, g.n(4), g.n()])
+    c("Where-same", "Where", lambda g: [g.n(3, 4) > 0, g.n(3, 4), g.n(3, 4)])
+    for op in ("Max", "Min"):
+        c(f"{op}-2", op, lambda g: [g.distinct(3, 4), g.distinct(3, 4) + 0.005])
+        c(f"{op}-3-bcast", op, lambda g: [g.distinct(2, 3, 4), g.distinct(4) + 0.003,
+                                          g.distinct(3, 1) + 0.007])
+        c(f"{op}-1", op, lambda g: [g.n(3, 4)])
+    for op in ("ReduceMax", "ReduceMin"):
+        c(f"{op}-axis1", op, lambda g: [g.distinct(2, 3, 4), np.array([1])])
+        c(f"{op}-drop", op, lambda g: [g.distinct(2, 3, 4), np.array([0, -1])], keepdims=0)
+        c(f"{op}-all", op, lambda g: [g.distinct(2, 3, 4)], keepdims=0)
+    # --- indexing ---------------------------------------------------------------------------
+    c("Gather-embedding", "Gather", lambda g: [g.n(5, 3), np.array([[0, 4, -1], [2, 0, 0]])])
+    c("Gather-axis1", "Gather", lambda g: [g.n(2, 4, 3), np.array([3, -4, 1, 3])], axis=1)
+    c("Gather-axis-last-2d-idx", "Gather", lambda g: [g.n(2, 4), np.array([[1, 1], [0, 3]])],
+      axis=-1)
+    c("Gather-scalar", "Gather", lambda g: [g.n(4, 3), np.array(2)])
+    c("Gather-int32", "Gather", lambda g: [g.n(4, 3), np.array([1, 1, -1], np.int32)])
+    c("GatherElements", "GatherElements",
+      lambda g: [g.n(3, 4), np.array([[0, 3, 3], [1, -1, 0], [2, 2, 2]])], axis=1)
+    c("Slice-basic", "Slice", lambda g: [g.n(4, 5), np.array([1, 0]), np.array([3, 4])])
+    c("Slice-axes-steps", "Slice", lambda g: [g.n(3, 6, 4), np.array([0, 1]), np.array([6, 4]),
+                                              np.array([1, 2]), np.array([2, 2])])
+    c("Slice-negative-step", "Slice", lambda g: [g.n(4, 6), np.array([-1]), np.array([-7]),
+                                                 np.array([1]), np.array([-2])])
+    c("Slice-clamped", "Slice", lambda g: [g.n(4, 5), np.array([-100]),
+                                           np.array([2 ** 62]), np.array([0])])
+    # --- shape ------------------------------------------------------------------------------
+    c("Squeeze", "Squeeze", lambda g: [g.n(2, 1, 3, 1), np.array([1, -1])])
+    c("Squeeze-all", "Squeeze", lambda g: [g.n(1, 3, 1)])
+    c("Unsqueeze", "Unsqueeze", lambda g: [g.n(2, 3), np.array([0, -1])])
+    c("Expand", "Expand", lambda g: [g.n(3, 1), np.array([2, 3, 4])])
+    c("Expand-smaller-shape", "Expand", lambda g: [g.n(2, 3), np.array([3])])
+    c("Concat", "Concat", lambda g: [g.n(2, 1, 3), g.n(2, 4, 3), g.n(2, 2, 3)], axis=1)
+    c("Concat-last-symbolic", "Concat", lambda g: [g.n(2, 3), g.n(2, 2)], axis=-1,
+      symbolic=True)
+    c("Concat-const-part", "Concat", lambda g: [g.n(2, 3), Const(g.n(2, 2))], axis=1)
+    c("Split-sizes", "Split", lambda g: [g.n(2, 6), np.array([1, 3, 2])], n_out=3,
+      used=[0, 1, 2], axis=1)
+    c("Split-num-outputs-one-unused", "Split", lambda g: [g.n(6, 2)], n_out=3, used=[0, 2],
+      num_outputs=3)
+    # --- constants and shape-only subgraphs: no gradient flows through them -------------------
+    add(graph_case("Shape-subgraph", [
+        mk("Shape", ["x"], ["sh"]),
+        mk("Slice", ["sh", "zero", "one"], ["lead"]),
+        mk("Concat", ["lead", "minus1"], ["target"], axis=0),
+        mk("Reshape", ["x", "target"], ["flat"]),
+        mk("ConstantOfShape", ["target_c"], ["ones"], value=numpy_helper.from_array(
+            np.array([2.0]))),
+        mk("Cast", ["ones"], ["ones_d"], to=TensorProto.DOUBLE),
+        mk("CastLike", ["ones_d", "flat"], ["ones_l"]),
+        mk("Mul", ["flat", "ones_l"], ["y"])],
+        {"x": Gen("shape-sub").n(2, 3, 2)},
+        {"zero": np.array([0]), "one": np.array([1]), "minus1": np.array([-1]),
+         "target_c": np.array([2, 6])}))
+    add(graph_case("Constant", [
+        helper.make_node("Constant", [], ["k"], name="const",
+                         value=numpy_helper.from_array(np.array([1.5, -2.0, 0.5]))),
+        mk("CastLike", ["k", "x"], ["kl"]),
+        mk("Mul", ["x", "kl"], ["y"])], {"x": Gen("const").n(2, 3)}))
     return cases
 
 
@@ -360,7 +473,7 @@ class Runner:
             if ort_only or "NOT_IMPLEMENTED" not in str(exc):
                 raise
             self.sess = None
-            self.ref = ReferenceEvaluator(model, new_ops=[ConvTranspose])
+            self.ref = ReferenceEvaluator(model, new_ops=[ConvTranspose, Erf, Gelu])
 
     def _ort(self) -> ort.InferenceSession:
         opts = ort.SessionOptions()
@@ -446,3 +559,92 @@ def check_case(case: Case) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_rule_matches_central_differences(case: Case) -> None:
     check_case(case)
+
+
+# ----------------------------------------------------------------------------- ties
+
+def _grads(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    weights = weights_for(case)
+    run = Runner(grad_model(case, np.float64, weights))
+    return dict(zip(case.inputs, run(dict(case.inputs))[1:])), weights
+
+
+@pytest.mark.parametrize("op", ["Max", "Min"])
+def test_max_min_ties_share_the_gradient(op: str) -> None:
+    a = np.array([[1.0, 2.0, 3.0], [4.0, 4.0, -1.0]])
+    b = np.array([[1.0, 0.0, 3.0], [4.0, 5.0, -2.0]])  # ties at (0, 0), (0, 2), (1, 0)
+    grads, w = _grads(op_case(f"{op}-ties", op, [a, b]))
+    tie = a == b
+    wins_a = (a > b) if op == "Max" else (a < b)
+    expected_a = w["w0"] * np.where(tie, 0.5, wins_a.astype(float))
+    np.testing.assert_allclose(grads["in0"], expected_a, rtol=1e-12)
+    np.testing.assert_allclose(grads["in1"], w["w0"] - expected_a, rtol=1e-12)
+
+
+def test_reduce_max_ties_share_the_gradient() -> None:
+    x = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]])
+    grads, w = _grads(op_case("ReduceMax-ties", "ReduceMax", [x, np.array([1])]))
+    share = np.array([[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    np.testing.assert_allclose(grads["in0"], share * w["w0"], rtol=1e-12)
+
+
+def test_max_pool_ties_go_to_the_first_maximum() -> None:
+    x = np.ones((1, 1, 4, 4))
+    grads, w = _grads(op_case("MaxPool-ties", "MaxPool", [x], kernel_shape=[3, 3],
+                              strides=[1, 1]))
+    expected = np.zeros((4, 4))
+    for i in range(2):
+        for j in range(2):
+            expected[i, j] += w["w0"][0, 0, i, j]  # window (i, j) starts at (i, j)
+    np.testing.assert_array_equal(grads["in0"][0, 0], expected)
+
+
+# ----------------------------------------------------------------------------- reuse
+
+REUSE = ["MaxPool-2x2", "MaxPool-with-indices", "BatchNorm-train-4d", "LayerNorm-last",
+         "LayerNorm-float32-stats", "Dropout-train", "Dropout-train-mask-output", "Gelu",
+         "Sigmoid", "Tanh", "Softmax-axis1", "Exp", "Sqrt", "Erf"]
+
+
+@pytest.mark.parametrize("cid", REUSE)
+def test_backward_reuses_the_forward_op(cid: str) -> None:
+    """The backward pass reads the forward node's outputs (adding outputs such as MaxPool's
+    Indices or Dropout's mask to it) and never runs the forward op a second time."""
+    case = next(c for c in CASES if c.id == cid)
+    op = case.nodes[0].op_type
+    lowered = grad_model(case, np.float32, weights_for(case))
+    assert sum(n.op_type == op for n in lowered.graph.node) == 1
+    forward = next(n for n in lowered.graph.node if n.name == "node0")
+    if op in ("MaxPool", "Dropout"):
+        extra = forward.output[1]
+        assert extra and any(extra in n.input for n in lowered.graph.node if n is not forward)
+    if op == "Dropout":
+        assert not [n for n in lowered.graph.node if "Random" in n.op_type]
+    if op == "LayerNormalization":  # float32 statistics of float32 data are reused
+        assert len(forward.output) == 3 and all(forward.output)
+
+
+# ----------------------------------------------------------------------------- missing rules
+
+def test_missing_rules_are_listed_all_at_once() -> None:
+    nodes = [helper.make_node("Det", ["x"], ["d"], name="det0"),
+             helper.make_node("Frobnicate", ["x"], ["f"], name="frob0", domain="com.example"),
+             helper.make_node("Mul", ["d", "f"], ["m"], name="mul0"),
+             helper.make_node("Det", ["x"], ["d2"], name="det1"),
+             helper.make_node("Add", ["m", "d2"], ["y"], name="add0"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
+             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
+                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 3])],
+        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, [2, 3, 3])])
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1),
+        helper.make_opsetid("com.example", 1)])
+    with pytest.raises(GradientError) as info:
+        AutodiffPass()(ir.from_proto(proto))
+    assert str(info.value) == (
+        "no gradient rule for 3 node(s) on the path to the loss: Det (node 'det1'), "
+        "Frobnicate (node 'frob0'), Det (node 'det0'). Ops without a rule: Det, "
+        "com.example.Frobnicate. Mark the inputs that feed them as frozen, or register a rule "
+        "with ngdist.passes.autodiff.register")

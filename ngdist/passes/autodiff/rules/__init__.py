@@ -3,10 +3,13 @@ from ngdist.passes.autodiff.rules import (  # noqa: F401
     activation,
     conv,
     elementwise,
+    indexing,
     linalg,
     loss,
     norm,
+    pointwise,
     pool,
     reduce,
+    select,
     shape,
 )

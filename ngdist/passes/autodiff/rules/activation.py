@@ -1,5 +1,7 @@
-"""Activations: Relu, Sigmoid, Tanh, Softmax, LogSoftmax."""
+"""Activations: Relu, Sigmoid, Tanh, Softmax, LogSoftmax, LeakyRelu, Gelu (exact and tanh)."""
 from __future__ import annotations
+
+import math
 
 from ngdist.passes.autodiff.registry import attr, register
 
@@ -45,3 +47,36 @@ def log_softmax(ctx, node, gys):
     axes = ctx.ints([_axis(ctx, node)])
     total = ctx.op("ReduceSum", gys[0], axes, keepdims=1)
     return [ctx.op("Sub", gys[0], ctx.op("Mul", ctx.op("Exp", y), total))]
+
+
+@register("LeakyRelu")
+def leaky_relu(ctx, node, gys):
+    (x,), g = node.inputs, gys[0]
+    slope = ctx.const(attr(node, "alpha", 0.01), like=x)
+    return [ctx.op("Where", ctx.op("Greater", x, ctx.const(0.0, like=x)), g,
+                   ctx.op("Mul", g, slope))]
+
+
+@register("Gelu")
+def gelu(ctx, node, gys):
+    (x,), g = node.inputs, gys[0]
+    half, one = ctx.const(0.5, like=x), ctx.const(1.0, like=x)
+    if attr(node, "approximate", "none") == "tanh":
+        # y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = ctx.op("Mul", x, x)
+        u = ctx.op("Mul", ctx.const(c, like=x),
+                   ctx.op("Mul", x, ctx.op("Add", one, ctx.op("Mul", ctx.const(k, like=x), x2))))
+        t = ctx.op("Tanh", u)
+        du = ctx.op("Mul", ctx.const(c, like=x),
+                    ctx.op("Add", one, ctx.op("Mul", ctx.const(3 * k, like=x), x2)))
+        sech2 = ctx.op("Sub", one, ctx.op("Mul", t, t))
+        dy = ctx.op("Add", ctx.op("Mul", half, ctx.op("Add", one, t)),
+                    ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Mul", sech2, du)))
+    else:  # y = x Phi(x): dy = Phi(x) + x phi(x)
+        cdf = ctx.op("Mul", half, ctx.op("Add", one, ctx.op(
+            "Erf", ctx.op("Mul", x, ctx.const(1.0 / math.sqrt(2.0), like=x)))))
+        pdf = ctx.op("Mul", ctx.const(1.0 / math.sqrt(2.0 * math.pi), like=x), ctx.op(
+            "Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.const(-0.5, like=x))))
+        dy = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
+    return [ctx.op("Mul", g, dy)]

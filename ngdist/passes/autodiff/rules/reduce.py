@@ -1,4 +1,5 @@
-"""Reductions: ReduceSum and ReduceMean (axes as input or attribute, keepdims, empty axes)."""
+"""Reductions: ReduceSum, ReduceMean, ReduceMax, ReduceMin (axes as input or attribute, keepdims,
+empty axes). ReduceMax/Min share the gradient equally among tied maxima (as torch.amax does)."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,3 +51,15 @@ def reduce_mean(ctx, node, gys):
     ratio = ctx.op("Div", ctx.op("CastLike", ctx.op("Size", y), x),
                    ctx.op("CastLike", ctx.op("Size", x), x))
     return [ctx.op("Mul", out, ratio), None]
+
+
+@register("ReduceMax", "ReduceMin")
+def reduce_max(ctx, node, gys):
+    x, (y,) = node.inputs[0], node.outputs
+    g, axes = _expand_back(ctx, node, gys[0])
+    if axes == []:
+        return [g, None]
+    full, _ = _expand_back(ctx, node, y)
+    mask = ctx.op("CastLike", ctx.op("Equal", x, full), x)
+    count = ctx.op("ReduceSum", mask, *([ctx.ints(axes)] if axes else []), keepdims=1)
+    return [ctx.op("Div", ctx.op("Mul", g, mask), count), None]

@@ -1,4 +1,5 @@
-"""Shape ops: Reshape, Flatten, Transpose (the data input only; shape inputs get no gradient)."""
+"""Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split (the data
+inputs only; shape, axes and split-size inputs get no gradient)."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,3 +22,41 @@ def transpose(ctx, node, gys):
         perm = list(range(rank))[::-1]
     inverse = np.argsort(np.asarray(perm)).tolist()
     return [ctx.op("Transpose", gys[0], perm=inverse)]
+
+
+@register("Squeeze", "Unsqueeze")
+def squeeze(ctx, node, gys):
+    return [ctx.op("Reshape", gys[0], ctx.op("Shape", node.inputs[0])), None]
+
+
+@register("Expand")
+def expand(ctx, node, gys):
+    return [ctx.unbroadcast(gys[0], node.inputs[0]), None]
+
+
+def _extent(ctx, value, axis: int):
+    """The size of one axis, as a 1-element int64 tensor (static when known)."""
+    if value.shape is not None and isinstance(value.shape.dims[axis], int):
+        return ctx.ints([value.shape.dims[axis]])
+    return ctx.op("Gather", ctx.op("Shape", value), ctx.ints([axis]))
+
+
+@register("Concat")
+def concat(ctx, node, gys):
+    rank = ctx.rank(node.outputs[0]) or ctx.rank(node.inputs[0])
+    if rank is None:
+        raise ValueError("Concat inputs of unknown rank")
+    axis = attr(node, "axis") % rank
+    if len(node.inputs) == 1:
+        return [gys[0]]
+    sizes = ctx.op("Concat", *[_extent(ctx, x, axis) for x in node.inputs], axis=0)
+    return list(ctx.op_multi("Split", gys[0], sizes, axis=axis, num_outputs=len(node.inputs)))
+
+
+@register("Split")
+def split(ctx, node, gys):
+    rank = ctx.rank(node.inputs[0])
+    if rank is None:
+        raise ValueError("Split input of unknown rank")
+    parts = [g if g is not None else ctx.zeros_like(y) for g, y in zip(gys, node.outputs)]
+    return [ctx.op("Concat", *parts, axis=attr(node, "axis", 0) % rank), None]

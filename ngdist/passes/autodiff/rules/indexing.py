@@ -1,0 +1,76 @@
+"""Indexing: Gather (embedding lookup), GatherElements, Slice. Indices, starts, ends, axes and
+steps get no gradient.
+
+Gather and GatherElements scatter-add the gradient back (repeated indices accumulate; negative
+indices count from the end). Slice scatters the gradient into zeros at the positions that a
+Slice, with the forward node's own starts/ends/axes/steps, picks from an index ramp, so every
+Slice form (negative steps, clamped bounds, run-time bounds) has the forward op's semantics.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ngdist.passes.autodiff.registry import attr, register
+
+
+def _zeros(ctx, shape, like):
+    zero = ctx.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, np.float32)))
+    return ctx.op("CastLike", zero, like)
+
+
+def _wrap(ctx, indices, shape, axis: int):
+    """int64 indices with negative ones counted from the end of ``axis`` of ``shape``."""
+    idx = ctx.op("Cast", indices, to=ir.DataType.INT64)
+    extent = ctx.op("Gather", shape, ctx.const(np.array(axis, np.int64)))  # a scalar
+    zero = ctx.const(np.array(0, np.int64))
+    return ctx.op("Where", ctx.op("Less", idx, zero), ctx.op("Add", idx, extent), idx)
+
+
+@register("Gather")
+def gather(ctx, node, gys):
+    data, indices = node.inputs
+    g = gys[0]
+    rank, irank = ctx.rank(data), ctx.rank(indices)
+    if rank is None or irank is None:
+        raise ValueError("Gather needs data and indices of known rank")
+    axis = attr(node, "axis", 0) % rank
+    shape = ctx.op("Shape", data)
+    idx = _wrap(ctx, indices, shape, axis)
+    idx = ctx.op("Unsqueeze", idx, ctx.ints([-1]))
+    if axis == 0:
+        return [ctx.op("ScatterND", _zeros(ctx, shape, g), idx, g, reduction="add"), None]
+    # move the gathered axis to the front: ScatterND indexes leading axes only
+    perm = [axis, *range(axis), *range(axis + 1, rank)]
+    g_perm = [*range(axis, axis + irank), *range(axis), *range(axis + irank, rank + irank - 1)]
+    front = _zeros(ctx, ctx.op("Gather", shape, ctx.ints(perm)), g)
+    scattered = ctx.op("ScatterND", front, idx, ctx.op("Transpose", g, perm=g_perm),
+                       reduction="add")
+    return [ctx.op("Transpose", scattered, perm=np.argsort(perm).tolist()), None]
+
+
+@register("GatherElements")
+def gather_elements(ctx, node, gys):
+    data, indices = node.inputs
+    rank = ctx.rank(data)
+    if rank is None:
+        raise ValueError("GatherElements needs data of known rank")
+    axis = attr(node, "axis", 0) % rank
+    shape = ctx.op("Shape", data)
+    idx = _wrap(ctx, indices, shape, axis)
+    return [ctx.op("ScatterElements", _zeros(ctx, shape, gys[0]), idx, gys[0], axis=axis,
+                   reduction="add"), None]
+
+
+@register("Slice")
+def slice_(ctx, node, gys):
+    x = node.inputs[0]
+    shape = ctx.op("Shape", x)
+    size = ctx.op("Size", x)
+    ramp = ctx.op("Reshape", ctx.op("Range", ctx.const(np.array(0, np.int64)), size,
+                                    ctx.const(np.array(1, np.int64))), shape)
+    picked = ctx.op("Slice", ramp, *node.inputs[1:])
+    flat = ctx.op("ScatterElements", _zeros(ctx, ctx.op("Reshape", size, ctx.ints([1])), gys[0]),
+                  ctx.op("Reshape", picked, ctx.ints([-1])),
+                  ctx.op("Reshape", gys[0], ctx.ints([-1])), axis=0)
+    return [ctx.op("Reshape", flat, shape), None, None, None, None]
