@@ -12,8 +12,9 @@ peers. The static ``ring`` sends to ``i+1`` (and ``i-1`` with two peers). In-pee
 same offsets (``(i - 2**e) % n``), so every message that is waited for is sent.
 
 All parameters and the weight travel as one flat buffer per message (``Isend``/``Irecv`` on a
-communicator duplicated for the node, tag = iteration); every wait goes through
-``comm.wait(..., peers=[peer])`` and so ends in a CommTimeoutError naming the op and the peer.
+communicator duplicated for the node, tag = iteration); every wait is bounded by the
+communicator's timeout and ends in a CommTimeoutError naming the op and the peer
+(``comm.wait(..., peers=[peer])``; the progress thread polls gently with the same deadline).
 
 ``overlap=1``: the round of iteration ``k`` is posted and left to a progress thread (as the
 reference implementation's gossip thread); the kernel returns at once with its own share.
@@ -25,18 +26,20 @@ counter live in ``CommNode.state``; ``drain`` completes the rounds still in flig
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ngdist.errors import CommError
+from ngdist.errors import CommError, CommTimeoutError
 from ngdist.kernels.base import CommNode, register_kernel, unflatten
 
 logger = logging.getLogger(__name__)
 
 TAG_MOD = 1 << 15  # MPI guarantees tags up to 32767
+GENTLE_POLL_S = 0.001  # the progress thread polls at most this often (the cores are shared)
 
 
 # --------------------------------------------------------------------------- schedule
@@ -87,6 +90,16 @@ class _Round:
         return total
 
 
+def _wait_gently(comm: Any, request: Any, node: CommNode, peer: int) -> None:
+    """The progress thread's wait: poll every GENTLE_POLL_S (a blocking MPI Wait would spin a
+    core that the compute needs), CommTimeoutError naming the op and the peer after the timeout."""
+    deadline = time.monotonic() + comm.timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(comm.timeout_message(node, [peer]))
+        time.sleep(GENTLE_POLL_S)
+
+
 class _Gossip:
     """What one PushSum node keeps across steps (stored in ``node.state``)."""
 
@@ -118,9 +131,12 @@ class _Gossip:
         return rnd
 
     @staticmethod
-    def complete(comm: Any, node: CommNode, rnd: _Round) -> None:
+    def complete(comm: Any, node: CommNode, rnd: _Round, gentle: bool = False) -> None:
         for req, peer in rnd.requests:
-            comm.wait(req, node, peers=[peer])
+            if gentle:
+                _wait_gently(comm, req, node, peer)
+            else:
+                comm.wait(req, node, peers=[peer])
 
     def take_arrived(self, comm: Any, node: CommNode, k: int, everything: bool = False
                      ) -> np.ndarray | None:
@@ -180,7 +196,7 @@ def pushsum(comm, node, inputs):
     rnd = g.post(comm, node, k, share)
     node.state["itr"] = k + 1
     if g.overlap:
-        rnd.done = g.pool.submit(g.complete, comm, node, rnd)
+        rnd.done = g.pool.submit(g.complete, comm, node, rnd, True)
         g.pending.append(rnd)
         return _split(share.copy(), inputs)  # the send buffer stays untouched while in flight
     g.complete(comm, node, rnd)
