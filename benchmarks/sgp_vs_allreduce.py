@@ -229,6 +229,10 @@ def main() -> int:
     sent = sum(r[f"{v}:MB"] for r in rows for v in args.variants) * args.ranks
     print(f"bytes through the veths: {moved / 1e6:.1f} MB (ngdist payload, timed steps only, "
           f"estimated from rank 0 x {args.ranks}: {sent:.1f} MB)")
+    if moved < 0.9 * sent * 1e6:
+        print("WARNING: less traffic on the veths than the payload: the ranks did not (only) "
+              "talk TCP through the namespaces")
+        return 1
     return 0
 
 
