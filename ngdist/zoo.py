@@ -36,3 +36,52 @@ def mlp(sizes: tuple[int, ...] = (64, 128, 10), seed: int = 0, activation: str =
         [helper.make_tensor_value_info("logits", elem, ["batch", sizes[-1]])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
                              ir_version=IR_VERSION, producer_name="ngdist.zoo")
+
+
+def cnn(channels: tuple[int, int] = (32, 32), classes: int = 10, image: int = 8, seed: int = 0,
+        dtype: type = np.float32) -> onnx.ModelProto:
+    """Forward-only LeNet-style CNN for ``N x 1 x image x image`` inputs ``x`` -> ``logits``:
+    Conv3x3 - BatchNormalization (training mode) - Relu - MaxPool2x2 - Conv3x3 - Relu -
+    Flatten - Gemm. Weights use PyTorch's default initialisation (uniform +-1/sqrt(fan_in));
+    BatchNorm starts at scale 1, bias 0, running mean 0, running variance 1, momentum 0.9
+    (ONNX's convention: running = 0.9 running + 0.1 batch). Names follow PyTorch:
+    ``conv1.weight``, ``bn1.running_mean``, ``fc.bias``...
+    """
+    rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    c1, c2 = channels
+    flat = c2 * (image // 2) ** 2
+
+    def uniform(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
+        bound = 1.0 / np.sqrt(fan_in)
+        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(dtype), name)
+
+    inits = [uniform("conv1.weight", (c1, 1, 3, 3), 9), uniform("conv1.bias", (c1,), 9),
+             numpy_helper.from_array(np.ones(c1, dtype), "bn1.weight"),
+             numpy_helper.from_array(np.zeros(c1, dtype), "bn1.bias"),
+             numpy_helper.from_array(np.zeros(c1, dtype), "bn1.running_mean"),
+             numpy_helper.from_array(np.ones(c1, dtype), "bn1.running_var"),
+             uniform("conv2.weight", (c2, c1, 3, 3), 9 * c1), uniform("conv2.bias", (c2,), 9 * c1),
+             uniform("fc.weight", (classes, flat), flat), uniform("fc.bias", (classes,), flat),
+             numpy_helper.from_array(np.array([-1, flat], np.int64), "flat_shape")]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv1.weight", "conv1.bias"], ["c1"], name="conv1",
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "bn1.weight", "bn1.bias",
+                                                "bn1.running_mean", "bn1.running_var"],
+                         ["b1", "bn1.running_mean.out", "bn1.running_var.out"], name="bn1",
+                         training_mode=1, momentum=0.9, epsilon=1e-5),
+        helper.make_node("Relu", ["b1"], ["r1"], name="relu1"),
+        helper.make_node("MaxPool", ["r1"], ["p1"], name="pool1", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "conv2.weight", "conv2.bias"], ["c2"], name="conv2",
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("Reshape", ["r2", "flat_shape"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "cnn", [helper.make_tensor_value_info("x", elem, ["batch", 1, image, image])],
+        [helper.make_tensor_value_info("logits", elem, ["batch", classes])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                             ir_version=IR_VERSION, producer_name="ngdist.zoo")

@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Collection
 
 import numpy as np
 import onnx
@@ -63,16 +64,25 @@ def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def choose_params(model: onnx.ModelProto, params: list[str] | None,
-                  frozen: list[str] | None) -> list[str]:
+                  frozen: list[str] | None, buffers: Collection[str] = (),
+                  statistics: Collection[str] = ()) -> list[str]:
+    """The trained initializers: ``params``, or every float initializer except ``buffers``
+    (state the forward pass updates) and ``statistics`` (inference-mode BatchNorm inputs)."""
     inits = {t.name: t for t in model.graph.initializer}
     if params is not None:
         unknown = [p for p in params if p not in inits]
         if unknown:
             raise GraphError(f"params {unknown} are not initializers of the model; it has "
                              f"{sorted(inits)[:20]}")
+        clash = [p for p in params if p in buffers]
+        if clash:
+            raise GraphError(f"params {clash} are running statistics of training-mode "
+                             "BatchNormalization (buffers the forward pass updates); they "
+                             "cannot also be trained")
         chosen = list(params)
     else:
-        chosen = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES]
+        chosen = [n for n, t in inits.items() if t.data_type in FLOAT_TYPES
+                  and n not in buffers and n not in statistics]
     frozen_set = set(frozen or [])
     unknown = frozen_set - set(inits)
     if unknown:
@@ -114,12 +124,75 @@ def _loss_nodes(kind: str | None, output: onnx.ValueInfoProto, labels: str
     return nodes, [lab], "ngdist.loss"
 
 
+def batchnorm_statistics(graph: onnx.GraphProto
+                         ) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """Running mean/variance initializers of BatchNormalization nodes: for training mode,
+    name -> (node index, output index of its new value); for inference mode, a list."""
+    inits = {t.name for t in graph.initializer}
+    running: dict[str, tuple[int, int]] = {}
+    fixed: list[str] = []
+    for idx, node in enumerate(graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") or \
+                len(node.input) < 5:
+            continue
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        for k, name in ((1, node.input[3]), (2, node.input[4])):
+            if name not in inits:
+                continue
+            if not training:
+                fixed.append(name)
+            elif name in running:
+                raise GraphError(f"running statistic {name!r} is updated by two "
+                                 "BatchNormalization nodes; give each node its own")
+            else:
+                running[name] = (idx, k)
+    return running, fixed
+
+
+def _wire_buffers(nodes: list[onnx.NodeProto], running: dict[str, tuple[int, int]],
+                  explicit: dict[str, str]) -> dict[str, str]:
+    """Buffer name -> the step value holding its new value (BatchNorm outputs added if absent)."""
+    out = dict(explicit)
+    for name, (idx, k) in running.items():
+        if name in out:
+            continue
+        node = nodes[idx]
+        while len(node.output) < 3:
+            node.output.append("")
+        if not node.output[k]:
+            node.output[k] = f"{name}.new"
+        out[name] = node.output[k]
+    return out
+
+
+def _eval_mode(graph: onnx.GraphProto, running: dict[str, tuple[int, int]]) -> None:
+    """The deployable graph normalizes with the running statistics (training_mode=0)."""
+    used = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    for idx in sorted({idx for idx, _ in running.values()}):
+        node = graph.node[idx]
+        if any(o and o in used for o in node.output[1:]):
+            logger.warning("BatchNormalization '%s': its running statistics are read by other "
+                           "nodes; the inference graph keeps training mode", node.name)
+            continue
+        del node.output[1:]
+        for a in node.attribute:
+            if a.name == "training_mode":
+                a.i = 0
+
+
 def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
                          loss: str | None = "softmax_cross_entropy", labels: str = "y",
                          optimizer: optim.Optimizer | str = optim.SGD(lr=0.01),
                          params: list[str] | None = None, frozen: list[str] | None = None,
-                         output: str | None = None) -> onnx.ModelProto:
-    """Forward model -> training model (TrainingInfoProto with Gradient + optimizer op)."""
+                         output: str | None = None, buffers: dict[str, str] | None = None
+                         ) -> onnx.ModelProto:
+    """Forward model -> training model (TrainingInfoProto with Gradient + optimizer op).
+
+    The running mean/variance of training-mode BatchNormalization nodes become buffers: never
+    trained, updated each step from the node's running_mean/running_var outputs through
+    ``update_binding``; ``model.graph`` uses them in inference mode. ``buffers`` maps further
+    initializers (or a BatchNorm statistic, to override) to the step value that updates them.
+    """
     if not isinstance(forward, onnx.ModelProto):
         forward = load_proto(forward)
     if forward.training_info:
@@ -128,7 +201,12 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     opt = optim.from_spec(optimizer)
     model = normalize_forward(forward)
     g = model.graph
-    chosen = choose_params(model, params, frozen)
+    running, fixed_stats = batchnorm_statistics(g)
+    explicit = dict(buffers or {})
+    unknown = [b for b in explicit if b not in {t.name for t in g.initializer}]
+    if unknown:
+        raise GraphError(f"buffers {unknown} are not initializers of the model")
+    chosen = choose_params(model, params, frozen, {*running, *explicit}, fixed_stats)
     outputs = {o.name: o for o in g.output}
     out_name = output or g.output[0].name
     if out_name not in outputs:
@@ -142,7 +220,10 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
 
     inits = {t.name: t for t in g.initializer}
     grads = [f"{p}.grad" for p in chosen]
-    nodes = [copy.deepcopy(n) for n in g.node] + loss_nodes
+    nodes = [copy.deepcopy(n) for n in g.node]
+    buffer_values = _wire_buffers(nodes, running, explicit)
+    _eval_mode(g, running)
+    nodes += loss_nodes
     nodes.append(helper.make_node("Gradient", chosen, grads, name="ngdist/gradient",
                                   domain=PREVIEW_TRAINING, xs=chosen, y=loss_name))
     states: list[onnx.TensorProto] = [numpy_helper.from_array(np.array(0, np.int64), STEP),
@@ -173,7 +254,7 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
                                   name="ngdist/step_inc"))
     alg_outputs = [helper.make_tensor_value_info(loss_name, TensorProto.UNDEFINED, None)]
     alg_outputs += [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
-                    for n in [*new_names, f"{STEP}.new"]]
+                    for n in [*new_names, f"{STEP}.new", *buffer_values.values()]]
     alg = helper.make_graph(nodes, "ngdist_step", data_inputs + label_inputs, alg_outputs,
                             initializer=states)
     info = model.training_info.add()
@@ -181,6 +262,7 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     binding = {p: f"{p}.new" for p in chosen}
     binding.update({s: f"{s}.new" for s in flat_states})
     binding[STEP] = f"{STEP}.new"
+    binding.update(buffer_values)
     for k, v in binding.items():
         kv = info.update_binding.add()
         kv.key, kv.value = k, v
@@ -188,5 +270,6 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     roles = {p: "param" for p in chosen}
     roles.update({s: "state" for s in [STEP, *flat_states]})
     roles[LR] = "hyper"
+    roles.update({b: "buffer" for b in buffer_values})
     helper.set_model_props(model, {"ngdist.roles": json.dumps(roles), "ngdist.loss": loss_name})
     return model

@@ -1,6 +1,7 @@
 """Strategies as named pass pipelines, and the functions that run them.
 
-``allreduce``: autodiff -> AllReduce insertion -> bucketing -> optimizer lowering.
+``allreduce``: autodiff -> AllReduce insertion (gradients, then buffer averages) -> bucketing
+-> optimizer lowering.
 ``local``: autodiff -> optimizer lowering (one process, no communication).
 Later strategies (``pushsum``, ``ps``, ``simple``) register themselves in ``STRATEGIES``.
 """
@@ -18,6 +19,7 @@ from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
+from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.optimizers import OptimizerLoweringPass
 from ngdist.passes.pushsum import PushSumPass
 from ngdist.passes.ps import PSPushPullPass
@@ -33,7 +35,8 @@ def _allreduce(bucket_bytes: int = 25 << 20, all_reduce_alg: str = "mpi",
     if all_reduce_alg not in ALLREDUCE_ALGORITHMS:
         raise NgdistError(f"unknown all_reduce_alg {all_reduce_alg!r}; choose one of "
                           f"{list(ALLREDUCE_ALGORITHMS)}")
-    return [AllReduceInsertionPass("mean", all_reduce_alg), BucketingPass(bucket_bytes)]
+    return [AllReduceInsertionPass("mean", all_reduce_alg),
+            BufferAverageInsertionPass(all_reduce_alg), BucketingPass(bucket_bytes)]
 
 
 def _local(**_: object) -> list[ir.passes.PassBase]:

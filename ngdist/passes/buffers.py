@@ -1,0 +1,55 @@
+"""Averages the new values of buffers (BatchNorm running statistics) over the ranks."""
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+from ngdist.ir.domain import DOMAIN
+from ngdist.ir.model import ensure_opset, get_meta
+from ngdist.passes.allreduce import insert_after_producer
+
+logger = logging.getLogger(__name__)
+
+
+class BufferAverageInsertionPass(ir.passes.InPlacePass):
+    """Every step output bound to a ``buffer`` (e.g. a BatchNorm running mean/variance) is
+    replaced by ``ngdist.AllReduce(mean)`` of it, keeping its name.
+
+    Each rank's forward pass updates the statistics from its own shard; averaging them keeps
+    every rank's buffers identical (bit for bit) and makes them statistics of the global batch
+    (the running mean exactly, the running variance up to the spread between shard means).
+    PyTorch DDP instead broadcasts rank 0's buffers. Run it before ``BucketingPass``: the
+    averages then ride in the first gradient bucket instead of a message of their own.
+    """
+
+    def __init__(self, algorithm: str = "mpi") -> None:
+        super().__init__()
+        self.algorithm = algorithm
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        meta = get_meta(model)
+        graph = model.graph
+        outputs = {v.name: i for i, v in enumerate(graph.outputs)}
+        modified = False
+        for name in meta.names("buffer"):
+            target = meta.binding.get(name)
+            if target not in outputs:
+                continue
+            value = graph.outputs[outputs[target]]
+            producer = value.producer()
+            if producer is not None and producer.domain == DOMAIN:
+                continue  # already averaged (a rewritten model rewritten again)
+            node = ir.Node(DOMAIN, "AllReduce", [value], ir.convenience.convert_attributes(
+                {"reduction": "mean", "algorithm": self.algorithm}),
+                num_outputs=1, name=f"ngdist/buffer_average/{name}")
+            out = node.outputs[0]
+            out.shape, out.type = value.shape, value.type
+            insert_after_producer(graph, value, node)
+            graph.outputs[outputs[target]] = out  # in-step readers keep the local value
+            value.name = f"{target}.local"
+            out.name = target
+            modified = True
+        if modified:
+            ensure_opset(model, DOMAIN)
+        return ir.passes.PassResult(model, modified)
