@@ -98,3 +98,47 @@ def test_forward_cnn_runs_and_is_valid() -> None:
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out = sess.run(None, {"x": np.random.default_rng(0).random((5, 1, 8, 8), np.float32)})[0]
     assert out.shape == (5, 10)
+
+
+def test_running_statistics_follow_onnx_semantics_and_round_trip(tmp_path) -> None:
+    """One local step updates the buffers as ONNX BatchNormalization defines (momentum 0.9,
+    biased batch variance); the saved file keeps them in the main graph's initializers."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    import ngdist
+    from ngdist.data import load_digits
+    from ngdist.ir.model import get_meta
+
+    x_train, y_train, _, _ = load_digits(images=True)
+    x, y = x_train[:16], y_train[:16]
+    forward = zoo.cnn(channels=(4, 4))
+    inits = {t.name: numpy_helper.to_array(t) for t in forward.graph.initializer}
+    conv = helper.make_model(helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1])], "conv",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(inits["conv1.weight"], "w"),
+         numpy_helper.from_array(inits["conv1.bias"], "b")]),
+        opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    c = ort.InferenceSession(conv.SerializeToString(),
+                             providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    trainer = ngdist.compile(forward, optimizer=ngdist.optim.SGD(lr=0.05), strategy="local")
+    trainer.step({"x": x, "y": y})
+    state = trainer.state_dict()
+    np.testing.assert_allclose(state["bn1.running_mean"], 0.1 * c.mean((0, 2, 3)),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state["bn1.running_var"], 0.9 + 0.1 * c.var((0, 2, 3)),
+                               rtol=1e-5, atol=1e-6)
+    trainer.save(tmp_path / "cnn.onnx")
+    saved = onnx.load(tmp_path / "cnn.onnx")
+    main = {t.name: numpy_helper.to_array(t) for t in saved.graph.initializer}
+    np.testing.assert_array_equal(main["bn1.running_var"], state["bn1.running_var"])
+    assert "bn1.running_var" not in {t.name for t in saved.training_info[0].algorithm.initializer}
+    _, step = split_training_model(saved)
+    assert get_meta(step).roles["bn1.running_mean"] == "buffer"
+    # the deployable graph normalizes with the saved running statistics (eval mode)
+    sess = ort.InferenceSession(saved.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], trainer.predict({"x": x})[0],
+                               rtol=1e-6)
+    trainer.close()
