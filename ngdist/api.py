@@ -64,6 +64,11 @@ def compile(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,  
                               params=params, frozen=frozen, output=output)
     comm = Communicator(timeout=timeout)
     inference, step = split_training_model(proto)
+    devices = int(strategy_options.pop("devices_per_worker", 1))  # replicas in this process
+    serve = bool(strategy_options.pop("ps_serve", True))  # False: DistributedSGD's lockstep
     step = run_passes(step, strategy, bucket_bytes=bucket_bytes, **strategy_options)
-    return Trainer(inference, step=step, comm=comm, intra_op_threads=intra_op_threads,
-                   providers=providers, overlap=overlap)
+    trainer = Trainer(inference, step=step, comm=comm, intra_op_threads=intra_op_threads,
+                      providers=providers, overlap=overlap, devices_per_worker=devices)
+    from ngdist.runtime.ps_server import setup as ps_setup
+    ps_setup(trainer, serve)  # ps: shard owners; a dedicated server serves until workers stop
+    return trainer

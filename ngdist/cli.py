@@ -17,6 +17,7 @@ EPILOG = """examples:
   ngdist rewrite mlp.onnx -o mlp.dist.onnx --loss softmax_cross_entropy --optimizer sgd:lr=0.05,momentum=0.9
   ngdist inspect mlp.dist.onnx                  parameters, gradients, comm nodes, buckets
   ngdist run -n 4 -- python train.py            launch 4 ranks with the bundled mpiexec
+  ngdist run -n 6 --servers 2 -- python train.py   strategy ps: ranks 4, 5 are parameter servers
 """
 
 
@@ -64,6 +65,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.timeout is not None:
         env["NGDIST_TIMEOUT"] = str(args.timeout)
+    if args.servers:
+        if not 0 < args.servers < args.n:
+            raise NgdistError(f"--servers {args.servers} needs more ranks than servers "
+                              f"(-n {args.n}); e.g. `ngdist run -n {args.servers + 2} "
+                              f"--servers {args.servers} -- ...`")
+        env["NGDIST_PS_SERVERS"] = str(args.servers)
     logger.info("launching: %s", " ".join(cmd + command))
     return subprocess.call(cmd + command, env=env)
 
@@ -114,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pushsum: out-peers per iteration (default 1)")
     p.add_argument("--overlap", dest="opt_overlap", action="store_const", const=True,
                    help="pushsum: non-blocking gossip, messages added one iteration later")
+    p.add_argument("--grad-shard-bytes", dest="opt_grad_shard_bytes", type=int,
+                   help="ps: cut the gradients into shards of at most this many bytes "
+                        "(default 10,000,000 as Ray SGD; 0 = one shard per owner)")
+    p.add_argument("--all-reduce-alg", dest="opt_all_reduce_alg",
+                   help="allreduce: mpi (default) | ring | recursive_doubling | hierarchical")
     p.add_argument("--synch-freq", dest="opt_synch_freq", type=int,
                    help="pushsum with --overlap: iterations a message may lag (default 0)")
     p.set_defaults(func=cmd_rewrite)
@@ -130,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--hostfile", help="MPICH hostfile for several machines")
     p.add_argument("--hosts", help="comma-separated host list (alternative to --hostfile)")
+    p.add_argument("--servers", type=int, default=0,
+                   help="strategy ps: the last K of the N ranks are dedicated parameter "
+                        "servers (sets NGDIST_PS_SERVERS; default 0 = co-located shards)")
     p.add_argument("--timeout", type=float,
                    help="seconds before a stuck collective fails (sets NGDIST_TIMEOUT)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")

@@ -84,5 +84,7 @@ def summarize(model: onnx.ModelProto) -> Summary:
 
 
 def _attr(a: onnx.AttributeProto):
+    if a.type == onnx.AttributeProto.GRAPH:  # e.g. PSPushPull's shard-update graph
+        return f"<graph {a.g.name}: {len(a.g.node)} nodes>"
     v = helper.get_attribute_value(a)
     return v.decode() if isinstance(v, bytes) else v

@@ -15,28 +15,24 @@ graph); workers are ranks ``0 .. size-K-1``. One step, on every worker:
 
 Each shard is computed by exactly one owner and copied, so every worker holds bit-for-bit
 the same parameters. The optimizer state exists only on the owners (``Shards``); the state
-inputs of the node are read once, as the owners' initial values. A dedicated server runs
-``serve`` instead of the user's training: ``ngdist.compile`` calls ``setup`` on every rank and,
-on a server rank, serves until every worker has stopped (``Trainer.close`` or interpreter exit),
-then returns a trainer in the ``server`` role. Workers drive servers with a header
-``[command, lr, t]`` per round (step, save, load, stop). All messages use a duplicate of
-COMM_WORLD; every wait goes through ``comm.wait(..., peers=[...])``, so a dead or frozen owner
-ends in a ``CommTimeoutError`` naming it.
+inputs of the node are read once, as the owners' initial values. Workers drive dedicated
+servers with a header ``[command, lr, t]`` per round (step, save, stop); the server side is
+runtime/ps_server.py. All messages use a duplicate of COMM_WORLD; every wait goes through
+``comm.wait(..., peers=[...])`` with a label naming the shard and the peer's role, so a dead
+or frozen owner ends in a timeout error that says which rank it was.
 """
 from __future__ import annotations
 
-import atexit
-import functools
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ngdist.errors import CommError, CommTimeoutError, GraphError
+from ngdist.errors import CommError
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels.allreduce_algs import private_comm
 from ngdist.kernels.base import CommNode, flatten, register_kernel, unflatten
@@ -45,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 SERVERS_ENV = "NGDIST_PS_SERVERS"
 UPDATE_OPSET = 18  # the update graph uses ops that are unchanged from opset 15 to 23
-STEP, STOP, SAVE, LOAD = 1, 2, 3, 4
-TAG_HDR, TAG_GRAD, TAG_PARAM, TAG_STATE, TAG_LOAD, TAG_FINAL = 11, 12, 13, 14, 15, 16
-_COMMANDS = {STEP: "step", STOP: "stop", SAVE: "save", LOAD: "load"}
+STEP, STOP, SAVE = 1, 2, 3
+TAG_HDR, TAG_GRAD, TAG_PARAM, TAG_STATE, TAG_FINAL = 11, 12, 13, 14, 16
+COMMANDS = {STEP: "step", STOP: "stop", SAVE: "save"}
 
 
 def env_servers() -> int:
@@ -132,11 +128,13 @@ class Shards:
             self.session = ort.InferenceSession(model.SerializeToString(), opts,
                                                 providers=["CPUExecutionProvider"])
 
-    def load(self, flat_x: np.ndarray, flat_states: list[np.ndarray]) -> None:
+    def load(self, flat_x: np.ndarray, flat_states: list[np.ndarray] | None) -> None:
+        """Take the owned slices of the flat parameters (and state; None keeps the state)."""
         for k in self.ids:
             lo, hi = self.layout.bounds[k]
             self.x[k] = flat_x[lo:hi].copy()
-            self.state[k] = [s[lo:hi].copy() for s in flat_states]
+            if flat_states is not None:
+                self.state[k] = [s[lo:hi].copy() for s in flat_states]
 
     def update(self, k: int, grad: np.ndarray, lr: float, t: int) -> np.ndarray:
         feeds = dict(zip(self.names, [np.asarray(lr, self.lr_dtype), np.asarray(t, np.int64),
@@ -156,13 +154,14 @@ class PSRuntime:
     shapes: list[np.ndarray] = field(default_factory=list)  # empty arrays shaped like the params
     dtype: Any = np.float32
     stopped: bool = False
+    lockstep: bool = False  # dedicated servers follow the program (DistributedSGD)
 
     @property
     def dedicated(self) -> bool:
         return self.layout.workers < self.layout.size
 
 
-def _split_inputs(node: CommNode, inputs: list[Any]) -> tuple[Any, Any, list, list, list[list]]:
+def split_inputs(node: CommNode, inputs: list[Any]) -> tuple[Any, Any, list, list, list[list]]:
     """(lr, t, params, grads, [state kind 0 params, ...]) of the node's inputs."""
     n = len(node.outputs)
     xs, gs, rest = inputs[2:2 + n], inputs[2 + n:2 + 2 * n], inputs[2 + 2 * n:]
@@ -188,20 +187,30 @@ def make_runtime(comm: Any, node: CommNode, xs: list[np.ndarray],
 
 # --------------------------------------------------------------------------- one step
 
-def _wait_owner(comm: Any, req: Any, node: Any, rt: PSRuntime, k: int, what: str) -> None:
-    owner = rt.layout.owners[k]
-    try:
-        comm.wait(req, node, peers=[owner])
-    except CommTimeoutError:
-        role = "parameter server" if rt.dedicated else "co-located shard owner"
-        raise CommTimeoutError(
-            f"ngdist.PSPushPull '{node.name}': rank {comm.rank} got no {what} of shard {k} "
-            f"from its owner, rank {owner} ({role}), within {comm.timeout:g} s; that rank has "
-            f"probably died or hangs. Check its output; raise the limit with NGDIST_TIMEOUT") \
-            from None
+class Waiting(NamedTuple):
+    """What a wait is for, as the timeout message names it (``comm.timeout_message``)."""
+
+    op_type: str
+    name: str
 
 
-def _owner_round(rt: PSRuntime, me: int, own_grad: np.ndarray | None) -> dict[int, list]:
+def role(rt: PSRuntime, rank: int) -> str:
+    if rank >= rt.layout.workers:
+        return f"parameter server rank {rank}"
+    return f"worker rank {rank}" + (" (co-located shard owner)" if not rt.dedicated else "")
+
+
+def wait_peer(comm: Any, req: Any, node: Any, rt: PSRuntime, peer: int, what: str) -> None:
+    """``comm.wait`` whose timeout message says which shard or round, and who the peer is."""
+    comm.wait(req, Waiting(node.op_type, f"{node.name}: {what} {role(rt, peer)}"),
+              peers=[peer])
+
+
+def wait_owner(comm: Any, req: Any, node: Any, rt: PSRuntime, k: int, what: str) -> None:
+    wait_peer(comm, req, node, rt, rt.layout.owners[k], f"{what} of shard {k} from")
+
+
+def owner_round(rt: PSRuntime, me: int, own_grad: np.ndarray | None) -> dict[int, list]:
     """Post the receives of every worker's slice of the shards this rank owns (``own_grad``:
     this rank's flat gradient when it is also a worker)."""
     lay = rt.layout
@@ -219,7 +228,7 @@ def _owner_round(rt: PSRuntime, me: int, own_grad: np.ndarray | None) -> dict[in
     return recvs
 
 
-def _finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: float, t: int,
+def finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: float, t: int,
                         out: np.ndarray | None) -> list[Any]:
     """Sum the received slices in worker order, average, update, send the new slices out."""
     lay, me, sends = rt.layout, comm.rank, []
@@ -227,7 +236,7 @@ def _finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: fl
         acc = None
         for w, buf, req in rows:  # worker order: the same sum on any owner
             if req is not None:
-                comm.wait(req, node, peers=[w])
+                wait_peer(comm, req, node, rt, w, f"gradient of shard {k} from")
             acc = buf.copy() if acc is None else np.add(acc, buf, out=acc)
         if acc.dtype.kind == "f":
             acc /= acc.dtype.type(lay.workers)
@@ -242,8 +251,7 @@ def _finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: fl
     return sends
 
 
-def _header(rt: PSRuntime, comm: Any, node: Any, command: int, lr: float = 0.0,
-            t: int = 0) -> list[Any]:
+def header(rt: PSRuntime, command: int, lr: float = 0.0, t: int = 0) -> list[Any]:
     """Worker -> every dedicated server: the round's command (and lr, t for a step)."""
     if not rt.dedicated:
         return []
@@ -251,27 +259,27 @@ def _header(rt: PSRuntime, comm: Any, node: Any, command: int, lr: float = 0.0,
     return [(s, rt.mpi.Isend(hdr, dest=s, tag=TAG_HDR)) for s in rt.layout.servers]
 
 
-def _complete(comm: Any, node: Any, sends: list[tuple[int, Any]]) -> None:
+def complete(comm: Any, node: Any, rt: PSRuntime, sends: list[tuple[int, Any]]) -> None:
     for peer, req in sends:
-        comm.wait(req, node, peers=[peer])
+        wait_peer(comm, req, node, rt, peer, "delivery of a message to")
 
 
 @register_kernel("PSPushPull", "mpi")
 @register_kernel("PSPushPull", "local")
 def ps_push_pull(comm, node, inputs):
-    lr_in, t_in, xs, gs, states = _split_inputs(node, list(inputs))
+    lr_in, t_in, xs, gs, states = split_inputs(node, list(inputs))
     rt: PSRuntime | None = node.state.get("ps")
     if rt is None:  # a Trainer built without ngdist.compile: co-located owners only
         if resolve_servers(int(node.attributes.get("servers", 0)), comm.size):
             raise CommError("dedicated parameter servers need ngdist.compile (or "
-                            "ngdist.kernels.ps.setup(trainer)) on every rank before training")
+                            "ngdist.runtime.ps_server.setup(trainer)) on every rank first")
         rt = node.state["ps"] = make_runtime(comm, node, xs, states)
     lay, me = rt.layout, comm.rank
     lr, t = float(np.asarray(lr_in)), int(np.asarray(t_in))
     grad = flatten(gs)
     out = np.empty(lay.total, rt.dtype)
-    sends = _header(rt, comm, node, STEP, lr, t)
-    recvs = _owner_round(rt, me, grad)
+    sends = header(rt, STEP, lr, t)
+    recvs = owner_round(rt, me, grad)
     if not rt.dedicated:  # co-located: the workers' parameters are the owners' (bit-identical)
         flat_x = flatten(xs)
         for k in rt.shards.ids:
@@ -284,181 +292,8 @@ def ps_push_pull(comm, node, inputs):
             pulls.append((k, rt.mpi.Irecv(out[lo:hi], source=owner, tag=TAG_PARAM)))
             sends.append((owner, rt.mpi.Isend(grad[lo:hi], dest=owner, tag=TAG_GRAD)))
             comm.bytes_sent += (hi - lo) * grad.itemsize
-    sends += _finish_owner_round(comm, node, rt, recvs, lr, t, out)
+    sends += finish_owner_round(comm, node, rt, recvs, lr, t, out)
     for k, req in pulls:
-        _wait_owner(comm, req, node, rt, k, "update")
-    _complete(comm, node, sends)
+        wait_owner(comm, req, node, rt, k, "update")
+    complete(comm, node, rt, sends)
     return unflatten(out, rt.shapes)
-
-
-# --------------------------------------------------------------------------- server side
-
-def _ps_node(trainer: Any) -> CommNode | None:
-    nodes = [n for n in trainer.executor.comm_nodes.values() if n.op_type == "PSPushPull"]
-    if len(nodes) > 1:
-        raise GraphError(f"a step graph may hold one ngdist.PSPushPull node, not {len(nodes)}")
-    return nodes[0] if nodes else None
-
-
-def runtime(trainer: Any) -> PSRuntime | None:
-    node = _ps_node(trainer)
-    return None if node is None else node.state.get("ps")
-
-
-def setup(trainer: Any) -> None:
-    """Called by ngdist.compile on every rank: shards, owners and, on a dedicated server rank,
-    the serve loop (which returns when every worker has stopped)."""
-    node = _ps_node(trainer)
-    if node is None:
-        if env_servers() > 0:
-            raise GraphError(f"{SERVERS_ENV}={env_servers()} (ngdist run --servers) asks for "
-                             "dedicated parameter servers, but the strategy is not 'ps'")
-        return
-    values = {n: v.numpy() for n, v in trainer.values.items()}
-    _, _, xs, _, states = _split_inputs(node, node.inputs)
-    rt = node.state["ps"] = make_runtime(trainer.comm, node, [values[x] for x in xs],
-                                         [[values[s] for s in g] for g in states])
-    trainer.num_workers = rt.layout.workers
-    if not rt.dedicated:
-        return
-    if trainer.comm.rank >= rt.layout.workers:
-        trainer.role = "server"
-        serve(trainer, node, rt)
-        return
-    at_exit = functools.partial(stop, trainer)  # a worker that never calls close() still stops
-    atexit.register(at_exit)
-    trainer.close_hooks.append(lambda: (stop(trainer), atexit.unregister(at_exit)))
-
-
-def serve(trainer: Any, node: CommNode, rt: PSRuntime) -> None:
-    """The dedicated server's loop: one round per worker request until all workers stop."""
-    comm, lay = trainer.comm, rt.layout
-    rounds = 0
-    while True:
-        hdrs = [np.zeros(3, np.float64) for _ in range(lay.workers)]
-        reqs = [rt.mpi.Irecv(h, source=w, tag=TAG_HDR) for w, h in enumerate(hdrs)]
-        for w, req in enumerate(reqs):
-            try:
-                comm.wait(req, node, peers=[w])
-            except CommTimeoutError:
-                raise CommTimeoutError(
-                    f"parameter server rank {comm.rank} heard nothing from worker rank {w} "
-                    f"within {comm.timeout:g} s after {rounds} round(s); the worker has died, "
-                    "hangs, or spends longer than NGDIST_TIMEOUT between steps") from None
-        cmds = {int(h[0]) for h in hdrs}
-        if len(cmds) != 1:
-            raise CommError(f"parameter server rank {comm.rank}: the workers asked for "
-                            f"different things in round {rounds} "
-                            f"({[_COMMANDS.get(int(h[0]), h[0]) for h in hdrs]}); every worker "
-                            "must call step, save_checkpoint and restore_checkpoint together")
-        cmd = cmds.pop()
-        rounds += 1
-        if cmd == STEP:
-            lr, t = float(hdrs[0][1]), int(hdrs[0][2])
-            recvs = _owner_round(rt, comm.rank, None)
-            _complete(comm, node, _finish_owner_round(comm, node, rt, recvs, lr, t, None))
-        elif cmd == SAVE:
-            _complete(comm, node, _send_states(rt))
-        elif cmd == LOAD:
-            _receive_loaded(comm, node, rt)
-        elif cmd == STOP:
-            final = np.empty(lay.total, rt.dtype)
-            comm.wait(rt.mpi.Irecv(final, source=0, tag=TAG_FINAL), node, peers=[0])
-            _, _, xs, _, _ = _split_inputs(node, node.inputs)
-            for name, arr in zip(xs, unflatten(final, rt.shapes)):
-                trainer.values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(arr))
-            logger.info("ps: server rank %d served %d round(s); all workers stopped",
-                        comm.rank, rounds)
-            return
-        else:
-            raise CommError(f"parameter server rank {comm.rank}: unknown command {cmd}")
-
-
-def stop(trainer: Any) -> None:
-    """Worker side: tell every dedicated server that this worker is done (once)."""
-    rt = runtime(trainer)
-    if rt is None or not rt.dedicated or rt.stopped or trainer.comm.rank >= rt.layout.workers:
-        return
-    rt.stopped = True
-    node, comm = _ps_node(trainer), trainer.comm
-    sends = _header(rt, comm, node, STOP)
-    if comm.rank == 0:
-        _, _, xs, _, _ = _split_inputs(node, node.inputs)
-        final = flatten([trainer.values[x].numpy() for x in xs]).copy()
-        sends += [(s, rt.mpi.Isend(final, dest=s, tag=TAG_FINAL)) for s in rt.layout.servers]
-    _complete(comm, node, sends)
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-def _send_states(rt: PSRuntime) -> list[Any]:
-    """Owner -> rank 0: the optimizer state of each owned shard (one buffer per shard)."""
-    return [(0, rt.mpi.Isend(np.concatenate(rt.shards.state[k]) if rt.shards.kinds else
-                             np.empty(0, rt.dtype), dest=0, tag=TAG_STATE))
-            for k in rt.shards.ids]
-
-
-def gather_state(trainer: Any) -> dict[str, np.ndarray] | None:
-    """Collective over the workers (and servers): the owners' optimizer state, as full arrays
-    by name, on rank 0 (None elsewhere and for graphs without PSPushPull)."""
-    node, rt = _ps_node(trainer), runtime(trainer)
-    if rt is None:
-        return None
-    comm, lay = trainer.comm, rt.layout
-    sends = _header(rt, comm, node, SAVE)
-    if comm.rank != 0:
-        _complete(comm, node, sends + ([] if rt.dedicated else _send_states(rt)))
-        return None
-    kinds = rt.shards.kinds
-    flat = [np.empty(lay.total, rt.dtype) for _ in range(kinds)]
-    pulls = []
-    for k, (lo, hi) in enumerate(lay.bounds):
-        if lay.owners[k] == 0:
-            for i in range(kinds):
-                flat[i][lo:hi] = rt.shards.state[k][i]
-        else:
-            buf = np.empty(kinds * (hi - lo), rt.dtype)
-            pulls.append((k, buf, rt.mpi.Irecv(buf, source=lay.owners[k], tag=TAG_STATE)))
-    for k, buf, req in pulls:
-        _wait_owner(comm, req, node, rt, k, "optimizer state")
-        lo, hi = lay.bounds[k]
-        for i in range(kinds):
-            flat[i][lo:hi] = buf[i * (hi - lo):(i + 1) * (hi - lo)]
-    _complete(comm, node, sends)
-    _, _, _, _, states = _split_inputs(node, node.inputs)
-    out: dict[str, np.ndarray] = {}
-    for i, names in enumerate(states):
-        out.update(zip(names, (a.copy() for a in unflatten(flat[i], rt.shapes))))
-    return out
-
-
-def load_state(trainer: Any) -> None:
-    """Collective over the workers (and servers): the owners take their shards' parameters
-    and optimizer state from the trainer's current values (after ``load_state_dict``)."""
-    node, rt = _ps_node(trainer), runtime(trainer)
-    if rt is None:
-        return
-    comm, lay = trainer.comm, rt.layout
-    _, _, xs, _, states = _split_inputs(node, node.inputs)
-    flat_x = flatten([trainer.values[x].numpy() for x in xs]).copy()
-    flat_s = [flatten([trainer.values[s].numpy() for s in g]).copy() for g in states]
-    if not rt.dedicated:
-        rt.shards.load(flat_x, flat_s)
-        return
-    sends = _header(rt, comm, node, LOAD)
-    if comm.rank == 0:
-        for k, (lo, hi) in enumerate(lay.bounds):
-            buf = np.concatenate([flat_x[lo:hi], *(s[lo:hi] for s in flat_s)])
-            sends.append((lay.owners[k], rt.mpi.Isend(buf, dest=lay.owners[k], tag=TAG_LOAD)))
-    _complete(comm, node, sends)
-
-
-def _receive_loaded(comm: Any, node: Any, rt: PSRuntime) -> None:
-    for k in rt.shards.ids:
-        lo, hi = rt.layout.bounds[k]
-        n = hi - lo
-        buf = np.empty((1 + rt.shards.kinds) * n, rt.dtype)
-        comm.wait(rt.mpi.Irecv(buf, source=0, tag=TAG_LOAD), node, peers=[0])
-        rt.shards.x[k] = buf[:n].copy()
-        rt.shards.state[k] = [buf[(i + 1) * n:(i + 2) * n].copy()
-                              for i in range(rt.shards.kinds)]

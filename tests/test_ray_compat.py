@@ -1,0 +1,205 @@
+"""``ngdist.DistributedSGD`` under real mpiexec (issue 6): checkpoints continue bit-for-bit
+(also with sharded ps optimizer state and dedicated servers), a 2-rank checkpoint restores
+exactly on 3 ranks and trains on like the uninterrupted run, devices_per_worker replicas
+equal one replica with the whole batch, and fetch_stats=False adds no collective."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.mpi
+
+COMMON = r'''
+import json, sys
+import numpy as np
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+from ngdist.ray_compat import DistributedSGD, Model
+from ngdist.runtime import ps_server
+
+out = sys.argv[1]
+X, Y, _, _ = load_digits()
+G = 24  # samples per step over all workers and replicas
+rank, size = ngdist.rank(), ngdist.size()
+
+def creator(workers, devices, start=0):
+    b = G // (workers * devices)
+    def make(w, d):
+        def data():
+            i = start
+            while True:
+                lo = i * G + (w * devices + d) * b
+                yield {"x": X[lo:lo + b], "y": Y[lo:lo + b]}
+                i += 1
+        return Model(zoo.mlp(seed=0), optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9),
+                     data=data())
+    return make
+
+def session(strategy, workers, devices=1, start=0, **kw):
+    return DistributedSGD(creator(workers, devices, start), num_workers=workers,
+                          devices_per_worker=devices, strategy=strategy, grad_shard_bytes=4096,
+                          timeout=120, **kw)
+
+def state(sgd):
+    """Everything a checkpoint holds, with ps's optimizer state gathered from the owners."""
+    values = sgd.trainer.state_dict()
+    values.update(ps_server.gather_state(sgd.trainer) or {})
+    return values
+
+def bitwise(a, b):
+    return sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+def save(name, values):
+    np.savez(f"{out}/{name}_{size}_{rank}.npz", **values)
+
+def round_trip(strategy, workers, **kw):
+    """10 steps, checkpoint, 10 steps; a new session restores and must end identical."""
+    sgd = session(strategy, workers, **kw)
+    for _ in range(10):
+        sgd.step()
+    path = sgd.save_checkpoint(f"{out}/{strategy}_{size}.onnx")
+    at10 = state(sgd)
+    for _ in range(10):
+        sgd.step()
+    at20 = state(sgd)
+    sgd.close()
+    again = session(strategy, workers, start=10, **kw)
+    again.restore_checkpoint(path)
+    restored = state(again)
+    for _ in range(10):
+        again.step()
+    got = state(again)
+    again.close()
+    return path, at10, at20, restored, got, again.trainer.parameters()
+'''
+
+TWO_RANKS = COMMON + r'''
+report = {}
+for strategy in ("allreduce", "ps"):
+    path, at10, at20, restored, got, _ = round_trip(strategy, 2)
+    if rank == 0:
+        report[strategy] = {"restored": bitwise(at10, restored), "continued": bitwise(at20, got),
+                            "momentum_nonzero": bool(np.any(at20["fc0.weight.momentum"]))}
+    save(f"{strategy}_at10", at10)
+    save(f"{strategy}_at20", at20)
+
+# devices_per_worker: 2 replicas of 6 samples per worker == 1 replica of 12
+for devices in (1, 2):
+    sgd = session("allreduce", 2, devices)
+    for _ in range(20):
+        sgd.step()
+    save(f"devices{devices}", sgd.trainer.parameters())
+    sgd.close()
+
+class Counting:
+    """Counts the MPI calls made on a communicator."""
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if callable(attr):
+            def call(*a, **k):
+                self.calls.append(name)
+                return attr(*a, **k)
+            return call
+        return attr
+
+sgd = session("allreduce", 2)
+sgd.step()
+world, private = Counting(sgd.trainer.comm.world), Counting(sgd._comm)
+sgd.trainer.comm.world, sgd._comm = world, private
+assert sgd.step(fetch_stats=False) is None
+quiet = (list(world.calls), list(private.calls))
+batch = next(sgd.models[0].data)  # this rank's loss before the step, for the mean's oracle
+sgd.models[0].data = iter([batch])
+logits = sgd.trainer.predict({"x": batch["x"]})[0].astype(np.float64)
+logp = logits - logits.max(1, keepdims=True)
+logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+report["local_loss"] = float(-logp[np.arange(len(batch["y"])), batch["y"]].mean())
+stats = sgd.step(fetch_stats=True)
+loud = (world.calls[len(quiet[0]):], private.calls[len(quiet[1]):])
+sgd.trainer.comm.world, sgd._comm = world.inner, private.inner
+report["collectives"] = {"quiet": quiet, "loud": loud}
+report["stats"] = {"loss": stats.loss, "samples": stats.samples,
+                   "samples_per_s": stats.samples_per_s, "bytes_sent": stats.bytes_sent,
+                   "comm_time": stats.comm_time, "compute_time": stats.compute_time}
+sgd.close()
+json.dump(report, open(f"{out}/report_{size}_{rank}.json", "w"))
+'''
+
+THREE_RANKS = COMMON + r'''
+report = {}
+# a 2-rank allreduce checkpoint, restored on 3 ranks, continues with the same global batches
+sgd = session("allreduce", 3, start=10)
+sgd.restore_checkpoint(f"{out}/allreduce_2.onnx")
+report["restored_on_3"] = bitwise(state(sgd), dict(np.load(f"{out}/allreduce_at10_2_0.npz")))
+for _ in range(10):
+    stats = sgd.step(fetch_stats=True)
+save("allreduce_3_from_2", sgd.trainer.parameters())
+report["loss"] = stats.loss
+sgd.close()
+# ps with one dedicated server (rank 2) in lockstep: round trip, twice in one script
+for _ in range(2):
+    path, at10, at20, restored, got, final = round_trip("ps", 2, servers=1)
+    if rank == 0:
+        report.setdefault("ps_server", []).append(
+            {"restored": bitwise(at10, restored), "continued": bitwise(at20, got)})
+    save("ps_server_at20", final)  # a server ends a session with the workers' parameters
+json.dump(report, open(f"{out}/report_{size}_{rank}.json", "w"))
+'''
+
+
+def load(path) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return dict(f)
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(b[k]))) for k in b)
+
+
+def test_distributed_sgd_checkpoints_devices_and_stats(ranks, tmp_path):
+    ranks(2, TWO_RANKS, timeout=240, args=[str(tmp_path)])
+    ranks(3, THREE_RANKS, timeout=240, args=[str(tmp_path)])
+
+    two = json.loads((tmp_path / "report_2_0.json").read_text())
+    for strategy in ("allreduce", "ps"):
+        assert two[strategy] == {"restored": True, "continued": True,
+                                 "momentum_nonzero": True}, strategy
+        for name in ("at10", "at20"):  # both ranks agree bit for bit; under ps the optimizer
+            # state lives with the shard owners and is gathered at rank 0 only
+            a, b = (load(tmp_path / f"{strategy}_{name}_2_{r}.npz") for r in (0, 1))
+            keys = [k for k in a if strategy == "allreduce" or not k.endswith(".momentum")]
+            assert len(keys) >= 6 and all(np.array_equal(a[k], b[k]) for k in keys)
+    assert max_rel(load(tmp_path / "devices2_2_0.npz"), load(tmp_path / "devices1_2_0.npz")) \
+        <= 1e-5
+
+    # fetch_stats=False: only the gradients' AllReduce (one bucket) on COMM_WORLD, nothing on
+    # DistributedSGD's own communicator; fetch_stats=True adds one Iallreduce of the loss there
+    for r in (0, 1):
+        calls = json.loads((tmp_path / f"report_2_{r}.json").read_text())["collectives"]
+        assert calls["quiet"] == [["Iallreduce"], []], calls
+        assert calls["loud"] == [["Iallreduce"], ["Iallreduce"]], calls
+    stats = two["stats"]
+    mean = np.mean([json.loads((tmp_path / f"report_2_{r}.json").read_text())["local_loss"]
+                    for r in (0, 1)])
+    assert abs(stats["loss"] - mean) <= 1e-5 * mean  # the loss is the mean over the workers
+    assert stats["samples"] == 12 and stats["samples_per_s"] > 0 and stats["bytes_sent"] > 0
+    assert stats["comm_time"] > 0 and stats["compute_time"] > 0
+
+    three = [json.loads((tmp_path / f"report_3_{r}.json").read_text()) for r in range(3)]
+    assert three[0]["restored_on_3"] is True
+    assert len({t["loss"] for t in three}) == 1  # the mean over workers, the same everywhere
+    uninterrupted = load(tmp_path / "allreduce_at20_2_0.npz")
+    params = load(tmp_path / "allreduce_3_from_2_3_0.npz")
+    assert max_rel(params, {k: uninterrupted[k] for k in params}) <= 1e-5
+    assert three[0]["ps_server"] == [{"restored": True, "continued": True}] * 2
+    worker = load(tmp_path / "ps_server_at20_3_0.npz")
+    for r in (1, 2):
+        other = load(tmp_path / f"ps_server_at20_3_{r}.npz")
+        assert all(np.array_equal(worker[k], other[k]) for k in worker), r
+    # dedicated server or co-located owners: the same training (2 workers, same batches)
+    assert max_rel(worker, {k: uninterrupted[k] for k in worker}) <= 1e-5
