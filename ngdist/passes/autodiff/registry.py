@@ -3,8 +3,10 @@
 A rule is ``rule(ctx, node, grads) -> list`` where ``grads[i]`` is the gradient flowing into
 ``node.outputs[i]`` (``None`` when nothing flows there) and the result holds one entry per
 input of ``node``: an ``ir.Value`` with the input's shape, or ``None`` for "no gradient"
-(indices, shapes, masks). Rules only *emit* nodes through ``ctx``; they never mutate the
-forward graph, so forward activations are reused, never recomputed.
+(indices, shapes, masks). Rules *emit* nodes through ``ctx`` and read forward values, so
+activations are reused, never recomputed; the one change a rule may make to a forward node is
+to add an optional output it already computes (MaxPool's Indices, Dropout's mask,
+LayerNormalization's Mean/InvStdDev, see ``rules._common.ensure_output``).
 """
 from __future__ import annotations
 
