@@ -17,6 +17,7 @@ EPILOG = """examples:
   ngdist rewrite mlp.onnx -o mlp.dist.onnx --loss softmax_cross_entropy --optimizer sgd:lr=0.05,momentum=0.9
   ngdist inspect mlp.dist.onnx                  parameters, gradients, comm nodes, buckets
   ngdist run -n 4 -- python train.py            launch 4 ranks with the bundled mpiexec
+  ngdist train mlp.onnx --data digits.npz --optimizer sgd:lr=0.1 -n 2 --epochs 5 --save out.onnx
   ngdist run -n 6 --servers 2 -- python train.py   strategy ps: ranks 4, 5 are parameter servers
 """
 
@@ -73,6 +74,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         env["NGDIST_PS_SERVERS"] = str(args.servers)
     logger.info("launching: %s", " ".join(cmd + command))
     return subprocess.call(cmd + command, env=env)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ngdist import train_cli
+
+    return train_cli.run(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -160,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--save", help="write the trained model here")
     p.set_defaults(func=cmd_demo)
+
+    from ngdist import train_cli
+    p = sub.add_parser("train", help="train a saved model on arrays from an .npz file",
+                       description=train_cli.__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    train_cli.add_arguments(p)
+    p.set_defaults(func=cmd_train)
     return parser
 
 

@@ -6,8 +6,9 @@ rule (``registry.registered_ops()``) and the four ``ai.onnx.preview.training`` o
 lowers itself (Gradient, Momentum, Adagrad, Adam). The runner's whole CPU suite is run once
 (node cases generated in memory from ``onnx.backend.test.case.node``, since the wheel ships no
 node data; the "simple", "pytorch-converted" and "pytorch-operator" model tests from the
-wheel's data; see SKIPPED_CATEGORIES for "real"). Every case must pass except the exclusions below, each with its
-reason; an exclusion that starts passing fails the test too, so the list cannot rot.
+wheel's data; see SKIPPED_CATEGORIES for "real"). Every case must pass except the exclusions
+below, each with its reason; an exclusion that starts passing fails the test too, so the list
+cannot rot.
 
 Excluded, by rule (computed from the case itself):
 * ``opset>26``: the case is stamped opset 27/28 (onnx 1.23), onnxruntime 1.31 reads at most 26,
@@ -20,7 +21,6 @@ Excluded by name: see EXCLUDED below (onnxruntime kernel gaps and numerics, rand
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import unittest
@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 import onnx.reference
 import pytest
-from onnx import TensorProto, defs, helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 import ngdist
 import ngdist.backend as backend
@@ -58,10 +58,12 @@ EXCLUDED: dict[str, list[str]] = {
     _ORT_KERNEL + " (BitCast-26, ImageDecoder-20, RoiAlign-22, Swish-24, Max/Min int16, "
     "Pow float^uint, TopK uint64, BitShift uint16, RandomUniformLike-22 behind Bernoulli)":
         [r"test_bitcast_bool_to_uint8", r"test_image_decoder_.*", r"test_roialign_.*",
-         r"test_swiglu_.*expanded", r"test_(max|min)_u?int16", r"test_pow_types_float32_uint(32|64)",
+         r"test_swiglu_.*expanded", r"test_(max|min)_u?int16",
+         r"test_pow_types_float32_uint(32|64)",
          r"test_top_k_uint64", r"test_bernoulli.*",
          r"test_bitshift_(left|right)_uint16"],
-    "ai.onnx.preview.FlexAttention is not implemented by onnxruntime": [r"test_flexattention(?!.*_expanded).*"],
+    "ai.onnx.preview.FlexAttention is not implemented by onnxruntime":
+        [r"test_flexattention(?!.*_expanded).*"],
     "onnxruntime's CPU RNN/GRU/LSTM reject layout=1 (batchwise)":
         [r"test_(gru|lstm|simple_rnn)_batchwise"],
     "random output (training-mode Dropout): onnxruntime's generator is not numpy's":

@@ -1,0 +1,228 @@
+"""``ngdist train MODEL.onnx --data FILE.npz``: train a saved model on arrays from a file.
+
+The .npz holds one array per data input of the model (named after it) plus the labels
+(``--labels``, default ``y``), all with the same number of samples along axis 0. The data is
+checked against the model before any rank starts: a missing array or a shape that does not fit
+the model's input is an error that names both. With ``-n N > 1`` the command relaunches itself
+under the bundled mpiexec; every rank trains on its slice of each global batch
+(``--batch-size`` per rank, as ``ngdist demo``), rank 0 shows a tqdm progress bar and writes
+``--save`` (a standard ONNX training model whose graph is the trained, deployable model).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from ngdist.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOSS = "softmax_cross_entropy"
+DEFAULT_OPTIMIZER = "sgd:lr=0.01"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``ngdist train`` (shared by the CLI and the relaunched ranks)."""
+    p.add_argument("model", help="forward-only or training .onnx file")
+    p.add_argument("--data", required=True, help=".npz file: one array per model input, plus "
+                   "the labels")
+    p.add_argument("--loss", help=f"{DEFAULT_LOSS} (default) | mse | none (the output is the "
+                   "loss); not for a training model")
+    p.add_argument("--labels", default="y", help="name of the labels array/input (default y)")
+    p.add_argument("--optimizer", help="e.g. sgd:lr=0.05,momentum=0.9 or adam:lr=1e-3 "
+                   f"(default {DEFAULT_OPTIMIZER}); not for a training model")
+    p.add_argument("-n", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step "
+                   "(default 32)")
+    p.add_argument("--strategy", default="allreduce", help="communication strategy "
+                   "(default allreduce)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch shuffle")
+    p.add_argument("--timeout", type=float, help="seconds before a stuck collective fails")
+    p.add_argument("--save", help="write the trained training model here")
+
+
+def relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """The options again, for the ranks started by mpiexec."""
+    argv = [args.model, "--data", args.data, "--labels", args.labels, "-n", str(args.n),
+            "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+            "--strategy", args.strategy, "--seed", str(args.seed)]
+    for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
+                        ("--timeout", args.timeout), ("--save", args.save)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+# ----------------------------------------------------------------------------- data checks
+
+def training_model(args: argparse.Namespace) -> onnx.ModelProto:
+    from ngdist import optim
+    from ngdist.api import to_training_model
+    from ngdist.ir.model import load_proto
+
+    proto = load_proto(args.model)
+    given: dict[str, Any] = {}
+    if args.loss is not None:
+        given["loss"] = None if args.loss == "none" else args.loss
+    if args.optimizer is not None:
+        given["optimizer"] = optim.from_spec(args.optimizer)
+    if not proto.training_info:
+        given.setdefault("loss", DEFAULT_LOSS)
+        given.setdefault("optimizer", optim.from_spec(DEFAULT_OPTIMIZER))
+    return to_training_model(proto, labels=args.labels, **given)
+
+
+def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """The step's data inputs (model inputs and labels), in order."""
+    alg = model.training_info[0].algorithm
+    inits = {t.name for t in alg.initializer} | {t.name for t in model.graph.initializer}
+    return [i for i in alg.input if i.name not in inits]
+
+
+def _spec(info: onnx.ValueInfoProto) -> str:
+    tt = info.type.tensor_type
+    if not tt.HasField("shape"):
+        return "of any shape"
+    dims = [d.dim_param or str(d.dim_value) if (d.dim_param or d.HasField("dim_value")) else "?"
+            for d in tt.shape.dim]
+    return "[" + ", ".join(dims) + "]"
+
+
+def load_data(path: str | os.PathLike, inputs: list[onnx.ValueInfoProto], labels: str
+              ) -> dict[str, np.ndarray]:
+    """The arrays for ``inputs`` from the .npz, checked against the model and cast."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such data file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            held = {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable .npz file ({exc})") from None
+    needed = [i.name for i in inputs]
+    out: dict[str, np.ndarray] = {}
+    for info in inputs:
+        name = info.name
+        role = "the labels" if name == labels else "the model input"
+        if name not in held:
+            raise InputError(f"{path.name}: no array '{name}' ({role}); the file holds "
+                             f"{sorted(held)}, the model needs {needed}")
+        arr = held[name]
+        tt = info.type.tensor_type
+        if tt.HasField("shape"):
+            dims = tt.shape.dim
+            bad = arr.ndim != len(dims) or any(
+                d.HasField("dim_value") and arr.shape[axis] != d.dim_value
+                for axis, d in enumerate(dims))
+            if bad:
+                raise InputError(f"{path.name}: array '{name}' has shape {arr.shape}, which "
+                                 f"does not fit {role} '{name}' of shape {_spec(info)}")
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        if not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+            raise InputError(f"{path.name}: array '{name}' has dtype {arr.dtype}; "
+                             f"{np.dtype(dtype)} is needed for {role} '{name}'")
+        out[name] = np.ascontiguousarray(arr, dtype=dtype)
+    counts = {n: (a.shape[0] if a.ndim else 1) for n, a in out.items()}
+    if len(set(counts.values())) > 1:
+        raise InputError(f"{path.name}: the arrays hold different numbers of samples "
+                         f"(axis 0): {counts}")
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+def train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    import ngdist
+
+    model = training_model(args)
+    data = load_data(args.data, data_inputs(model), args.labels)
+    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout)
+    rank, size = trainer.rank, trainer.size
+    samples = next(iter(data.values())).shape[0]
+    global_batch = args.batch_size * size
+    steps = samples // global_batch
+    if steps == 0:
+        raise InputError(f"{Path(args.data).name}: {samples} samples are fewer than one global "
+                         f"batch ({args.batch_size} per rank x {size} ranks); lower "
+                         "--batch-size")
+    bar = tqdm(total=args.epochs * steps, disable=rank != 0, unit="step",
+               desc=f"train {Path(args.model).name} on {size} rank(s)")
+    start, loss = time.perf_counter(), float("nan")
+    for epoch in range(args.epochs):
+        perm = np.random.default_rng(args.seed + epoch).permutation(samples)  # same everywhere
+        batches = ({k: v[perm[i:i + global_batch]] for k, v in data.items()}
+                   for i in range(0, steps * global_batch, global_batch))
+        for batch in trainer.shard(batches):
+            loss = trainer.step(batch).loss
+            bar.update(1)
+        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+    bar.close()
+    if args.save:
+        trainer.save(args.save)
+    if rank == 0:
+        print(f"trained {args.epochs} epoch(s), {args.epochs * steps} steps of {global_batch} "
+              f"samples on {size} rank(s) in {time.perf_counter() - start:.1f} s; "
+              f"final loss (rank 0 shard) {loss:.4f}")
+        if args.save:
+            print(f"saved the trained model to {args.save}")
+    trainer.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``ngdist train`` command: check the data, then train here or on N ranks."""
+    from ngdist.launch import mpiexec_cmd
+    from ngdist.runtime.comm import world_rank_size
+
+    if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
+        raise InputError("-n, --epochs and --batch-size must be at least 1")
+    if args.n > 1 and world_rank_size()[1] == 1:
+        model = training_model(args)  # fail fast, once, before any rank starts
+        load_data(args.data, data_inputs(model), args.labels)
+        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.train_cli",
+               *relaunch_argv(args)]
+        env = dict(os.environ)
+        if args.timeout is not None:
+            env["NGDIST_TIMEOUT"] = str(args.timeout)
+        logger.info("launching: %s", " ".join(cmd))
+        return subprocess.call(cmd, env=env)
+    return train(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry of the ranks relaunched under mpiexec (``python -m ngdist.train_cli``)."""
+    from ngdist.errors import NgdistError
+
+    p = argparse.ArgumentParser(prog="ngdist train")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return train(args)
+    except (NgdistError, ValueError) as exc:
+        from ngdist.runtime.comm import world_rank_size
+
+        rank, size = world_rank_size()
+        print(f"ngdist: error{f' on rank {rank}' if size > 1 else ''}: {exc}", file=sys.stderr,
+              flush=True)
+        if size > 1:  # no rank may be left waiting in a collective for this one
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
