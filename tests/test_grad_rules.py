@@ -203,7 +203,8 @@ def _cases() -> list[Case]:
     c("Gemm-C-scalar", "Gemm", lambda g: [g.n(3, 4), g.n(4, 5), g.n(1)], beta=0.5)
     c("Gemm-noC", "Gemm", lambda g: [g.n(3, 4), g.n(4, 5)])
     for cid, sa, sb in [("2d", (3, 4), (4, 5)), ("batched-left", (2, 3, 4), (4, 5)),
-                        ("batched-right", (3, 4), (2, 4, 5)), ("batched-both", (2, 3, 4), (2, 4, 5)),
+                        ("batched-right", (3, 4), (2, 4, 5)),
+                        ("batched-both", (2, 3, 4), (2, 4, 5)),
                         ("bcast-batch", (2, 1, 3, 4), (5, 4, 2)), ("vec-mat", (4,), (2, 4, 5)),
                         ("mat-vec", (2, 3, 4), (4,)), ("vec-vec", (4,), (4,))]:
         c(f"MatMul-{cid}", "MatMul", lambda g, sa=sa, sb=sb: [g.n(*sa), g.n(*sb)])

@@ -18,7 +18,7 @@ def _swap01(ctx, v, rank: int):
 
 def weight_grad(ctx, x, gy, *, group: int, channels: int, kernel: list[int], spatial: list[int],
                 strides: list[int], dilations: list[int], begin: list[int], end: list[int]):
-    """dW [M, C/group, *kernel] of ``y = Conv(x, W)`` from x [N, C, *spatial] and gy [N, M, *out]."""
+    """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out]."""
     rank = len(kernel) + 2
     if group == 1:
         xt = _swap01(ctx, x, rank)  # [C, N, *spatial]: channels become the batch
