@@ -330,6 +330,45 @@ def test_training_model_run_is_one_training_step():
     np.testing.assert_allclose(inf.run([x])[0], logits, rtol=1e-6)
 
 
+TWO_RANK_STEPS = r"""
+import numpy as np
+from mpi4py import MPI
+import ngdist
+import ngdist.backend as backend
+from onnx import numpy_helper
+from test_onnx_backend import _numpy_step, _softmax_regression
+
+model = ngdist.to_training_model(_softmax_regression(), loss="softmax_cross_entropy",
+                                 labels="y", optimizer=ngdist.optim.SGD(lr=0.5))
+rep = backend.prepare(model)  # ngdist.compile's default strategy: allreduce over the ranks
+rank = MPI.COMM_WORLD.Get_rank()
+w = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
+b = numpy_helper.to_array(model.graph.initializer[1]).astype(np.float64)
+rng = np.random.default_rng(5)
+for _ in range(3):
+    x = rng.normal(size=(8, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=8).astype(np.int64)
+    rep.run({"x": x[rank * 4:(rank + 1) * 4], "y": y[rank * 4:(rank + 1) * 4]})
+    _, w, b = _numpy_step(w, b, x.astype(np.float64), y, 0.5)  # the concatenated batch
+p = rep.parameters()
+np.testing.assert_allclose(p["W"], w, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(p["b"], b, rtol=1e-5, atol=1e-6)
+table = np.empty((2, p["W"].size), np.float32)
+MPI.COMM_WORLD.Allgather(np.ascontiguousarray(p["W"].ravel()), table)
+assert np.array_equal(table[0], table[1])
+print(f"rank {rank} OK", flush=True)
+"""
+
+
+def test_training_rep_is_data_parallel_on_2_ranks(ranks):
+    """Under mpiexec each rank's run() takes its shard; the step equals the whole batch's."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    proc = ranks(2, TWO_RANK_STEPS, timeout=120,
+                 env={"NGDIST_TIMEOUT": "60",
+                      "PYTHONPATH": f"{os.path.dirname(tests_dir)}{os.pathsep}{tests_dir}"})
+    assert sorted(re.findall(r"rank \d OK", proc.stdout)) == ["rank 0 OK", "rank 1 OK"]
+
+
 def test_run_model_and_run_node_on_inference():
     x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
     model = _softmax_regression(3, 2)
