@@ -52,7 +52,96 @@ def run_step(model: onnx.ModelProto, batch: Mapping[str, np.ndarray],
     return result
 
 
-def max_rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    """max |a - b| / max(|b|_max, tiny): relative to the reference's scale."""
+def max_rel_err(a: np.ndarray, b: np.ndarray, floor: float = 1e-12) -> float:
+    """max |a - b| / max(max |b|, floor): the error relative to the reference tensor's scale.
+
+    ``floor`` covers tensors whose exact value is zero (e.g. the gradient of a conv bias
+    followed by BatchNorm, where the reference itself holds only rounding noise).
+    """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), floor))
+
+
+def rank_results(proc, n: int) -> tuple[dict, list[dict]]:
+    """The ``RESULT {json}`` lines the ranks of a script printed: (rank 0's, all of them)."""
+    import json
+
+    results = [json.loads(line.split("RESULT ", 1)[1])
+               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == n, proc.stdout + proc.stderr
+    return next(r for r in results if "acc" in r), results
+
+
+def gradient_errors(got: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray]
+                    ) -> dict[str, float]:
+    """Per parameter: max_rel_err of ``got['<p>.grad']`` against ``ref[p]``.
+
+    A reference gradient that is zero in theory (below 1e-9 of the model's largest, e.g. a
+    conv bias followed by BatchNorm; use a float64 reference) holds only float32 rounding
+    noise on ngdist's side: it is measured against the model's largest gradient instead.
+    """
+    largest = max(float(np.abs(g).max()) for g in ref.values())
+    errors = {}
+    for p, g in ref.items():
+        mine = got[f"{p}.grad"]
+        if np.abs(g).max() > 1e-9 * largest:
+            errors[p] = max_rel_err(mine, g)
+        else:
+            errors[p] = float(np.abs(mine).max() / largest)
+    return errors
+
+
+# --------------------------------------------------------------------------- PyTorch oracle
+
+def dropout_mask_outputs(model: onnx.ModelProto, module) -> dict[str, str]:
+    """Module path of each nn.Dropout -> the mask output of its ONNX Dropout node.
+
+    The TorchScript exporter names a submodule's nodes ``/<path with '/'>/<Op>``.
+    """
+    import torch
+
+    by_name = {n.name: n for n in model.training_info[0].algorithm.node
+               if n.op_type == "Dropout"} if model.training_info else {}
+    out = {}
+    for path, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Dropout):
+            node = by_name.get("/" + path.replace(".", "/") + "/Dropout")
+            if node is None or len(node.output) < 2 or not node.output[1]:
+                raise KeyError(f"no Dropout node with a mask output for module '{path}'")
+            out[path] = node.output[1]
+    return out
+
+
+def torch_step(module, inputs, labels, loss_fn, masks: Mapping[str, np.ndarray] | None = None,
+               float64: bool = False):
+    """(loss, {param name: grad}, module copy) from torch autograd on a copy of ``module`` in
+    train mode, each nn.Dropout replaced by the given fixed mask (scaled by 1 / (1 - p)).
+    ``float64``: the copy and the float inputs in double precision (an exact reference)."""
+    import copy
+
+    import torch
+
+    class FixedMask(torch.nn.Module):
+        def __init__(self, mask: np.ndarray, p: float) -> None:
+            super().__init__()
+            self.mask = torch.from_numpy(np.asarray(mask, np.float32))
+            self.scale = 1.0 / (1.0 - p)
+
+        def forward(self, x):
+            return x * self.mask.to(x.dtype) * self.scale
+
+    ref = copy.deepcopy(module)
+    ref.train()
+    if float64:
+        ref.double()
+    for path, mask in (masks or {}).items():
+        parent_path, _, leaf = path.rpartition(".")
+        parent = ref.get_submodule(parent_path) if parent_path else ref
+        setattr(parent, leaf, FixedMask(mask, parent.get_submodule(leaf).p))
+    args = [torch.from_numpy(np.asarray(x, np.float64 if float64 and np.asarray(x).dtype.kind
+                                        == "f" else None))
+            for x in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+    loss = loss_fn(ref(*args), torch.from_numpy(np.asarray(labels)))
+    loss.backward()
+    grads = {n: p.grad.numpy().copy() for n, p in ref.named_parameters() if p.grad is not None}
+    return float(loss.detach()), grads, ref

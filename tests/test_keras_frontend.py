@@ -2,7 +2,6 @@
 a Keras CNN trained on digits on 2 ranks, and weights written back into the Keras model."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -19,7 +18,7 @@ import ngdist  # noqa: E402
 from ngdist.data import load_digits  # noqa: E402
 from ngdist.errors import GraphError  # noqa: E402
 from ngdist.frontends import keras as kfront  # noqa: E402
-from step_probe import max_rel_err, run_step  # noqa: E402
+from step_probe import max_rel_err, rank_results, run_step  # noqa: E402
 
 CNN_SOURCE = """
 def make_cnn(keras, seed=0):
@@ -173,10 +172,7 @@ else:
 @pytest.mark.slow
 def test_keras_cnn_on_two_ranks_reaches_097_and_writes_back(ranks, tmp_path):
     proc = ranks(2, TRAIN_SCRIPT, timeout=420, args=[str(tmp_path / "keras_cnn.onnx")])
-    results = [json.loads(line.split("RESULT ", 1)[1])
-               for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == 2, proc.stdout + proc.stderr
-    main = next(r for r in results if "acc" in r)
+    main, results = rank_results(proc, 2)
     assert main["acc"] >= 0.97, main
     assert main["diff"] <= 1e-5, main
     assert main["predict_diff"] == 0.0, main

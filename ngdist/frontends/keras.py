@@ -197,6 +197,7 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
         new = exp.links[old].path
         _rename_value(proto.graph, old, new)
         exp.links[new] = exp.links.pop(old)
+    _canonical_constants(proto.graph, set(exp.links))
     outs = [o.name for o in proto.graph.output]
     exp.output_names = ["output"] if len(outs) == 1 else [f"output{i}" for i in range(len(outs))]
     for old, new in zip(outs, exp.output_names):
@@ -204,6 +205,28 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     logger.info("exported Keras model %s: %d nodes, %d linked variables", model.name,
                 len(proto.graph.node), len(exp.links))
     return exp
+
+
+def _canonical_constants(graph: onnx.GraphProto, keep: set[str]) -> None:
+    """Names constants by first use (``const/0``, ...) and orders initializers that way.
+
+    tf2onnx merges equal constants under whichever name a hash-ordered set yields first, so
+    two processes export differently named graphs; every rank must hold the same graph.
+    """
+    inits = {t.name: t for t in graph.initializer}
+    order: list[str] = []
+    for node in graph.node:
+        order.extend(i for i in node.input if i in inits and i not in order)
+    order += [n for n in sorted(inits) if n not in order]
+    renames = {n: f"const/{i}" for i, n in enumerate(n for n in order if n not in keep)}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renames.get(name, name)
+    ordered = [inits[n] for n in order]
+    for t in ordered:
+        t.name = renames.get(t.name, t.name)
+    del graph.initializer[:]
+    graph.initializer.extend(ordered)
 
 
 def _layers(model: Any) -> list[Any]:

@@ -20,11 +20,13 @@ running-variance output by n / (n - 1) so that running statistics match PyTorch'
 ``BatchNorm(momentum=None)`` (cumulative average) has no ONNX counterpart and is refused.
 
 Optimizers: ``torch.optim.SGD`` (momentum, dampening 0, Nesterov, weight decay) maps exactly
-onto ONNX Momentum. ``torch.optim.Adam`` maps onto ONNX Adam, which adds epsilon to sqrt(v)
-*before* the bias correction: torch's update equals ONNX's with epsilon scaled by
-sqrt(1 - beta2^t), a difference below 1e-8 relative for the default eps = 1e-8 unless a
-gradient's running RMS is itself near 1e-8. AdamW, AMSGrad, ``maximize`` and per-group
-hyper-parameters are refused with a clear error.
+onto ONNX Momentum. ``torch.optim.Adam`` maps onto ONNX Adam with the same lr, betas, eps and
+(L2) weight decay; the one difference is where epsilon goes. ONNX adds it to sqrt(v) and folds
+the bias correction into the learning rate, so in torch's terms its epsilon is
+eps / sqrt(1 - beta2^t) (31.6 x eps at t = 1 for beta2 = 0.999, tending to eps): updates agree
+wherever a gradient's RMS is far above eps (relative difference ~ eps_eff / RMS) and differ
+where it is not (e.g. weights whose only gradient is a weight decay of ~1e-6). AdamW, AMSGrad,
+``maximize`` and per-group hyper-parameters are refused with a clear error.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from onnx import helper, numpy_helper
 
 from ngdist import optim
 from ngdist.errors import GraphError
+from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
 
 if TYPE_CHECKING:
     import torch
@@ -161,6 +164,21 @@ def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -
                 node.input[i] = renames[name]
 
 
+def _mark_unique(module: Any) -> dict[str, np.ndarray]:
+    """Fills every float parameter and buffer with distinct values in [0.5, 1.5)."""
+    torch = _torch()
+    rng = np.random.default_rng(0)
+    tensors = module.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    with torch.no_grad():
+        for t in tensors.values():
+            if t.is_floating_point() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                t.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, tuple(t.shape))).to(t.dtype))
+    return {k: t.detach().cpu().numpy().copy() for k, t in tensors.items()
+            if t.is_floating_point()}
+
+
 def _check_batchnorm(module: Any) -> None:
     torch = _torch()
     for name, sub in module.named_modules():
@@ -169,58 +187,6 @@ def _check_batchnorm(module: Any) -> None:
                 raise GraphError(f"BatchNorm '{name}' has momentum=None (cumulative moving "
                                  "average), which ONNX BatchNormalization cannot express; "
                                  "give it a momentum (e.g. 0.1)")
-
-
-def _unbiased_running_var(model: onnx.ModelProto) -> int:
-    """Rescale the running-variance update of training-mode BatchNormalization to torch's.
-
-    ONNX: rv' = m * rv + (1 - m) * var_biased. torch: rv' = m * rv + (1 - m) * var_biased
-    * n / (n - 1), n = elements per channel. Rewritten as m * rv + (rv'_onnx - m * rv) * n /
-    (n - 1) on the node's own outputs, so the correction lives beside the node in the graph.
-    """
-    g = model.graph
-    new_nodes: list[onnx.NodeProto] = []
-    count = 0
-    for node in g.node:
-        new_nodes.append(node)
-        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
-        if node.op_type != "BatchNormalization" or not training or len(node.output) < 3 \
-                or not node.output[2]:
-            continue
-        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
-        x, rv, out = node.input[0], node.input[4], node.output[2]
-        p = f"{node.name or out}/torch_unbiased"
-        biased = f"{p}/biased"
-        node.output[2] = biased
-        m = numpy_helper.from_array(np.array(momentum, np.float32), f"{p}/momentum")
-        one = numpy_helper.from_array(np.array(1.0, np.float32), f"{p}/one")
-        idx = numpy_helper.from_array(np.array(1, np.int64), f"{p}/channel_axis")
-        g.initializer.extend([m, one, idx])
-        new_nodes += [
-            helper.make_node("Size", [x], [f"{p}/size"], name=f"{p}/Size"),
-            helper.make_node("Shape", [x], [f"{p}/shape"], name=f"{p}/Shape"),
-            helper.make_node("Gather", [f"{p}/shape", idx.name], [f"{p}/channels"],
-                             name=f"{p}/Gather", axis=0),
-            helper.make_node("Cast", [f"{p}/size"], [f"{p}/size_f"], name=f"{p}/CastSize",
-                             to=onnx.TensorProto.FLOAT),
-            helper.make_node("Cast", [f"{p}/channels"], [f"{p}/channels_f"],
-                             name=f"{p}/CastChannels", to=onnx.TensorProto.FLOAT),
-            helper.make_node("Div", [f"{p}/size_f", f"{p}/channels_f"], [f"{p}/n"],
-                             name=f"{p}/PerChannel"),
-            helper.make_node("Sub", [f"{p}/n", one.name], [f"{p}/n_minus_1"], name=f"{p}/Nm1"),
-            helper.make_node("Div", [f"{p}/n", f"{p}/n_minus_1"], [f"{p}/bessel"],
-                             name=f"{p}/Bessel"),
-            helper.make_node("Mul", [m.name, rv], [f"{p}/kept"], name=f"{p}/Kept"),
-            helper.make_node("Sub", [biased, f"{p}/kept"], [f"{p}/fresh"], name=f"{p}/Fresh"),
-            helper.make_node("Mul", [f"{p}/fresh", f"{p}/bessel"], [f"{p}/fresh_unbiased"],
-                             name=f"{p}/Unbias"),
-            helper.make_node("Add", [f"{p}/kept", f"{p}/fresh_unbiased"], [out],
-                             name=f"{p}/RunningVar"),
-        ]
-        count += 1
-    del g.node[:]
-    g.node.extend(new_nodes)
-    return count
 
 
 def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
@@ -239,31 +205,34 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     out_names = list(output_names) if output_names else ["output"]
     was_training = module.training
     snapshot = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
-    try:
-        with torch.no_grad():
-            train = _export_once(module, args, torch.onnx.TrainingMode.TRAINING, in_names,
-                                 out_names, opset)
-            module.load_state_dict(snapshot)
-            ev = _export_once(module, args, torch.onnx.TrainingMode.EVAL, in_names,
-                              out_names, opset)
+    try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
+        # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
+        train = _export_once(module, args, torch.onnx.TrainingMode.TRAINING, in_names,
+                             out_names, opset)
+        # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
+        # running_var are both ones), so every tensor gets unique values while it runs
+        marked = _mark_unique(module)
+        ev = _export_once(module, args, torch.onnx.TrainingMode.EVAL, in_names,
+                          out_names, opset)
     finally:
         module.load_state_dict(snapshot)  # tracing in training mode moved BN statistics
         module.train(was_training)
     state = {k: v.cpu().numpy() for k, v in snapshot.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
     result = TorchExport(train, ev, in_names, out_names)
-    for model in (train, ev):
-        _rename_initializers(model, state)
+    for model, values in ((train, state), (ev, marked)):
+        _rename_initializers(model, values)
         for t in model.graph.initializer:  # the values before tracing touched them
             if t.name in state:
                 t.CopyFrom(numpy_helper.from_array(state[t.name], t.name))
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
-    fixed = _unbiased_running_var(train)
-    logger.info("exported %s: %d nodes (train), %d (eval), %d params, %d buffers, %d BN "
-                "running-variance corrections", type(module).__name__, len(train.graph.node),
-                len(ev.graph.node), len(result.params), len(result.buffers), fixed)
+    feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in zip(in_names, args)})
+    folded = [fold_static_shapes(model, feeds) for model in (train, ev)]
+    logger.info("exported %s: %d nodes (train), %d (eval), %d params, %d buffers, %s shape "
+                "values folded", type(module).__name__, len(train.graph.node),
+                len(ev.graph.node), len(result.params), len(result.buffers), folded)
     return result
 
 
@@ -358,6 +327,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         raise GraphError("no trainable parameter of the module appears in the exported graph")
     model = build_training_model(exp.train, loss=translate_loss(loss), labels=labels,
                                  optimizer=opt, params=trained, output=exp.output_names[0])
+    unbiased_running_var(model)
     _use_eval_graph(model, exp.eval)
     return model, exp
 

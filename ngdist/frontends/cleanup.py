@@ -1,0 +1,187 @@
+"""Frontend graph cleanups applied to exported models before they become training models.
+
+* ``fold_static_shapes``: exporters compute shapes at run time (Shape -> Gather -> Concat ->
+  Reshape) even where only the batch size varies; ONNX shape inference then loses the rank
+  of values downstream (torch's ``unflatten`` in multi-head attention is one case), and
+  gradient rules need ranks. Every value that depends on shapes only is evaluated in
+  onnxruntime for several batch sizes; the ones that do not change become initializers.
+* ``unbiased_running_var``: PyTorch's BatchNorm updates its running variance with the
+  unbiased batch variance, ONNX's BatchNormalization with the biased one.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+logger = logging.getLogger(__name__)
+
+_SHAPE_SOURCES = {"Shape", "Size"}
+BATCH_SIZES = (3, 4, 7)  # different parities and residues: a batch-dependent value differs
+
+
+def _shape_only_values(model: onnx.ModelProto) -> list[str]:
+    """Values computed from shapes and constants only (never from weights or data)."""
+    g = model.graph
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+              onnx.TensorProto.BFLOAT16}
+    derived = {t.name for t in g.initializer if t.data_type not in floats}
+    order: list[str] = []
+    for node in g.node:
+        if node.op_type == "Constant":
+            derived.update(node.output)
+            continue
+        if node.op_type in _SHAPE_SOURCES or (
+                node.input and all(not i or i in derived for i in node.input)):
+            derived.update(o for o in node.output if o)
+            order.extend(o for o in node.output if o)
+    return order
+
+
+def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
+                       ) -> int:
+    """Replaces shape-only values that are equal for every feed by initializers.
+
+    ``feeds``: the same inputs at different batch sizes (see ``BATCH_SIZES``). Returns the
+    number of values folded.
+    """
+    candidates = _shape_only_values(model)
+    if not candidates or len(feeds) < 2:
+        return 0
+    probe = copy.deepcopy(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in candidates)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        sess = ort.InferenceSession(probe.SerializeToString(), opts,
+                                    providers=["CPUExecutionProvider"])
+        runs = [sess.run(candidates, dict(f)) for f in feeds]
+    except Exception as exc:  # folding is an optimisation; the graph stays as exported
+        logger.warning("shape folding skipped: %s", exc)
+        return 0
+    fixed: dict[str, np.ndarray] = {}
+    for i, name in enumerate(candidates):
+        vals = [np.asarray(r[i]) for r in runs]
+        if all(
+                v.shape == vals[0].shape and np.array_equal(v, vals[0]) for v in vals[1:]):
+            fixed[name] = vals[0]
+    g = model.graph
+    kept = []
+    for node in g.node:
+        outs = [o for o in node.output if o]
+        if outs and all(o in fixed for o in outs):
+            continue
+        kept.append(node)
+    used = {i for n in kept for i in n.input} | {o.name for o in g.output}
+    folded = [n for n in fixed if n in used]
+    g.initializer.extend(numpy_helper.from_array(fixed[n], n) for n in folded)
+    del g.node[:]
+    g.node.extend(kept)
+    _remove_dead(g)
+    return len(folded)
+
+
+def _remove_dead(g: onnx.GraphProto) -> None:
+    """Drops nodes none of whose outputs are used, and unused initializers."""
+    while True:
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        live = [n for n in g.node if any(o in used for o in n.output if o)]
+        if len(live) == len(g.node):
+            break
+        del g.node[:]
+        g.node.extend(live)
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    inits = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+
+
+def unbiased_running_var(model: onnx.ModelProto) -> int:
+    """Makes the running-variance update of training-mode BatchNormalization torch's.
+
+    Works on a training model: for each training-mode BatchNormalization in the algorithm
+    whose running variance is bound to the node's own output, the binding moves to
+    rv'_onnx + (1 - m) * var_b / (n - 1) (var_b: the biased batch variance, n: elements per
+    channel), which is PyTorch's m * rv + (1 - m) * var_b * n / (n - 1). The correction
+    reads only the node's input x and its output, never the old running variance: with
+    OrtValue feeds, onnxruntime may write the new running variance into the old one's buffer.
+    Returns the number of nodes corrected.
+    """
+    if not model.training_info:
+        return 0
+    info = model.training_info[0]
+    alg = info.algorithm
+    binding = {kv.key: kv for kv in info.update_binding}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in
+             [*model.graph.value_info, *model.graph.input, *alg.value_info]
+             if v.type.tensor_type.HasField("shape")}
+    new_nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in alg.node:
+        new_nodes.append(node)
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if node.op_type != "BatchNormalization" or not training or len(node.output) < 3:
+            continue
+        x, rv, biased = node.input[0], node.input[4], node.output[2]
+        entry = binding.get(rv)
+        if not biased or entry is None or entry.value != biased:
+            continue
+        momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
+        p = f"{node.name or biased}/torch_unbiased"
+        out = f"{rv}.unbiased"
+        new_nodes += _unbiased_nodes(p, x, biased, out, momentum, ranks.get(x))
+        entry.value = out
+        for o in alg.output:
+            if o.name == biased:
+                o.name = out
+        count += 1
+    del alg.node[:]
+    alg.node.extend(new_nodes)
+    return count
+
+
+def _unbiased_nodes(p: str, x: str, biased: str, out: str, momentum: float,
+                    rank: int | None) -> list[onnx.NodeProto]:
+    def const(name: str, value: np.ndarray) -> onnx.NodeProto:
+        return helper.make_node("Constant", [], [f"{p}/{name}"], name=f"{p}/{name}",
+                                value=numpy_helper.from_array(value))
+
+    def node(op: str, inputs: list[str], name: str, **attrs: object) -> onnx.NodeProto:
+        return helper.make_node(op, [i if i in (x, biased) else f"{p}/{i}" for i in inputs],
+                                [f"{p}/{name}" if name != "out" else out],
+                                name=f"{p}/{name}", **attrs)
+
+    f32 = onnx.TensorProto.FLOAT
+    if rank is not None:  # constant axes: shape inference then knows var_b is [C]
+        axes = [const("axes", np.array([0, *range(2, rank)], np.int64))]
+    else:
+        axes = [const("zero_axis", np.array([0], np.int64)), const("two", np.array(2, np.int64)),
+                const("step", np.array(1, np.int64)), node("Size", ["shape"], "rank"),
+                node("Range", ["two", "rank", "step"], "spatial"),
+                node("Concat", ["zero_axis", "spatial"], "axes", axis=0)]
+    return [
+        const("channel", np.array(1, np.int64)), const("one", np.array(1.0, np.float32)),
+        const("one_minus_m", np.array(1.0 - momentum, np.float32)),
+        node("Shape", [x], "shape"), *axes,
+        node("ReduceMean", [x, "axes"], "mean", keepdims=1),
+        node("Sub", [x, "mean"], "centred"), node("Mul", ["centred", "centred"], "squares"),
+        node("ReduceMean", ["squares", "axes"], "var_b", keepdims=0),
+        node("Size", [x], "size"), node("Gather", ["shape", "channel"], "channels", axis=0),
+        node("Cast", ["size"], "size_f", to=f32), node("Cast", ["channels"], "channels_f", to=f32),
+        node("Div", ["size_f", "channels_f"], "n"), node("Sub", ["n", "one"], "n_minus_1"),
+        node("Div", ["one_minus_m", "n_minus_1"], "coef"),
+        node("Mul", ["coef", "var_b"], "extra"), node("Add", [biased, "extra"], "out"),
+    ]
+
+
+def batch_feeds(feeds: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """The example inputs cycled along axis 0 to each of ``BATCH_SIZES``."""
+    return [{k: np.take(v, np.arange(b) % max(len(v), 1), axis=0) for k, v in feeds.items()}
+            for b in BATCH_SIZES]
