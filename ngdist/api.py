@@ -47,8 +47,20 @@ def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any =
         params=params, frozen=frozen, output=output)
 
 
-def compile(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,  # noqa: A001
-            labels: str = "y", optimizer: Any = _UNSET, strategy: str = "allreduce",
+def _framework_frontend(model: Any) -> Any:
+    """The frontend module for a torch.nn.Module or Keras model, None for ONNX input."""
+    if isinstance(model, (onnx.ModelProto, str, os.PathLike)):
+        return None
+    from ngdist.frontends import keras as keras_frontend, torch as torch_frontend
+    for frontend in (torch_frontend, keras_frontend):
+        if frontend.is_module(model):
+            return frontend
+    return None
+
+
+def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
+            example_inputs: Any = None, *, loss: Any = _UNSET, labels: str = "y",
+            optimizer: Any = _UNSET, strategy: str = "allreduce",
             bucket_bytes: int = 25 << 20, params: list[str] | None = None,
             frozen: list[str] | None = None, output: str | None = None,
             timeout: float | None = None, intra_op_threads: int | None = None,
@@ -59,7 +71,22 @@ def compile(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,  
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
     the input named ``labels`` and updated by ``optimizer``; or a training model (from
     ``trainer.save`` or ``ngdist rewrite``), used as it is.
+    A ``torch.nn.Module`` or Keras model (with ``example_inputs``) goes through its frontend
+    (ngdist.frontends.torch / .keras), whose trainer can write the weights back.
     """
+    frontend = _framework_frontend(model)
+    if frontend is not None:
+        if params is not None or output is not None:
+            raise GraphError("params= and output= apply to ONNX models; for a framework model "
+                             "choose the trained parameters with the optimizer or frozen=")
+        given = {k: v for k, v in (("loss", loss), ("optimizer", optimizer)) if v is not _UNSET}
+        return frontend.compile(model, example_inputs, labels=labels, frozen=frozen, **given,
+                                strategy=strategy, bucket_bytes=bucket_bytes, timeout=timeout,
+                                intra_op_threads=intra_op_threads, providers=providers,
+                                overlap=overlap, **strategy_options)
+    if example_inputs is not None:
+        raise GraphError("example_inputs is for torch and Keras models; an ONNX model "
+                         "declares its inputs")
     proto = to_training_model(model, loss=loss, labels=labels, optimizer=optimizer,
                               params=params, frozen=frozen, output=output)
     comm = Communicator(timeout=timeout)
