@@ -4,9 +4,10 @@ What ngdist.backend *claims to support* (issue 4): every op of ONNX's node tests
 onnxruntime 1.31's CPU provider runs (inference is delegated to it), every op with a gradient
 rule (``registry.registered_ops()``) and the four ``ai.onnx.preview.training`` ops that ngdist
 lowers itself (Gradient, Momentum, Adagrad, Adam). The runner's whole CPU suite is run once
-(node cases generated in memory from ``onnx.backend.test.case.node``, since the wheel ships no
-node data; the "simple", "pytorch-converted" and "pytorch-operator" model tests from the
-wheel's data; see SKIPPED_CATEGORIES for "real"). Every case must pass except the exclusions
+(the runner's loader generates the node cases in memory, as
+``onnx.backend.test.case.node.collect_testcases`` does, since the wheel ships no node data;
+the "simple", "pytorch-converted" and "pytorch-operator" model tests come from the wheel's
+data; see SKIPPED_CATEGORIES for "real"). Every case must pass except the exclusions
 below, each with its reason; an exclusion that starts passing fails the test too, so the list
 cannot rot.
 
@@ -141,7 +142,7 @@ class _Recorder(unittest.TestResult):
 def suite_run(tmp_path_factory):
     """The runner's whole CPU suite against ngdist.backend, once: name -> (status, message)."""
     import onnx.backend.test
-    from onnx.backend.test.loader import load_model_tests
+    from onnx.backend.test.case.node import collect_testcases
 
     old = os.environ.get("ONNX_HOME")
     os.environ["ONNX_HOME"] = str(tmp_path_factory.mktemp("onnx_home"))  # light models' data
@@ -154,7 +155,7 @@ def suite_run(tmp_path_factory):
             for category, case in runner.test_cases.items():
                 if category not in SKIPPED_CATEGORIES:
                     unittest.defaultTestLoader.loadTestsFromTestCase(case).run(result)
-            nodes = {c.name: c for c in load_model_tests(kind="node")}
+            nodes = {c.name: c for c in collect_testcases()}  # what the runner's loader uses
     finally:
         if old is None:
             os.environ.pop("ONNX_HOME", None)
@@ -183,6 +184,7 @@ def test_the_whole_suite_passes_except_listed_exclusions(suite_run):
     """issue 4: every case passes but the excluded ones, and every excluded one still fails."""
     outcome, nodes = suite_run
     assert len(outcome) > 2000 and len(nodes) > 1800
+    assert set(nodes) <= set(outcome)  # every node case from collect_testcases() was run
     skipped = {n: o[1] for n, o in outcome.items() if o[0] == "skip"}
     assert not skipped, f"skipped CPU cases: {skipped}"
     unexpected, stale = {}, []
