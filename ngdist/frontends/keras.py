@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 OPSET = 18
 _UNSET: Any = object()
+_GENERATED = re.compile(r"__\d+")  # tf2onnx's numbered names: Transpose__36, const_axes__28
 
 
 def _tf() -> tuple[Any, Any, Any]:
@@ -197,7 +199,7 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
         new = exp.links[old].path
         _rename_value(proto.graph, old, new)
         exp.links[new] = exp.links.pop(old)
-    _canonical_constants(proto.graph, set(exp.links))
+    _canonical_names(proto.graph, set(exp.links))
     outs = [o.name for o in proto.graph.output]
     exp.output_names = ["output"] if len(outs) == 1 else [f"output{i}" for i in range(len(outs))]
     for old, new in zip(outs, exp.output_names):
@@ -207,11 +209,14 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     return exp
 
 
-def _canonical_constants(graph: onnx.GraphProto, keep: set[str]) -> None:
-    """Names constants by first use (``const/0``, ...) and orders initializers that way.
+def _canonical_names(graph: onnx.GraphProto, keep: set[str]) -> None:
+    """Makes the names tf2onnx generates independent of the process.
 
-    tf2onnx merges equal constants under whichever name a hash-ordered set yields first, so
-    two processes export differently named graphs; every rank must hold the same graph.
+    tf2onnx merges equal constants under whichever name a hash-ordered set yields first and
+    numbers generated nodes (``Transpose__36``) in an order that varies between processes,
+    but every rank must hold the same graph. Constants are renamed by first use
+    (``const/0``, ...) and ordered that way; generated value and node names get their
+    numbers from their position in the graph.
     """
     inits = {t.name: t for t in graph.initializer}
     order: list[str] = []
@@ -219,14 +224,23 @@ def _canonical_constants(graph: onnx.GraphProto, keep: set[str]) -> None:
         order.extend(i for i in node.input if i in inits and i not in order)
     order += [n for n in sorted(inits) if n not in order]
     renames = {n: f"const/{i}" for i, n in enumerate(n for n in order if n not in keep)}
+    fixed = {o.name for o in graph.output} | {i.name for i in graph.input} | keep
+    counter = itertools.count()
     for node in graph.node:
-        for i, name in enumerate(node.input):
-            node.input[i] = renames.get(name, name)
+        for out in node.output:
+            if out and out not in fixed and _GENERATED.search(out):
+                renames[out] = _GENERATED.sub("", out.split(":")[0]) + f"__g{next(counter)}"
+        if _GENERATED.search(node.name):
+            node.name = _GENERATED.sub("", node.name) + f"__g{next(counter)}"
+    for node in graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
     ordered = [inits[n] for n in order]
     for t in ordered:
         t.name = renames.get(t.name, t.name)
     del graph.initializer[:]
     graph.initializer.extend(ordered)
+    del graph.value_info[:]  # re-inferred by the ONNX frontend
 
 
 def _layers(model: Any) -> list[Any]:
