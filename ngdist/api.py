@@ -64,16 +64,24 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             bucket_bytes: int = 25 << 20, params: list[str] | None = None,
             frozen: list[str] | None = None, output: str | None = None,
             timeout: float | None = None, intra_op_threads: int | None = None,
-            providers: list[str] | None = None, overlap: bool = True,
-            **strategy_options: Any) -> Trainer:
+            providers: list[str] | None = None, overlap: bool | None = None,
+            kvstore: Any = None, **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
     the input named ``labels`` and updated by ``optimizer``; or a training model (from
-    ``trainer.save`` or ``ngdist rewrite``), used as it is.
+    ``trainer.save`` or ``ngdist rewrite``), used as it is. ``overlap``: communication
+    overlaps computation (default on in the executor); when given, it is also passed to the
+    strategy (``pushsum``'s gossip overlap, off by default there).
     A ``torch.nn.Module`` or Keras model (with ``example_inputs``) goes through its frontend
     (ngdist.frontends.torch / .keras), whose trainer can write the weights back.
+    ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
+    (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
+    optimizer is used when ``optimizer`` is not given.
     """
+    if kvstore is not None:
+        from ngdist.kvstore import compile_options
+        strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
     frontend = _framework_frontend(model)
     if frontend is not None:
         if params is not None or output is not None:
@@ -91,11 +99,14 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
                               params=params, frozen=frozen, output=output)
     comm = Communicator(timeout=timeout)
     inference, step = split_training_model(proto)
+    if overlap is not None:
+        strategy_options["overlap"] = overlap
     devices = int(strategy_options.pop("devices_per_worker", 1))  # replicas in this process
     serve = bool(strategy_options.pop("ps_serve", True))  # False: DistributedSGD's lockstep
     step = run_passes(step, strategy, bucket_bytes=bucket_bytes, **strategy_options)
     trainer = Trainer(inference, step=step, comm=comm, intra_op_threads=intra_op_threads,
-                      providers=providers, overlap=overlap, devices_per_worker=devices)
+                      providers=providers, overlap=overlap is not False,
+                      devices_per_worker=devices)
     from ngdist.runtime.ps_server import setup as ps_setup
     ps_setup(trainer, serve)  # ps: shard owners; a dedicated server serves until workers stop
     return trainer
