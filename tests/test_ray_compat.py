@@ -148,6 +148,11 @@ for _ in range(2):
         report.setdefault("ps_server", []).append(
             {"restored": bitwise(at10, restored), "continued": bitwise(at20, got)})
     save("ps_server_at20", final)  # a server ends a session with the workers' parameters
+sgd = session("ps", 2, servers=1)
+stats = sgd.step(fetch_stats=True)  # the server serves the step and reports the workers' loss
+report["ps_server_stats"] = {"loss": stats.loss, "samples": stats.samples,
+                             "bytes_sent": stats.bytes_sent}
+sgd.close()
 json.dump(report, open(f"{out}/report_{size}_{rank}.json", "w"))
 '''
 
@@ -197,6 +202,10 @@ def test_distributed_sgd_checkpoints_devices_and_stats(ranks, tmp_path):
     params = load(tmp_path / "allreduce_3_from_2_3_0.npz")
     assert max_rel(params, {k: uninterrupted[k] for k in params}) <= 1e-5
     assert three[0]["ps_server"] == [{"restored": True, "continued": True}] * 2
+    served = [t["ps_server_stats"] for t in three]
+    assert served[0]["loss"] == served[1]["loss"] == served[2]["loss"] > 0
+    assert [s["samples"] for s in served] == [12, 12, 0]  # the server trains on no data
+    assert all(s["bytes_sent"] > 0 for s in served)  # the server sent the updated shards
     worker = load(tmp_path / "ps_server_at20_3_0.npz")
     for r in (1, 2):
         other = load(tmp_path / f"ps_server_at20_3_{r}.npz")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
 import ngdist
@@ -37,8 +37,10 @@ def comm_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.training_info[0].algorithm.node if n.domain == "ngdist"]
 
 
-def train(strategy: str, steps: int = 20, batch: int = 16, **kw) -> tuple[dict, list]:
-    tr = ngdist.compile(zoo.mlp((64, 32, 10), seed=0), optimizer=SGD, strategy=strategy, **kw)
+def train(strategy: str, steps: int = 20, batch: int = 16, optimizer=SGD, **kw
+          ) -> tuple[dict, list]:
+    tr = ngdist.compile(zoo.mlp((64, 32, 10), seed=0), optimizer=optimizer, strategy=strategy,
+                        **kw)
     losses = [tr.step({"x": X[i * batch:(i + 1) * batch], "y": Y[i * batch:(i + 1) * batch]}).loss
               for i in range(steps)]
     params = tr.parameters()
@@ -169,6 +171,12 @@ def test_devices_per_worker_equals_one_replica_with_the_whole_batch():
         assert np.allclose(losses, ref_losses, rtol=1e-5), devices
     params, _ = train("ps", devices_per_worker=2, grad_shard_bytes=2000)
     assert max_rel(params, ref) <= 1e-5
+    # the replicas average gradients, not updates: Adam (not linear in g) agrees too
+    adam = ngdist.optim.Adam(lr=1e-2)
+    for strategy in ("allreduce", "pushsum"):
+        ref, _ = train(strategy, optimizer=adam)
+        params, _ = train(strategy, optimizer=adam, devices_per_worker=2)
+        assert max_rel(params, ref) <= 1e-5, strategy
     tr = ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=SGD, devices_per_worker=4)
     assert len(tr.executor.towers) == 4  # one onnxruntime session per replica
     with pytest.raises(InputError, match=r"a batch of 3 sample\(s\) cannot feed 4 replicas "

@@ -14,8 +14,9 @@ pairwise add, and then copied); the ``mpi`` AllReduce kernel divides by the size
   its odd neighbour and sits out, and gets the result back at the end.
 * ``hierarchical``: reduce within each host (a ``COMM_TYPE_SHARED`` communicator) to its
   local leader, allreduce among the leaders across hosts, broadcast within the host (as
-  Horovod's hierarchical allreduce). ``NGDIST_RANKS_PER_HOST=k`` groups consecutive ranks by
-  ``k`` instead, to exercise the cross-host path on one machine.
+  Horovod's hierarchical allreduce); when all ranks share one host, simply the host's
+  allreduce. ``NGDIST_RANKS_PER_HOST=k`` groups consecutive ranks by ``k`` instead, to
+  exercise the cross-host path on one machine.
 
 Every algorithm runs on its own duplicate of COMM_WORLD (created on first use, the same point
 of the program on every rank), so its messages never match another kernel's, and every wait
@@ -85,7 +86,8 @@ def ring(comm: Any, node: Any, buf: np.ndarray) -> int:
             into = tmp if phase == "reduce-scatter" else buf[rlo:rhi]
             recvs = [(a - rlo, b - rlo, world.Irecv(into[a - rlo:b - rlo], source=left, tag=_TAG))
                      for a, b in _chunks(rlo, rhi, step)]
-            sends = [world.Isend(buf[a:b], dest=right, tag=_TAG) for a, b in _chunks(slo, shi, step)]
+            sends = [world.Isend(buf[a:b], dest=right, tag=_TAG)
+                     for a, b in _chunks(slo, shi, step)]
             for a, b, req in recvs:
                 comm.wait(req, node, peers=[left])
                 if phase == "reduce-scatter":
@@ -171,6 +173,10 @@ def hierarchical(comm: Any, node: Any, buf: np.ndarray) -> int:
     if comm.size == 1 or buf.size == 0:
         return 0
     local, leaders, host, lead = _host_comms(comm)
+    if len(host) == comm.size:
+        # one host: nothing crosses hosts, and the host's own allreduce beats reduce + bcast
+        comm.wait(local.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), node, peers=host)
+        return buf.nbytes
     sent = 0
     if local.Get_size() > 1:
         root = local.Get_rank() == 0

@@ -1,9 +1,10 @@
 """Several model replicas in one process (Ray SGD's ``devices_per_worker``).
 
-The step graph is cut in two. The *tower* is every node the gradients and the loss depend
-on: the forward pass, the loss and the backward pass up to the values that enter the
-communication nodes (for a graph without comm nodes, up to the ``<param>.grad`` values). The
-*rest* is communication and the update. Each of the ``D`` replicas runs the tower in its own
+The step graph is cut in two. The *tower* is every node the gradients (``<param>.grad``, as
+ngdist's autodiff names them; else the data-dependent inputs of the comm nodes) and the loss
+depend on: the forward pass, the loss and the backward pass. The *rest* is communication and
+the update, whatever the strategy (the optimizer must see the averaged gradient: averaging
+updates instead would be wrong for Adam). Each of the ``D`` replicas runs the tower in its own
 onnxruntime session, on its own thread (``InferenceSession.run`` releases the GIL), on its
 contiguous slice of this rank's batch. The towers' results that depend on the data (gradients,
 loss) are averaged, weighted by slice size, which is exactly the mean over the whole rank's
@@ -57,10 +58,11 @@ def split_tower(graph: onnx.GraphProto, data_inputs: list[str], loss: str,
     for n in nodes:
         if any(i in dependent for i in n.input):
             dependent.update(o for o in n.output if o)
-    comm = [n for n in nodes if is_comm_node(n.domain, n.op_type)]
-    frontier = {i for n in comm for i in n.input if i in dependent} | {loss}
-    if not comm:
-        frontier |= {f"{p}.grad" for p in params if f"{p}.grad" in producer}
+    frontier = {f"{p}.grad" for p in params if f"{p}.grad" in producer}
+    if not frontier:  # a hand-written backward pass: stop where the data meets communication
+        frontier = {i for n in nodes if is_comm_node(n.domain, n.op_type) for i in n.input
+                    if i in dependent}
+    frontier.add(loss)
     tower = _ancestors(nodes, producer, frontier)
     live = _ancestors(nodes, producer, {o.name for o in graph.output})
     bad = [nodes[i].name for i in tower if is_comm_node(nodes[i].domain, nodes[i].op_type)]
