@@ -79,6 +79,25 @@ def test_first_step_loss_and_gradients_match_gradient_tape(case, digits):
     np.testing.assert_allclose(ort_out, model(x, training=False).numpy(), atol=1e-5)
 
 
+def test_mse_loss_gradients_match_gradient_tape():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    y = rng.standard_normal((16, 10)).astype(np.float32)
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(10)])
+    loss = keras.losses.MeanSquaredError()
+    proto, exp = kfront.training_model(model, loss=loss, optimizer=keras.optimizers.SGD(0.1))
+    got = run_step(proto, {"x": x, "y": y})
+    with tf.GradientTape() as tape:
+        ref_loss = loss(y, model(x, training=True))
+    grads = tape.gradient(ref_loss, model.trainable_variables)
+    assert abs(float(got["loss"]) - float(ref_loss)) <= 1e-4 * abs(float(ref_loss))
+    for var, ref in zip(model.trainable_variables, grads):
+        mine = exp.links[var.path].to_keras(got[f"{var.path}.grad"], tuple(var.shape))
+        assert max_rel_err(mine, ref.numpy()) <= 1e-4, var.path
+
+
 def _run_inference(proto, feeds):
     import onnxruntime as ort
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -77,6 +77,18 @@ def test_first_step_loss_and_gradients_match_autograd(digits):
     assert max(errors.values()) <= 1e-4, errors
 
 
+def test_mse_loss_gradients_match_autograd():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 64)).astype(np.float32)
+    y = rng.standard_normal((16, 10)).astype(np.float32)
+    module = make_mlp(seed=2)
+    model, _ = tfront.training_model(module, torch.zeros(2, 64), loss=nn.MSELoss())
+    got = run_step(model, {"input": x, "y": y})
+    loss, grads, _ = torch_step(module, x, y, nn.MSELoss(), float64=True)
+    assert abs(float(got["loss"]) - loss) <= 1e-4 * abs(loss)
+    assert max(gradient_errors(got, grads).values()) <= 1e-4
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3),
     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.8, nesterov=True),

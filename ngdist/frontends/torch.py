@@ -400,8 +400,6 @@ def compile(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entr
     """
     from ngdist import api
 
-    if input_names is None and isinstance(example_inputs, dict):
-        raise TypeError("example_inputs must be a tensor or a tuple of tensors")
     model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names,
                                 output_names=output_names, frozen=frozen)
