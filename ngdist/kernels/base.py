@@ -52,11 +52,27 @@ def get_kernel(op_type: str, backend: str) -> Kernel:
                         f"one: {have}") from None
 
 
-def flatten(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """One contiguous buffer holding every array (copied once)."""
-    if len(arrays) == 1:
-        return np.ascontiguousarray(arrays[0]).reshape(-1)
-    return np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
+def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.ndarray:
+    """One contiguous buffer holding a copy of every array.
+
+    With ``node`` whose ``state["reuse_buffer"]`` the executor set (its outputs do not outlive
+    the step), the buffer is kept in the node's state and reused at the next step: fresh
+    multi-megabyte allocations page-fault on every call and cost as much as the copy.
+    """
+    size = sum(a.size for a in arrays)
+    dtype = np.result_type(*arrays)
+    buf = None
+    if node is not None and node.state.get("reuse_buffer"):
+        buf = node.state.get("buffer")
+        if buf is None or buf.size != size or buf.dtype != dtype:
+            buf = node.state["buffer"] = np.empty(size, dtype)
+    if buf is None:
+        buf = np.empty(size, dtype)
+    offset = 0
+    for a in arrays:
+        buf[offset:offset + a.size] = a.reshape(-1)
+        offset += a.size
+    return buf
 
 
 def unflatten(buffer: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:

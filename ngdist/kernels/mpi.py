@@ -13,9 +13,7 @@ def allreduce(comm, node, inputs):
     point-to-point algorithm named by the ``algorithm`` attribute (kernels/allreduce_algs)."""
     from mpi4py import MPI
 
-    buf = flatten(inputs)
-    if len(inputs) == 1 and buf.base is not None:
-        buf = buf.copy()  # never reduce into a buffer the caller still reads
+    buf = flatten(inputs, node)  # a copy: never reduce into a buffer the caller still reads
     algorithm = node.attributes.get("algorithm", "mpi")
     if algorithm != "mpi":
         sum_inplace(algorithm, comm, node, buf)
@@ -33,7 +31,7 @@ def allreduce(comm, node, inputs):
 
 @register_kernel("Broadcast", "mpi")
 def broadcast(comm, node, inputs):
-    buf = flatten(inputs).copy()
+    buf = flatten(inputs)
     req = comm.world.Ibcast(buf, root=int(node.attributes.get("root", 0)))
     comm.wait(req, node)
     comm.bytes_sent += buf.nbytes if comm.rank == node.attributes.get("root", 0) else 0

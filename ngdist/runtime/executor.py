@@ -72,6 +72,9 @@ class Executor:
                                                 _attr_dict(item.node), list(item.node.input),
                                                 list(item.node.output))
                            for item in self.items if isinstance(item, CommCall)}
+        step_outputs = {o.name for o in graph.output}
+        for node in self.comm_nodes.values():  # outputs die within the step: reuse buffers
+            node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
         last: dict[str, int] = {}
         for item in self.items:
