@@ -78,6 +78,10 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
+    ``reproducible_micro_batch=M`` (allreduce): reproducible mode, every rank's batch is cut
+    into micro-batches of ``M`` samples whose gradients, buffer averages and loss are summed
+    exactly (``all_reduce_alg="exact"``), so training gives the same bits on any number of
+    ranks that are fed the same global batches (passes/reproducible.py).
     """
     if kvstore is not None:
         from ngdist.kvstore import compile_options

@@ -132,7 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ps: cut the gradients into shards of at most this many bytes "
                         "(default 10,000,000 as Ray SGD; 0 = one shard per owner)")
     p.add_argument("--all-reduce-alg", dest="opt_all_reduce_alg",
-                   help="allreduce: mpi (default) | ring | recursive_doubling | hierarchical")
+                   help="allreduce: mpi (default) | ring | recursive_doubling | hierarchical "
+                        "| exact")
+    p.add_argument("--reproducible-micro-batch", dest="opt_reproducible_micro_batch",
+                   type=int, metavar="M",
+                   help="allreduce: reproducible mode, gradients of micro-batches of M "
+                        "samples summed exactly (the same bits on any number of ranks)")
     p.add_argument("--synch-freq", dest="opt_synch_freq", type=int,
                    help="pushsum with --overlap: iterations a message may lag (default 0)")
     p.set_defaults(func=cmd_rewrite)

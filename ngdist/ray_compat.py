@@ -12,7 +12,13 @@ launching it with ``ngdist run -n N [--servers K] -- python train.py``, and:
   ``devices_per_worker`` replicas run in each (runtime/replicas.py);
 * ``step()`` takes no batch (the models supply it), returns ``None`` unless ``fetch_stats``,
   then a ``StepStats`` whose ``loss`` is the mean over all workers (one small Allreduce
-  among the workers: the only barrier it adds);
+  among the workers: the only barrier it adds; none with ``micro_batch``, whose loss is
+  already the global batch's);
+* ``micro_batch=M`` (allreduce only) is reproducible mode (passes/reproducible.py): every
+  replica's batch is cut into micro-batches of ``M`` samples whose gradients are summed
+  exactly, so training is bit-for-bit the same for any ``num_workers`` and
+  ``devices_per_worker`` that feed the same global batches, and a checkpoint restored on
+  another number of workers continues exactly as the uninterrupted run;
 * ``foreach_model`` / ``foreach_worker`` apply a function to *this rank's* replicas / worker
   and return this rank's results (there is no driver to collect them);
 * ``save_checkpoint`` / ``restore_checkpoint`` are collective over the workers. The file is a
@@ -110,15 +116,20 @@ class DistributedSGD:
     """Ray SGD's ``DistributedSGD`` on ngdist: ``strategy`` is ``ps`` (sharded parameter
     servers; ``servers`` dedicated ranks or co-located), ``simple`` (gradients averaged at
     rank 0) or ``allreduce`` (with ``all_reduce_alg``); ``grad_shard_bytes`` bounds a ps
-    shard. ``gpu=True`` runs the replicas on onnxruntime's CUDA provider."""
+    shard. ``gpu=True`` runs the replicas on onnxruntime's CUDA provider. ``micro_batch``:
+    reproducible mode of ``allreduce`` (micro-batches of that many samples, exact sums)."""
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
                  devices_per_worker: int = 1, gpu: bool = False, strategy: str = "ps",
                  grad_shard_bytes: int = 10_000_000, all_reduce_alg: str = "mpi", *,
                  servers: int | None = None, bucket_bytes: int = 25 << 20,
-                 timeout: float | None = None, intra_op_threads: int | None = None) -> None:
+                 timeout: float | None = None, intra_op_threads: int | None = None,
+                 micro_batch: int | None = None) -> None:
         if strategy not in STRATEGIES:
             raise NgdistError(f"DistributedSGD strategy must be one of {list(STRATEGIES)}, "
+                              f"not {strategy!r}")
+        if micro_batch and strategy != "allreduce":
+            raise NgdistError(f"micro_batch (reproducible mode) needs strategy='allreduce', "
                               f"not {strategy!r}")
         if devices_per_worker < 1:
             raise NgdistError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
@@ -149,6 +160,8 @@ class DistributedSGD:
             m0.model, loss=m0.loss, labels=m0.labels, optimizer=m0.optimizer, params=m0.params,
             frozen=m0.frozen, output=m0.output)
         options: dict[str, Any] = {"all_reduce_alg": all_reduce_alg}
+        if micro_batch:
+            options["reproducible_micro_batch"] = micro_batch
         if strategy == "ps":
             options.update(grad_shard_bytes=grad_shard_bytes, servers=servers or 0)
         self.trainer = api.compile(self.training_model, strategy=strategy,
@@ -184,6 +197,8 @@ class DistributedSGD:
             stats = self.trainer.step(batch, fetch_stats=fetch_stats)
         if not fetch_stats:
             return None
+        if self.trainer.micro_batch:  # reproducible mode: the loss is the global batch's
+            return stats
         loss = np.array([stats.loss], np.float64)  # a server adds 0
         if self._comm is not None:
             from mpi4py import MPI

@@ -196,7 +196,7 @@ def test_fetch_stats():
 def test_unknown_all_reduce_alg():
     with pytest.raises(NgdistError, match=r"unknown all_reduce_alg 'rong'; choose one of "
                                           r"\['mpi', 'ring', 'recursive_doubling', "
-                                          r"'hierarchical'\]"):
+                                          r"'hierarchical', 'exact'\]"):
         ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=SGD, all_reduce_alg="rong")
 
 

@@ -16,8 +16,9 @@ from onnx import defs
 logger = logging.getLogger(__name__)
 
 DOMAIN = "ngdist"
-# values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/mpi.py, allreduce_algs.py)
-ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical")
+# values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/mpi.py, allreduce_algs.py,
+# exact.py)
+ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical", "exact")
 DOMAIN_VERSION = 1
 PREVIEW_TRAINING = "ai.onnx.preview.training"
 
@@ -40,9 +41,12 @@ COMM_OPS: dict[str, CommOpSpec] = {
         CommOpSpec(
             "AllReduce",
             "Reduces every input over all ranks (sum or mean); several inputs form one fused "
-            "bucket sent as one message. Output i has the shape of input i.",
+            "bucket sent as one message. Output i has the shape of input i. With algorithm "
+            "'exact' the sum is exact and order-independent; micro_batch > 0 (reproducible "
+            "mode) means the runtime computes the inputs per micro-batch of that many "
+            "samples and the reduction is over all micro-batches of all ranks.",
             "variadic",
-            {"reduction": "mean", "bucket": 0, "algorithm": "mpi"},
+            {"reduction": "mean", "bucket": 0, "algorithm": "mpi", "micro_batch": 0},
         ),
         CommOpSpec(
             "Broadcast",

@@ -195,7 +195,7 @@ def hierarchical(comm: Any, node: Any, buf: np.ndarray) -> int:
 
 ALGORITHMS: dict[str, Callable[[Any, Any, np.ndarray], int]] = {
     "ring": ring, "recursive_doubling": recursive_doubling, "hierarchical": hierarchical}
-assert set(ALGORITHMS) | {"mpi"} == set(ALLREDUCE_ALGORITHMS)
+assert set(ALGORITHMS) | {"mpi", "exact"} == set(ALLREDUCE_ALGORITHMS)  # exact: kernels/exact.py
 
 
 def sum_inplace(algorithm: str, comm: Any, node: Any, buf: np.ndarray) -> None:

@@ -5,6 +5,7 @@ import numpy as np
 
 from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.kernels.base import flatten, register_kernel, unflatten
+from ngdist.kernels.exact import exact_allreduce
 
 
 @register_kernel("AllReduce", "mpi")
@@ -13,6 +14,8 @@ def allreduce(comm, node, inputs):
     point-to-point algorithm named by the ``algorithm`` attribute (kernels/allreduce_algs)."""
     from mpi4py import MPI
 
+    if node.attributes.get("algorithm") == "exact":  # reproducible mode (kernels/exact.py)
+        return exact_allreduce(comm, node, inputs)
     buf = flatten(inputs, node)  # a copy: never reduce into a buffer the caller still reads
     algorithm = node.attributes.get("algorithm", "mpi")
     if algorithm != "mpi":

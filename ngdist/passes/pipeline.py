@@ -2,6 +2,9 @@
 
 ``allreduce``: autodiff -> AllReduce insertion (gradients, then buffer averages) -> bucketing
 -> optimizer lowering.
+``allreduce`` with ``reproducible_micro_batch=M``: the same with ``all_reduce_alg="exact"`` and
+the reproducible-mode pass (exact loss average, micro-batch size on the exact AllReduce nodes)
+before bucketing.
 ``local``: autodiff -> optimizer lowering (one process, no communication).
 Later strategies (``pushsum``, ``ps``, ``simple``) register themselves in ``STRATEGIES``.
 """
@@ -22,6 +25,7 @@ from ngdist.passes.bucketing import BucketingPass
 from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.optimizers import OptimizerLoweringPass
 from ngdist.passes.pushsum import PushSumPass
+from ngdist.passes.reproducible import ReproducibleMicroBatchPass
 from ngdist.passes.ps import PSPushPullPass
 from ngdist.passes.simple import CentralReducePass
 
@@ -31,12 +35,20 @@ PipelineFactory = Callable[..., list[ir.passes.PassBase]]
 
 
 def _allreduce(bucket_bytes: int = 25 << 20, all_reduce_alg: str = "mpi",
-               **_: object) -> list[ir.passes.PassBase]:
+               reproducible_micro_batch: int = 0, **_: object) -> list[ir.passes.PassBase]:
     if all_reduce_alg not in ALLREDUCE_ALGORITHMS:
         raise NgdistError(f"unknown all_reduce_alg {all_reduce_alg!r}; choose one of "
                           f"{list(ALLREDUCE_ALGORITHMS)}")
+    reproducible: list[ir.passes.PassBase] = []
+    if reproducible_micro_batch:  # rank-count-independent training (passes/reproducible.py)
+        if all_reduce_alg not in ("mpi", "exact"):  # "mpi": the default, i.e. not chosen
+            raise NgdistError(f"reproducible_micro_batch needs all_reduce_alg='exact' (the "
+                              f"only order-independent sum), not {all_reduce_alg!r}")
+        all_reduce_alg = "exact"
+        reproducible = [ReproducibleMicroBatchPass(reproducible_micro_batch)]
     return [AllReduceInsertionPass("mean", all_reduce_alg),
-            BufferAverageInsertionPass(all_reduce_alg), BucketingPass(bucket_bytes)]
+            BufferAverageInsertionPass(all_reduce_alg), *reproducible,
+            BucketingPass(bucket_bytes)]
 
 
 def _local(**_: object) -> list[ir.passes.PassBase]:
@@ -69,6 +81,9 @@ def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,
     """Autodiff, the strategy's comm passes, then optimizer lowering (if ``lower``)."""
     if strategy not in STRATEGIES:
         raise NgdistError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    if options.get("reproducible_micro_batch") and strategy != "allreduce":
+        raise NgdistError(f"reproducible_micro_batch is an option of the allreduce strategy, "
+                          f"not of {strategy!r}")
     passes: list[ir.passes.PassBase] = [AutodiffPass(), *STRATEGIES[strategy](**options)]
     if lower:
         passes.append(OptimizerLoweringPass())

@@ -124,20 +124,21 @@ class ReplicatedExecutor:
         logger.info("%d replicas: tower of %d nodes -> %d values; rest of %d nodes", devices,
                     len(tower_nodes), len(self.crossing), len(rest_nodes))
 
-    def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
-            ) -> dict[str, ort.OrtValue]:
-        times = times or StepTimes()
+    def batch_arrays(self, feeds: dict[str, ort.OrtValue], how: str
+                     ) -> tuple[dict[str, np.ndarray], int]:
+        """The data inputs as arrays, and their common batch size (``how`` they are cut)."""
         arrays = {n: feeds[n].numpy() for n in self.data_inputs}
         sizes = {a.shape[0] if a.ndim else 1 for a in arrays.values()}
         if len(sizes) != 1:
             raise InputError(f"the data inputs have different batch sizes {sorted(sizes)}; "
-                             "devices_per_worker splits them along axis 0 together")
-        batch = sizes.pop()
-        bounds = [(batch * d // self.devices, batch * (d + 1) // self.devices)
-                  for d in range(self.devices)]
-        if any(hi == lo for lo, hi in bounds):
-            raise InputError(f"a batch of {batch} sample(s) cannot feed {self.devices} "
-                             "replicas (devices_per_worker); give each at least one sample")
+                             f"{how} along axis 0 together")
+        return arrays, sizes.pop()
+
+    def run_towers(self, feeds: dict[str, ort.OrtValue], arrays: dict[str, np.ndarray],
+                   bounds: list[tuple[int, int]], times: StepTimes, what: str
+                   ) -> list[list[np.ndarray]]:
+        """The tower on each slice ``bounds[i]`` of the data, slice i on session i mod D, D at
+        a time on the pool's threads; the crossing values of each slice."""
         shared = {n: feeds[n] for n in self.tower_inputs if n not in arrays}
 
         def replica(d: int) -> list[np.ndarray]:
@@ -145,17 +146,29 @@ class ReplicatedExecutor:
             feed = dict(shared)
             feed.update((n, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[lo:hi])))
                         for n, a in arrays.items() if n in self.tower_inputs)
-            outs = self.towers[d].run_with_ort_values(self.crossing, feed)
+            outs = self.towers[d % len(self.towers)].run_with_ort_values(self.crossing, feed)
             return [o.numpy() for o in outs]
 
         t0 = time.perf_counter()
         try:
-            results = list(self.pool.map(replica, range(self.devices)))
+            results = list(self.pool.map(replica, range(len(bounds))))
         except NgdistError:
             raise
         except Exception as exc:
-            raise NgdistError(f"while executing a replica tower: {exc}") from None
+            raise NgdistError(f"while executing {what}: {exc}") from None
         times.compute += time.perf_counter() - t0
+        return results
+
+    def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
+            ) -> dict[str, ort.OrtValue]:
+        times = times or StepTimes()
+        arrays, batch = self.batch_arrays(feeds, "devices_per_worker splits them")
+        bounds = [(batch * d // self.devices, batch * (d + 1) // self.devices)
+                  for d in range(self.devices)]
+        if any(hi == lo for lo, hi in bounds):
+            raise InputError(f"a batch of {batch} sample(s) cannot feed {self.devices} "
+                             "replicas (devices_per_worker); give each at least one sample")
+        results = self.run_towers(feeds, arrays, bounds, times, "a replica tower")
         equal = len({hi - lo for lo, hi in bounds}) == 1
         weights = [(hi - lo) / batch for lo, hi in bounds]
         rest_feeds = dict(feeds)

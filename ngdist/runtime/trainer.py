@@ -21,6 +21,7 @@ from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
 from ngdist.passes.pushsum import debias_map
 from ngdist.runtime.comm import Communicator
 from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,14 @@ class Trainer:
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
         proto = ir.to_proto(step)
         threads = intra_op_threads or _default_threads(self.comm)
-        if devices_per_worker > 1:  # several model replicas in this process (runtime/replicas.py)
+        self.micro_batch = micro_batch_size(proto)  # > 0: reproducible mode
+        if self.micro_batch:  # the tower once per micro-batch (runtime/microbatch.py)
+            self.executor = MicroBatchExecutor(
+                proto, self.comm, self.micro_batch, data_inputs=self.meta.names("data"),
+                sessions=devices_per_worker if devices_per_worker > 1 else threads,
+                loss=self.meta.loss, params=self.meta.names("param"), providers=providers,
+                overlap=overlap)
+        elif devices_per_worker > 1:  # several model replicas in this process (runtime/replicas.py)
             from ngdist.runtime.replicas import ReplicatedExecutor
             self.executor = ReplicatedExecutor(
                 proto, self.comm, devices_per_worker, data_inputs=self.meta.names("data"),
@@ -126,6 +134,10 @@ class Trainer:
         if isinstance(batch, (tuple, list)):
             return type(batch)(self._slice(v) for v in batch)
         arr = np.asarray(batch)
+        m = self.micro_batch
+        if m and arr.ndim and arr.shape[0] % m == 0:  # whole micro-batches to every rank
+            k, w, r = arr.shape[0] // m, self.num_workers, self.rank
+            return arr[m * (k * r // w):m * (k * (r + 1) // w)]
         return np.array_split(arr, self.num_workers)[self.rank]
 
     def _feeds(self, batch: Mapping[str, Any]) -> tuple[dict[str, ort.OrtValue], int]:
