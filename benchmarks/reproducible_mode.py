@@ -1,0 +1,126 @@
+"""Cost of reproducible mode next to ordinary allreduce, side by side in one run.
+
+    python benchmarks/reproducible_mode.py [--ranks 2] [--batch 32] [--steps 50] [--rounds 5]
+
+Launches itself under the venv's mpiexec. Every rank builds one trainer per configuration on
+the digits MLP (SGD with momentum, default threads), then times ``--steps`` steps of each
+configuration in turn, for ``--rounds`` rounds (so that load changes hit every configuration
+alike); a block's time is the slowest rank's. Configurations:
+
+* ``allreduce``: the ordinary path (``all_reduce_alg="mpi"``);
+* ``exact sum``: ``all_reduce_alg="exact"`` on each rank's gradient (no micro-batches): the
+  cost of the exact reduction alone (exponent MAX allreduce + int64 fixed-point allreduce);
+* ``reproducible M=m``: ``reproducible_micro_batch=m``, i.e. ``batch / m`` forward/backward
+  passes per rank and step, plus the exact reduction.
+
+Printed: a markdown table per model with steps/s (median over rounds), the ratio to
+``allreduce`` and the bytes each rank hands to MPI per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"digits MLP 64-128-10": (64, 128, 10), "MLP 64-1024-1024-10": (64, 1024, 1024, 10)}
+
+
+def configs(batch: int) -> dict[str, dict]:
+    out: dict[str, dict] = {"allreduce": {}, "exact sum": {"all_reduce_alg": "exact"}}
+    for m in sorted({batch, 8, 2}, reverse=True):
+        if m <= batch and batch % m == 0:
+            out[f"reproducible M={m}"] = {"reproducible_micro_batch": m}
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+    from tqdm import tqdm
+
+    import ngdist
+    from ngdist import zoo
+    from ngdist.data import load_digits
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    x, y, _, _ = load_digits(test_fraction=0.0)
+    rng = np.random.default_rng(0)
+    g = args.batch * size
+    idx = rng.integers(0, len(x), (args.steps, g))  # the same global batches on every rank
+    mine = slice(rank * args.batch, (rank + 1) * args.batch)
+    batches = [{"x": x[i][mine], "y": y[i][mine]} for i in idx]
+    results = {}
+    for model_name, sizes in MODELS.items():
+        trainers = {name: ngdist.compile(zoo.mlp(sizes, seed=0), timeout=600,
+                                         optimizer=ngdist.optim.SGD(lr=0.01, momentum=0.9),
+                                         **opts)
+                    for name, opts in configs(args.batch).items()}
+        times: dict[str, list[float]] = {name: [] for name in trainers}
+        sent: dict[str, float] = {}
+        for tr in trainers.values():  # warm-up: sessions, buffers
+            for b in batches[:3]:
+                tr.step(b, fetch_stats=False)
+        todo = [(r, name) for r in range(args.rounds) for name in trainers]
+        for _, name in tqdm(todo, disable=rank != 0, desc=f"{model_name} on {size} ranks"):
+            tr = trainers[name]
+            world.Barrier()
+            sent0, t0 = tr.comm.bytes_sent, time.perf_counter()
+            for b in batches:
+                tr.step(b, fetch_stats=False)
+            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            times[name].append(dt)
+            sent[name] = (tr.comm.bytes_sent - sent0) / len(batches)
+        for tr in trainers.values():
+            tr.close()
+        results[model_name] = {name: {"steps_per_s": args.steps / statistics.median(t),
+                                      "bytes_per_step": sent[name]}
+                               for name, t in times.items()}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per block")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from ngdist.launch import mpiexec_cmd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "results.json")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--out", out,
+               "--batch", str(args.batch), "--steps", str(args.steps),
+               "--rounds", str(args.rounds)]
+        subprocess.run(cmd, check=True, env=env, timeout=3600)
+        results = json.loads(Path(out).read_text())
+    for model_name, rows in results.items():
+        base = rows["allreduce"]["steps_per_s"]
+        print(f"\n**{model_name}**, {args.ranks} ranks, batch {args.batch}/rank, "
+              f"median of {args.rounds} rounds of {args.steps} steps\n")
+        print("| configuration | steps/s | vs allreduce | bytes sent/step/rank |")
+        print("|---|---:|---:|---:|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['steps_per_s']:.1f} | {r['steps_per_s'] / base:.2f} | "
+                  f"{r['bytes_per_step']:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
