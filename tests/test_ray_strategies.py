@@ -40,7 +40,7 @@ if not only_mpi:  # 1. the algorithms alone: exact sums of awkward buffers, on e
     errors = {}
     for per_host in ("", "2"):  # one host (shared-memory split), then "hosts" of 2 ranks
         os.environ["NGDIST_RANKS_PER_HOST"] = per_host
-        for alg in ("mpi", "ring", "recursive_doubling", "hierarchical"):
+        for alg in ("mpi", "ring", "recursive_doubling", "hierarchical", "exact"):
             for n in (1, 3, 1001, 100003):
                 for dtype in (np.float32, np.float64, np.int64):
                     data = [(np.random.default_rng(1000 * q + n).standard_normal(n) * 100
@@ -72,8 +72,9 @@ def train(name, strategy, env=None, **kw):
 
 train("mpi", "allreduce", all_reduce_alg="mpi")
 if not only_mpi:
-    for alg in ("ring", "recursive_doubling", "hierarchical"):
+    for alg in ("ring", "recursive_doubling", "hierarchical", "exact"):
         train(alg, "allreduce", all_reduce_alg=alg)
+    train("reproducible", "allreduce", reproducible_micro_batch=4)  # 3 micro-batches/worker
     train("hierarchical_hosts_of_2", "allreduce", {"NGDIST_RANKS_PER_HOST": "2"},
           all_reduce_alg="hierarchical")
     train("simple", "simple")
@@ -87,7 +88,7 @@ json.dump(digests, open(f"{out}/digests_{size}_{rank}.json", "w"))
 '''
 
 SAME_WORKERS = ["ring", "recursive_doubling", "hierarchical", "hierarchical_hosts_of_2", "simple",
-                "ps_colocated", "allreduce_2_devices", "ps_2_devices"]
+                "ps_colocated", "allreduce_2_devices", "ps_2_devices", "exact", "reproducible"]
 
 
 def load(out: Path, name: str, n: int, rank: int) -> dict[str, np.ndarray]:
@@ -110,7 +111,7 @@ def test_every_strategy_and_algorithm_equals_allreduce_mpi(ranks, tmp_path):
         ranks(n, EQUIVALENCE, timeout=240, args=[str(tmp_path)])
     for n in (2, 3, 4):
         errors = json.loads((tmp_path / f"alg_errors_{n}_0.json").read_text())
-        assert len(errors) == 2 * 4 * 4 * 3
+        assert len(errors) == 2 * 5 * 4 * 3
         assert max(errors.values()) <= 1e-6, {k: v for k, v in errors.items() if v > 1e-6}
         digests = [json.loads((tmp_path / f"digests_{n}_{r}.json").read_text())
                    for r in range(n)]

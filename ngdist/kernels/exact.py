@@ -30,7 +30,8 @@ contribution is rounded to ``2^(E_j - F)``, i.e. ``F = 42`` bits below the eleme
 micro-value: far below float32's 24-bit precision (and 11 bits short of float64's 53).
 Cost: an int16 exponent and an int64 per element (10 bytes instead of 4 for float32) in two
 collectives instead of one, and a few passes over the micro-batch values (scratch buffers
-live in the node's state across steps). float16/bfloat16 inputs are reduced as float32.
+live in the node's state across steps). float16 inputs are reduced as float32, integers as
+float64.
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def _matrices(inputs: Sequence[np.ndarray], stacked: bool) -> tuple[list[np.ndar
     mats = []
     for x in inputs:
         m = np.ascontiguousarray(x).reshape(k, -1)
-        mats.append(m if m.dtype in _LAYOUT else m.astype(np.float32))
+        if m.dtype not in _LAYOUT:  # integers exactly (below 2^53), float16 as float32
+            m = m.astype(np.float64 if m.dtype.kind in "iub" else np.float32)
+        mats.append(m)
     return mats, k
 
 
