@@ -51,3 +51,16 @@ def ranks(tmp_path):
     def run(n: int, script: str, **kw):
         return run_ranks(n, script, tmp_path, **kw)
     return run
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m ngdist ARGS`` in ``cwd`` (the user's view of the CLI), bounded in time."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "ngdist", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=120)
+
+
+@pytest.fixture
+def cli():
+    """``cli(*args, cwd=...)`` runs the ngdist command line; see run_cli."""
+    return run_cli

@@ -1,9 +1,6 @@
 """Bad input ends with a clear error (and a non-zero CLI exit), never a hang (issue 2)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +13,6 @@ from ngdist import zoo
 from ngdist.errors import GradientError, InputError, ModelLoadError
 from ngdist.ir.model import save_proto
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ngdist", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=120)
 
 
 @pytest.fixture
@@ -32,7 +22,7 @@ def mlp_file(tmp_path) -> Path:
     return path
 
 
-def test_truncated_file(tmp_path, mlp_file):
+def test_truncated_file(cli, tmp_path, mlp_file):
     data = mlp_file.read_bytes()
     bad = tmp_path / "truncated.onnx"
     bad.write_bytes(data[: len(data) // 2])
@@ -44,7 +34,7 @@ def test_truncated_file(tmp_path, mlp_file):
     assert "truncated" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_not_onnx_and_missing(tmp_path):
+def test_not_onnx_and_missing(cli, tmp_path):
     text = tmp_path / "notes.onnx"
     text.write_text("this is a text file, not a model\n" * 10)
     with pytest.raises(ModelLoadError, match="truncated or not ONNX"):
@@ -61,7 +51,7 @@ def test_not_onnx_and_missing(tmp_path):
     assert not (tmp_path / "out.onnx").exists()
 
 
-def test_op_without_gradient_rule(tmp_path):
+def test_op_without_gradient_rule(cli, tmp_path):
     # Hardmax has no gradient rule; the error names the op type and the node
     w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
     g = helper.make_graph(

@@ -3,10 +3,7 @@ rewrites, the shard-update graph against onnx.reference, devices_per_worker, sta
 DistributedSGD checkpoint file, the CLI options and the error messages."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,7 +21,6 @@ from ngdist.kernels.ps import make_layout, resolve_servers
 from ngdist.passes.pipeline import rewrite
 from ngdist.ray_compat import DistributedSGD, Model
 
-ROOT = Path(__file__).resolve().parents[1]
 X, Y, _, _ = load_digits()
 SGD = ngdist.optim.SGD(lr=0.1, momentum=0.9)
 
@@ -265,13 +261,7 @@ def test_distributed_sgd_argument_errors():
 
 # --------------------------------------------------------------------------- CLI
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ngdist", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=120)
-
-
-def test_cli_rewrite_options_and_run_servers(tmp_path):
+def test_cli_rewrite_options_and_run_servers(cli, tmp_path):
     onnx.save(zoo.mlp((64, 32, 10), seed=0), tmp_path / "mlp.onnx")
     opt = ["--optimizer", "sgd:lr=0.1,momentum=0.9"]
     proc = cli("rewrite", "mlp.onnx", "-o", "ps.onnx", "--strategy", "ps",

@@ -1,10 +1,7 @@
 """`ngdist rewrite` / `ngdist inspect`, and the training-model file round trip (issue 2)."""
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -15,13 +12,6 @@ from ngdist import zoo
 from ngdist.data import load_digits
 from ngdist.ir.model import assemble_training_model, save_proto, split_training_model
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ngdist", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=120)
 
 
 def test_roundtrip_keeps_training_info():
@@ -48,7 +38,7 @@ def test_roundtrip_keeps_training_info():
     assert [n.op_type for n in again.graph.node] == ["Gemm", "Relu", "Gemm"]
 
 
-def test_rewrite_inspect_and_same_trajectory(tmp_path):
+def test_rewrite_inspect_and_same_trajectory(cli, tmp_path):
     training = ngdist.to_training_model(
         zoo.mlp((64, 32, 10)), optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
     save_proto(training, tmp_path / "training.onnx")
@@ -81,7 +71,7 @@ def test_rewrite_inspect_and_same_trajectory(tmp_path):
     assert all(np.array_equal(pa[k], pb[k]) for k in pa)
 
 
-def test_inspect_forward_model_and_help(tmp_path):
+def test_inspect_forward_model_and_help(cli, tmp_path):
     save_proto(zoo.mlp((64, 16, 10)), tmp_path / "mlp.onnx")
     proc = cli("inspect", "mlp.onnx", cwd=tmp_path)
     assert proc.returncode == 0
@@ -124,7 +114,7 @@ np.savez(f"p{tr.rank}.npz", **tr.parameters())
 """
 
 
-def test_ngdist_run_launches_rewritten_file(tmp_path):
+def test_ngdist_run_launches_rewritten_file(cli, tmp_path):
     training = ngdist.to_training_model(zoo.mlp((64, 32, 10), seed=3),
                                         optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
     save_proto(training, tmp_path / "training.onnx")
