@@ -49,14 +49,14 @@ def summarize(model: onnx.ModelProto) -> Summary:
     s = Summary(opsets={o.domain or "ai.onnx": o.version for o in model.opset_import})
     sizes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    floating: list[str] = []
     for t in model.graph.initializer:
         arr = numpy_helper.to_array(t)
         sizes[t.name], shapes[t.name] = arr.nbytes, arr.shape
+        if np.issubdtype(arr.dtype, np.floating):
+            floating.append(t.name)
     if not model.training_info:
-        s.params = [(n, shapes[n], sizes[n]) for n in sizes
-                    if np.issubdtype(helper.tensor_dtype_to_np_dtype(
-                        next(t.data_type for t in model.graph.initializer if t.name == n)),
-                        np.floating)]
+        s.params = [(n, shapes[n], sizes[n]) for n in floating]
         s.ops = Counter(n.op_type for n in model.graph.node)
         return s
     s.training = True
