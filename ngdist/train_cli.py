@@ -215,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         from ngdist.runtime.comm import world_rank_size
 
         rank, size = world_rank_size()
-        print(f"ngdist: error{f' on rank {rank}' if size > 1 else ''}: {exc}", file=sys.stderr,
-              flush=True)
         if size > 1:  # no rank may be left waiting in a collective for this one
             from mpi4py import MPI
 
-            MPI.COMM_WORLD.Abort(1)
+            from ngdist.runtime.comm import abort_job
+
+            abort_job(MPI.COMM_WORLD, f"ngdist: error on rank {rank}: {exc}\n")
+        print(f"ngdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
 
 

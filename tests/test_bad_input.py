@@ -149,9 +149,10 @@ def test_rank_dies_mid_training(ranks, how):
     proc = ranks(2, RANK_DIES, args=[how], timeout=60, check=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
+    seen = f"exit status {proc.returncode}, output:\n{out[-2000:]}"
     if how == "sigkill":  # the launcher reports the killed rank, or the survivor times out
         assert "Killed (signal 9)" in out or \
-            "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, out[-2000:]
+            "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, seen
     else:  # the survivor's collective times out with an error naming the op
-        assert "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, out[-2000:]
+        assert "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, seen
         assert "did not complete within 5 s on rank 0" in out

@@ -131,6 +131,42 @@ class Communicator:
             self.wait(self.world.Ibarrier(), "barrier")
 
 
+def _unread_bytes(fd: int) -> int:
+    """Bytes written to ``fd`` that its reader has not taken yet (pipes and sockets), else 0."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    try:
+        if not (stat.S_ISFIFO(os.fstat(fd).st_mode) or stat.S_ISSOCK(os.fstat(fd).st_mode)):
+            return 0
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    except (OSError, ImportError):
+        return 0
+
+
+def abort_job(world: Any, message: str, code: int = 1, drain_s: float = 3.0) -> None:
+    """Print ``message`` on stderr, then end the whole MPI job with MPI_Abort.
+
+    mpiexec (hydra) exits as soon as it handles the abort and drops whatever output of this
+    rank it has not forwarded yet, so the message could vanish. Before aborting, wait (at most
+    ``drain_s``) until the launcher has read everything from this process's stdout and stderr
+    pipes; what it has read it forwards ahead of the abort request.
+    """
+    sys.stderr.write(message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + drain_s
+    while time.monotonic() < deadline and (_unread_bytes(1) or _unread_bytes(2)):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    world.Abort(code)
+
+
 class _Watchdog:
     """One daemon thread that aborts the MPI job when an armed wait passes its deadline."""
 
@@ -162,11 +198,9 @@ class _Watchdog:
                 expired = [v for v in self._armed.values() if v[0] < now]
             if expired:
                 _, comm, what, peers = expired[0]
-                sys.stderr.write(f"ngdist: error on rank {comm.rank}: CommTimeoutError: "
-                                 f"{comm.timeout_message(what, peers)}\n"
-                                 f"ngdist: rank {comm.rank} aborts the MPI job\n")
-                sys.stderr.flush()
-                comm.world.Abort(1)
+                abort_job(comm.world, f"ngdist: error on rank {comm.rank}: CommTimeoutError: "
+                                      f"{comm.timeout_message(what, peers)}\n"
+                                      f"ngdist: rank {comm.rank} aborts the MPI job\n")
 
 
 _hook_lock = threading.Lock()
@@ -188,13 +222,11 @@ def install_abort_hook(world: Any) -> None:
 
         rank = world.Get_rank()
         if isinstance(exc, NgdistError):
-            sys.stderr.write(f"ngdist: error on rank {rank}: {exc_type.__name__}: {exc}\n")
+            text = f"ngdist: error on rank {rank}: {exc_type.__name__}: {exc}\n"
         else:
-            sys.stderr.write(f"ngdist: uncaught exception on rank {rank}:\n")
-            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
-        sys.stderr.write(f"ngdist: rank {rank} aborts the MPI job\n")
-        sys.stderr.flush()
-        world.Abort(1)
+            text = (f"ngdist: uncaught exception on rank {rank}:\n"
+                    + "".join(traceback.format_exception(exc_type, exc, tb)))
+        abort_job(world, text + f"ngdist: rank {rank} aborts the MPI job\n")
 
     sys.excepthook = hook
     del previous
