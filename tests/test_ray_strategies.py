@@ -177,3 +177,34 @@ def test_lost_parameter_server_fails_the_workers_not_hangs(tmp_path, mode):
         assert message in output, output
     else:  # a dead one: the worker's message, unless MPICH's launcher tore the job down first
         assert message in output or "Killed (signal 9)" in output, output
+
+
+BN_SIMPLE = r'''
+import sys, numpy as np, ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+X, Y, _, _ = load_digits(images=True)
+for strategy in ("allreduce", "simple"):
+    tr = ngdist.compile(zoo.cnn(channels=(4, 4), seed=0), loss="softmax_cross_entropy",
+                        optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9), strategy=strategy,
+                        timeout=60)
+    for i in range(5):
+        g = slice(i * 16, (i + 1) * 16)
+        for xb, yb in tr.shard([(X[g], Y[g])]):
+            tr.step({"x": xb, "y": yb}, fetch_stats=False)
+    np.savez(f"{strategy}_{tr.rank}.npz", **tr.state_dict())
+    tr.close()
+'''
+
+
+def test_simple_averages_batchnorm_statistics_like_allreduce(ranks, tmp_path):
+    """``simple`` must equal ``allreduce`` for a model with buffers too: the BatchNorm running
+    statistics are averaged over the ranks, so they are the same on both ranks and equal to
+    allreduce's (each rank's own shard statistics differ)."""
+    ranks(2, BN_SIMPLE, timeout=120)
+    ref = dict(np.load(tmp_path / "allreduce_0.npz"))
+    got = [dict(np.load(tmp_path / f"simple_{r}.npz")) for r in range(2)]
+    assert set(got[0]) == set(ref) and "bn1.running_mean" in ref
+    for k in ref:
+        assert np.array_equal(got[0][k], got[1][k]), k
+        assert np.allclose(got[0][k], ref[k], rtol=1e-5, atol=1e-7), k

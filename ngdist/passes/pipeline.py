@@ -65,7 +65,9 @@ STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _loc
 
 
 def _simple(**_: object) -> list[ir.passes.PassBase]:
-    return [CentralReducePass(root=0)]
+    # buffers (BatchNorm statistics) averaged like allreduce does, so that simple's results
+    # equal allreduce's for models with buffers too
+    return [CentralReducePass(root=0), BufferAverageInsertionPass()]
 
 
 def _ps(grad_shard_bytes: int = 10_000_000, servers: int = 0,
