@@ -67,3 +67,21 @@ def zoo_initial() -> np.ndarray:
     from onnx import numpy_helper
     model = zoo.mlp((64, 32, 10), seed=0)
     return next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "fc0.weight")
+
+
+def test_cpu_arena_switch_changes_memory_strategy_not_results(monkeypatch):
+    """NGDIST_CPU_ARENA=0 turns onnxruntime's CPU arena off in every training session (less
+    peak memory, slower: docs/benchmarks.md); the trained parameters are the same bits."""
+    x, y, _, _ = load_digits(images=True)
+    params = {}
+    for arena in ("1", "0"):
+        monkeypatch.setenv("NGDIST_CPU_ARENA", arena)
+        tr = ngdist.compile(zoo.cnn(channels=(4, 4)), optimizer=ngdist.optim.SGD(lr=0.1,
+                            momentum=0.9), strategy="local")
+        for i in range(3):
+            tr.step({"x": x[32 * i:32 * (i + 1)], "y": y[32 * i:32 * (i + 1)]})
+        sessions = list(tr.executor.sessions.values())
+        assert sessions and all(s.get_session_options().enable_cpu_mem_arena == (arena == "1")
+                                for s in sessions)
+        params[arena] = tr.parameters()
+    assert all(np.array_equal(params["1"][k], params["0"][k]) for k in params["1"])

@@ -119,9 +119,9 @@ class Shards:
         self.kinds = len(update.input) - 4
         self.session: ort.InferenceSession | None = None
         if self.ids:
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = opts.inter_op_num_threads = 1
-            opts.log_severity_level = 3
+            from ngdist.runtime.executor import session_options
+
+            opts = session_options(1)
             model = onnx.helper.make_model(
                 update, opset_imports=[onnx.helper.make_opsetid("", UPDATE_OPSET)],
                 ir_version=IR_VERSION)

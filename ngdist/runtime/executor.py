@@ -8,6 +8,7 @@ rank), so communication overlaps with the compute segments that do not need its 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +26,22 @@ from ngdist.runtime.comm import Communicator
 from ngdist.runtime.partition import CommCall, Segment, plan
 
 logger = logging.getLogger(__name__)
+
+
+def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+    """onnxruntime options for ngdist's training sessions: ``intra_op_threads`` (one inter-op
+    thread), quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``.
+
+    The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
+    half the memory at batch 4096 but runs about 1.4x slower (docs/benchmarks.md).
+    """
+    opts = ort.SessionOptions()
+    if intra_op_threads:
+        opts.intra_op_num_threads = intra_op_threads
+        opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
+    return opts
 
 _ORT_TYPES = {
     "tensor(float)": onnx.TensorProto.FLOAT, "tensor(double)": onnx.TensorProto.DOUBLE,
@@ -109,11 +126,7 @@ class Executor:
         graph = helper.make_graph(seg.nodes, f"ngdist_segment_{seg.index}", inputs, outputs,
                                   initializer=inits)
         proto = helper.make_model(graph, opset_imports=self.opsets, ir_version=IR_VERSION)
-        opts = ort.SessionOptions()
-        if self.intra_op_threads:
-            opts.intra_op_num_threads = self.intra_op_threads
-            opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
+        opts = session_options(self.intra_op_threads)
         try:
             sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=self.providers)
         except Exception as exc:

@@ -31,7 +31,7 @@ from ngdist.errors import InputError, NgdistError
 from ngdist.ir.domain import DOMAIN, is_comm_node
 from ngdist.ir.model import IR_VERSION
 from ngdist.runtime.comm import Communicator
-from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.executor import Executor, StepTimes, session_options
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +99,7 @@ class ReplicatedExecutor:
             initializer=[inits[n] for n in needed if n in inits and n not in inputs])
         opsets = [o for o in model.opset_import if o.domain != DOMAIN]
         tower_model = helper.make_model(tower_graph, opset_imports=opsets, ir_version=IR_VERSION)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = max(1, (intra_op_threads or 1) // devices)
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
+        opts = session_options(max(1, (intra_op_threads or 1) // devices))
         blob = tower_model.SerializeToString()
         try:
             self.towers = [ort.InferenceSession(blob, opts, providers=providers or

@@ -20,7 +20,7 @@ from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
                              split_training_model)
 from ngdist.passes.pushsum import debias_map
 from ngdist.runtime.comm import Communicator
-from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.executor import Executor, StepTimes, session_options
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class Trainer:
         """Runs the inference graph with the current parameters."""
         if self._predict_cache is None or self._predict_cache[0] != self.steps_done:
             sess = ort.InferenceSession(self.inference_model().SerializeToString(),
-                                        providers=["CPUExecutionProvider"])
+                                        session_options(), providers=["CPUExecutionProvider"])
             self._predict_cache = (self.steps_done, sess)
         return self._predict_cache[1].run(None, dict(inputs))
 
