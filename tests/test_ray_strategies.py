@@ -208,3 +208,66 @@ def test_simple_averages_batchnorm_statistics_like_allreduce(ranks, tmp_path):
     for k in ref:
         assert np.array_equal(got[0][k], got[1][k]), k
         assert np.allclose(got[0][k], ref[k], rtol=1e-5, atol=1e-7), k
+
+
+PS_SYNC = r'''
+import sys, numpy as np, ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+X, Y, _, _ = load_digits()
+servers = int(sys.argv[1])
+tr = ngdist.compile(zoo.mlp(seed=0), loss="softmax_cross_entropy",
+                    optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9), strategy="ps",
+                    servers=servers, grad_shard_bytes=4096, timeout=60)
+W, B = tr.num_workers, 8
+def train(lo, hi):
+    for i in range(lo, hi):
+        g = slice(i * W * B, (i + 1) * W * B)
+        for xb, yb in tr.shard([(X[g], Y[g])]):
+            tr.step({"x": xb, "y": yb})
+train(0, 3)
+tr.save("stale.onnx")  # rank 0 only; logs that the optimizer state is not the live one
+tr.sync_state()        # every rank (a dedicated server returns at once)
+tr.save("mid.onnx")
+train(3, 6)
+tr.sync_state()
+tr.save("final.onnx")
+tr.close()
+'''
+
+
+def _file_values(path: Path) -> dict[str, np.ndarray]:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(path)
+    inits = list(model.graph.initializer) + [t for ti in model.training_info
+                                             for t in ti.algorithm.initializer]
+    return {t.name: numpy_helper.to_array(t) for t in inits}
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_ps_sync_state_puts_the_owners_optimizer_state_in_the_saved_file(ranks, tmp_path,
+                                                                         servers):
+    """Under ps the momentum lives with the shard owners: ``save()`` alone writes the
+    start-up momentum (and says so), ``sync_state()`` then ``save()`` writes the live one,
+    equal to one process trained on the combined batch; training continues unchanged."""
+    import ngdist
+    from ngdist import zoo
+    from ngdist.data import load_digits
+
+    proc = ranks(2 + servers, PS_SYNC, timeout=120, args=[str(servers)])
+    assert "call trainer.sync_state() on every worker before save()" in proc.stderr
+    x, y, _, _ = load_digits()
+    ref = ngdist.compile(zoo.mlp(seed=0), loss="softmax_cross_entropy",
+                         optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9), strategy="local")
+    want = {}
+    for i in range(6):
+        ref.step({"x": x[16 * i:16 * (i + 1)], "y": y[16 * i:16 * (i + 1)]})
+        want[i + 1] = ref.state_dict()
+    stale, mid, final = (_file_values(tmp_path / f"{n}.onnx") for n in ("stale", "mid", "final"))
+    momenta = [n for n in want[3] if n.endswith(".momentum")]
+    assert len(momenta) == 4 and all(not stale[n].any() for n in momenta)  # start-up state
+    for got, step in ((mid, 3), (final, 6)):
+        for n in momenta + [n[:-len(".momentum")] for n in momenta]:
+            assert np.allclose(got[n], want[step][n], rtol=1e-5, atol=1e-6), (n, step)

@@ -93,6 +93,7 @@ class Trainer:
         self.num_workers = self.comm.size  # ranks that train (fewer with dedicated servers)
         self.close_hooks: list[Any] = []
         self._predict_cache: tuple[int, ort.InferenceSession] | None = None
+        self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
         # every rank: same graph (structure and constants), then rank 0's values
         self.comm.check_same(self._graph_fingerprint(proto), "step graph")
         self.comm.broadcast_([v.numpy() for v in self.values.values()])
@@ -257,9 +258,39 @@ class Trainer:
             self._predict_cache = (self.steps_done, sess)
         return self._predict_cache[1].run(None, dict(inputs))
 
+    def sync_state(self) -> None:
+        """Collective over the workers; needed only under ``ps``.
+
+        There the optimizer state (momentum, Adam moments) lives with the shard owners, and a
+        worker's own copy stays as it was at start-up. This gathers the owners' live state into
+        rank 0's values, so that ``save()`` and ``state_dict()`` on rank 0 hold it. Call it on
+        every worker (dedicated servers answer it by themselves) before saving; with other
+        strategies it does nothing.
+        """
+        from ngdist.runtime import ps_server
+
+        rt = ps_server.runtime(self)
+        if rt is None or (self.role == "server" and not rt.lockstep):
+            return
+        owned = ps_server.gather_state(self)
+        if owned:
+            self.load_state_dict(owned)
+        self._state_synced_at = self.steps_done
+
     def save(self, path: str | os.PathLike, all_ranks: bool = False) -> None:
-        """Writes the trained model atomically; by default only rank 0 writes (ranks agree)."""
+        """Writes the trained model atomically; by default only rank 0 writes (ranks agree).
+        Under ``ps``, call ``sync_state()`` on every worker first to include the live
+        optimizer state."""
         if self.rank == 0 or all_ranks:
+            if self.steps_done != self._state_synced_at and self.role == "worker":
+                from ngdist.runtime import ps_server
+
+                if ps_server.runtime(self) is not None:
+                    logger.warning(
+                        "ps: %s gets the parameters of step %d but the optimizer state of step "
+                        "%d (it lives with the shard owners); call trainer.sync_state() on "
+                        "every worker before save() to include it", path, self.steps_done,
+                        self._state_synced_at)
             save_proto(self.to_onnx(), path)
 
     def close(self) -> None:
