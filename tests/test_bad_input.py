@@ -129,7 +129,8 @@ def test_rank_with_different_model(ranks):
 RANK_DIES = """
 import os, sys, numpy as np, ngdist
 from ngdist import zoo
-tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1), timeout=5)
+tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1),
+                    timeout=float(sys.argv[2]))
 x, y = np.ones((4, 64), np.float32), np.arange(4)
 for step in range(50):
     if step == 3 and tr.rank == 1:
@@ -142,17 +143,32 @@ for step in range(50):
     tr.step({"x": x, "y": y})
 """
 
+GONE = ("ngdist: error on rank 0: CommError: ngdist.AllReduce 'ngdist/allreduce/bucket0' cannot "
+        "complete on rank 0: the process of rank 1 (pid ")
+TIMED_OUT = "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce"
+
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("how", ["exit0", "sysexit", "sigkill"])
 def test_rank_dies_mid_training(ranks, how):
-    proc = ranks(2, RANK_DIES, args=[how], timeout=60, check=False)
+    """A rank whose process is gone is noticed on its host within seconds (not the 30 s
+    timeout); one that stops without leaving (stuck in MPI_Finalize after sys.exit) is
+    caught by the timeout, with an error naming the op either way."""
+    import time
+
+    limit = "5" if how == "sysexit" else "30"
+    start = time.monotonic()
+    proc = ranks(2, RANK_DIES, args=[how, limit], timeout=90, check=False)
+    elapsed = time.monotonic() - start
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    seen = f"exit status {proc.returncode}, output:\n{out[-2000:]}"
-    if how == "sigkill":  # the launcher reports the killed rank, or the survivor times out
-        assert "Killed (signal 9)" in out or \
-            "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, seen
-    else:  # the survivor's collective times out with an error naming the op
-        assert "ngdist: error on rank 0: CommTimeoutError: ngdist.AllReduce" in out, seen
-        assert "did not complete within 5 s on rank 0" in out
+    seen = f"exit status {proc.returncode} after {elapsed:.1f} s, output:\n{out[-2000:]}"
+    if how == "exit0":
+        assert GONE in out and "has exited. Look at that rank's output" in out, seen
+        assert elapsed < 20, seen
+    elif how == "sigkill":  # the launcher may tear the job down first, reporting the kill
+        assert GONE in out or "Killed (signal 9)" in out, seen
+        assert elapsed < 20, seen
+    else:
+        assert (TIMED_OUT in out and "did not complete within 5 s on rank 0" in out) or \
+            GONE in out, seen

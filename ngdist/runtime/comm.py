@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = float(os.environ.get("NGDIST_TIMEOUT", "300"))
 WAIT_MODE = os.environ.get("NGDIST_WAIT", "watchdog")
+# a wait pending this long whose peer process on this host has been gone this long fails
+DEAD_CHECK_AFTER_S = 1.0
+DEAD_GRACE_S = 2.0
 
 
 def _mpi():
@@ -52,10 +55,38 @@ class Communicator:
         self.bytes_sent = 0
         self.local_size = 1
         self._watchdog = _Watchdog()
+        self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks whose pids we can see
         if self.world is not None:
             MPI = _mpi()
             self.local_size = self.world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
             install_abort_hook(self.world)
+            self._exchange_pids()
+
+    def _exchange_pids(self) -> None:
+        """Learn the process id of every rank that runs under this kernel and in this PID
+        namespace, so that a wait on a rank whose process has gone fails at once."""
+        mine = np.zeros(3, np.int64)
+        mine[0] = os.getpid()
+        mine[1:] = np.frombuffer(_process_space(), np.int64)
+        table = np.empty((self.size, 3), np.int64)
+        self.wait(self.world.Iallgather(mine, table), "start-up exchange of process ids")
+        if os.path.isdir("/proc/self"):
+            self.local_pids = {r: int(table[r, 0]) for r in range(self.size)
+                               if r != self.rank and np.array_equal(table[r, 1:], mine[1:])}
+
+    def gone(self, peers: list[int] | None) -> list[int]:
+        """The ranks among ``peers`` (all ranks when None) whose process is known to have
+        exited (only ranks on this host can be checked)."""
+        ranks = range(self.size) if peers is None else peers
+        return [r for r in ranks if r in self.local_pids and not _alive(self.local_pids[r])]
+
+    def gone_message(self, what: Any, dead: list[int]) -> str:
+        name = getattr(what, "name", str(what))
+        op = getattr(what, "op_type", "")
+        pids = ", ".join(f"rank {r} (pid {self.local_pids[r]})" for r in dead)
+        return (f"{('ngdist.' + op + ' ') if op else ''}'{name}' cannot complete on rank "
+                f"{self.rank}: the process of {pids} has exited. Look at that rank's output "
+                "for why it stopped")
 
     # ------------------------------------------------------------------ waits
     def timeout_message(self, what: Any, peers: list[int] | None = None) -> str:
@@ -88,12 +119,20 @@ class Communicator:
             self._watchdog.disarm(token)
 
     def _poll(self, request: Any, what: Any, peers: list[int] | None) -> None:
-        deadline = time.monotonic() + self.timeout
-        spin_until = time.monotonic() + 0.002
+        start = time.monotonic()
+        deadline = start + self.timeout
+        spin_until = start + 0.002
+        next_check, dead_since = start + DEAD_CHECK_AFTER_S, None
         while not request.Test():
             now = time.monotonic()
             if now > deadline:
                 raise CommTimeoutError(self.timeout_message(what, peers))
+            if now > next_check:
+                next_check = now + 0.5
+                dead = self.gone(peers)
+                dead_since = (dead_since or now) if dead else None
+                if dead and now - dead_since >= DEAD_GRACE_S:
+                    raise CommError(self.gone_message(what, dead))
             time.sleep(0 if now < spin_until else 0.0002)
 
     # ------------------------------------------------------------------ start-up checks
@@ -129,6 +168,31 @@ class Communicator:
     def barrier(self) -> None:
         if self.world is not None:
             self.wait(self.world.Ibarrier(), "barrier")
+
+
+def _process_space() -> bytes:
+    """16 bytes that are equal for two processes exactly when each can see the other's pid:
+    same kernel boot, same PID namespace, same host name."""
+    import socket
+
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            parts.append(fh.read().strip())
+        parts.append(os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        parts.append(f"no-proc-{os.getpid()}")  # nothing to compare: never "same host"
+    return hashlib.sha256("|".join(parts).encode()).digest()[:16]
+
+
+def _alive(pid: int) -> bool:
+    """False once the process has exited (gone, or a zombie its launcher has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _unread_bytes(fd: int) -> int:
@@ -172,14 +236,16 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, Communicator, Any, list[int] | None]] = {}
+        self._armed: dict[int, tuple[float, Communicator, Any, list[int] | None, float]] = {}
+        self._dead_since: dict[int, float] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
 
     def arm(self, comm: Communicator, what: Any, peers: list[int] | None) -> int:
         with self._lock:
             self._next += 1
-            self._armed[self._next] = (time.monotonic() + comm.timeout, comm, what, peers)
+            now = time.monotonic()
+            self._armed[self._next] = (now + comm.timeout, comm, what, peers, now)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ngdist-watchdog",
                                                 daemon=True)
@@ -189,18 +255,37 @@ class _Watchdog:
     def disarm(self, token: int) -> None:
         with self._lock:
             self._armed.pop(token, None)
+            self._dead_since.pop(token, None)
 
     def _run(self) -> None:  # pragma: no cover - exercised in multi-rank tests
+        next_check = 0.0
         while True:
             time.sleep(0.05)
             now = time.monotonic()
             with self._lock:
-                expired = [v for v in self._armed.values() if v[0] < now]
+                armed = list(self._armed.items())
+            expired = [v for _, v in armed if v[0] < now]
             if expired:
-                _, comm, what, peers = expired[0]
+                _, comm, what, peers, _ = expired[0]
                 abort_job(comm.world, f"ngdist: error on rank {comm.rank}: CommTimeoutError: "
                                       f"{comm.timeout_message(what, peers)}\n"
                                       f"ngdist: rank {comm.rank} aborts the MPI job\n")
+            if now < next_check:
+                continue
+            next_check = now + 0.5
+            for token, (_, comm, what, peers, start) in armed:
+                if now - start < DEAD_CHECK_AFTER_S:
+                    continue
+                dead = comm.gone(peers)
+                with self._lock:
+                    if token not in self._armed:  # completed meanwhile
+                        continue
+                    since = self._dead_since.setdefault(token, now) if dead else \
+                        self._dead_since.pop(token, None)
+                if dead and now - since >= DEAD_GRACE_S:
+                    abort_job(comm.world, f"ngdist: error on rank {comm.rank}: CommError: "
+                                          f"{comm.gone_message(what, dead)}\n"
+                                          f"ngdist: rank {comm.rank} aborts the MPI job\n")
 
 
 _hook_lock = threading.Lock()
