@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -171,15 +172,17 @@ def test_lost_parameter_server_fails_the_workers_not_hangs(tmp_path, mode):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "training finished" not in output, output
     assert elapsed < 45, elapsed  # 2 s of training, then the 4 s timeout, not the 60 s loop
-    message = ("CommTimeoutError: ngdist.PSPushPull 'ngdist/ps: update of shard 0 from "
-               "parameter server rank 2' did not complete within 4 s on rank ")
-    gone = ("CommError: ngdist.PSPushPull 'ngdist/ps: update of shard 0 from parameter server "
-            "rank 2' cannot complete on rank ")
+    # the shard a worker is waiting for depends on where in its round the server stopped
+    message = re.compile(r"CommTimeoutError: ngdist\.PSPushPull 'ngdist/ps: update of shard "
+                         r"\d+ from parameter server rank 2' did not complete within 4 s on rank ")
+    gone = re.compile(r"CommError: ngdist\.PSPushPull 'ngdist/ps: update of shard \d+ from "
+                      r"parameter server rank 2' cannot complete on rank ")
     if mode == "stop":  # a frozen server (its process is still there): a worker times out
-        assert message in output, output
+        assert message.search(output), output
     else:  # a dead one: a worker sees it gone or times out, unless MPICH's launcher tore the
         # job down first
-        assert message in output or gone in output or "Killed (signal 9)" in output, output
+        assert message.search(output) or gone.search(output) or \
+            "Killed (signal 9)" in output, output
 
 
 BN_SIMPLE = r'''
