@@ -70,9 +70,8 @@ class Communicator:
         mine[1:] = np.frombuffer(_process_space(), np.int64)
         table = np.empty((self.size, 3), np.int64)
         self.wait(self.world.Iallgather(mine, table), "start-up exchange of process ids")
-        if os.path.isdir("/proc/self"):
-            self.local_pids = {r: int(table[r, 0]) for r in range(self.size)
-                               if r != self.rank and np.array_equal(table[r, 1:], mine[1:])}
+        self.local_pids = {r: int(table[r, 0]) for r in range(self.size)
+                           if r != self.rank and np.array_equal(table[r, 1:], mine[1:])}
 
     def gone(self, peers: list[int] | None) -> list[int]:
         """The ranks among ``peers`` (all ranks when None) whose process is known to have
@@ -81,20 +80,14 @@ class Communicator:
         return [r for r in ranks if r in self.local_pids and not _alive(self.local_pids[r])]
 
     def gone_message(self, what: Any, dead: list[int]) -> str:
-        name = getattr(what, "name", str(what))
-        op = getattr(what, "op_type", "")
         pids = ", ".join(f"rank {r} (pid {self.local_pids[r]})" for r in dead)
-        return (f"{('ngdist.' + op + ' ') if op else ''}'{name}' cannot complete on rank "
-                f"{self.rank}: the process of {pids} has exited. Look at that rank's output "
-                "for why it stopped")
+        return (f"{_describe(what)} cannot complete on rank {self.rank}: the process of {pids} "
+                "has exited. Look at that rank's output for why it stopped")
 
     # ------------------------------------------------------------------ waits
     def timeout_message(self, what: Any, peers: list[int] | None = None) -> str:
-        name = getattr(what, "name", str(what))
-        op = getattr(what, "op_type", "")
         who = f"peers {peers}" if peers is not None else f"ranks 0..{self.size - 1}"
-        return (f"{('ngdist.' + op + ' ') if op else ''}'{name}' did not complete within "
-                f"{self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
+        return (f"{_describe(what)} did not complete within {self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
                 "probably died or is running a different program. Check the other ranks' "
                 "output; raise the limit with timeout= or NGDIST_TIMEOUT")
 
@@ -170,6 +163,12 @@ class Communicator:
             self.wait(self.world.Ibarrier(), "barrier")
 
 
+def _describe(what: Any) -> str:
+    """``ngdist.AllReduce 'name'`` for a comm node, ``'label'`` for anything else."""
+    op = getattr(what, "op_type", "")
+    return f"{('ngdist.' + op + ' ') if op else ''}'{getattr(what, 'name', str(what))}'"
+
+
 def _process_space() -> bytes:
     """16 bytes that are equal for two processes exactly when each can see the other's pid:
     same kernel boot, same PID namespace, same host name."""
@@ -237,7 +236,6 @@ class _Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed: dict[int, tuple[float, Communicator, Any, list[int] | None, float]] = {}
-        self._dead_since: dict[int, float] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
 
@@ -255,37 +253,38 @@ class _Watchdog:
     def disarm(self, token: int) -> None:
         with self._lock:
             self._armed.pop(token, None)
-            self._dead_since.pop(token, None)
 
     def _run(self) -> None:  # pragma: no cover - exercised in multi-rank tests
         next_check = 0.0
+        gone_since: dict[int, float] = {}  # token -> when a peer of that wait was seen gone
         while True:
             time.sleep(0.05)
             now = time.monotonic()
             with self._lock:
-                armed = list(self._armed.items())
-            expired = [v for _, v in armed if v[0] < now]
-            if expired:
-                _, comm, what, peers, _ = expired[0]
-                abort_job(comm.world, f"ngdist: error on rank {comm.rank}: CommTimeoutError: "
-                                      f"{comm.timeout_message(what, peers)}\n"
-                                      f"ngdist: rank {comm.rank} aborts the MPI job\n")
+                armed = dict(self._armed)
+            expired = next((v for v in armed.values() if v[0] < now), None)
+            if expired is not None:  # aborts the job: this thread goes no further
+                _, comm, what, peers, _ = expired
+                _abort(comm, "CommTimeoutError", comm.timeout_message(what, peers))
             if now < next_check:
                 continue
             next_check = now + 0.5
-            for token, (_, comm, what, peers, start) in armed:
-                if now - start < DEAD_CHECK_AFTER_S:
+            for token in set(gone_since) - set(armed):
+                del gone_since[token]
+            for token, (_, comm, what, peers, start) in armed.items():
+                dead = comm.gone(peers) if now - start >= DEAD_CHECK_AFTER_S else []
+                if not dead:
+                    gone_since.pop(token, None)
                     continue
-                dead = comm.gone(peers)
                 with self._lock:
-                    if token not in self._armed:  # completed meanwhile
-                        continue
-                    since = self._dead_since.setdefault(token, now) if dead else \
-                        self._dead_since.pop(token, None)
-                if dead and now - since >= DEAD_GRACE_S:
-                    abort_job(comm.world, f"ngdist: error on rank {comm.rank}: CommError: "
-                                          f"{comm.gone_message(what, dead)}\n"
-                                          f"ngdist: rank {comm.rank} aborts the MPI job\n")
+                    pending = token in self._armed  # not completed meanwhile
+                if pending and now - gone_since.setdefault(token, now) >= DEAD_GRACE_S:
+                    _abort(comm, "CommError", comm.gone_message(what, dead))
+
+
+def _abort(comm: Communicator, kind: str, message: str) -> None:
+    abort_job(comm.world, f"ngdist: error on rank {comm.rank}: {kind}: {message}\n"
+                          f"ngdist: rank {comm.rank} aborts the MPI job\n")
 
 
 _hook_lock = threading.Lock()
