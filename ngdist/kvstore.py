@@ -57,6 +57,7 @@ from ngdist import optim
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.runtime.comm import Communicator
+from ngdist.runtime.executor import session_options
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class OnnxUpdater:
             model = helper.make_model(graph, opset_imports=[
                 helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
             self._sessions[dtype] = ort.InferenceSession(
-                lower_training_ops(model).SerializeToString(), providers=["CPUExecutionProvider"])
+                lower_training_ops(model).SerializeToString(), session_options(),
+                providers=["CPUExecutionProvider"])
         return self._sessions[dtype]
 
     def __call__(self, key: Key, grad: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -253,8 +253,8 @@ class DistributedSGD:
         else:
             values = {n: np.empty_like(v) for n, v in wanted.items()}
         self._broadcast_error(error)
-        for name in sorted(values):
-            self._broadcast(values[name], f"restore_checkpoint({file}): {name}")
+        self.trainer.comm.broadcast_([values[n] for n in sorted(values)],
+                                     what=f"restore_checkpoint({file})")
         self.trainer.load_state_dict(values)
         ps_server.load_state(self.trainer, with_state=True)
 

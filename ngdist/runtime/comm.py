@@ -143,7 +143,8 @@ class Communicator:
                 f"{table[0].tobytes().hex()[:12]} on rank 0, {table[differ[0]].tobytes().hex()[:12]}"
                 f" on rank {differ[0]}); start every rank with the same model and options")
 
-    def broadcast_(self, arrays: list[np.ndarray], root: int = 0) -> None:
+    def broadcast_(self, arrays: list[np.ndarray], root: int = 0,
+                   what: str = "initial broadcast of parameters") -> None:
         """In-place broadcast of every array from ``root`` (one message per dtype)."""
         if self.world is None or not arrays:
             return
@@ -152,7 +153,9 @@ class Communicator:
             by_dtype.setdefault(a.dtype, []).append(a)
         for dtype, group in by_dtype.items():
             buf = np.concatenate([a.reshape(-1) for a in group])
-            self.wait(self.world.Ibcast(buf, root=root), "initial broadcast of parameters")
+            self.wait(self.world.Ibcast(buf, root=root), what)
+            if self.rank == root:
+                continue
             offset = 0
             for a in group:
                 a.reshape(-1)[...] = buf[offset:offset + a.size]
