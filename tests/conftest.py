@@ -64,3 +64,21 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def cli():
     """``cli(*args, cwd=...)`` runs the ngdist command line; see run_cli."""
     return run_cli
+
+
+def assert_same_trajectory(a, b, x, y, steps: int, batch: int) -> None:
+    """Trainers ``a`` and ``b`` fed the same consecutive batches give the same loss at every
+    step and bit-identical parameters at the end."""
+    import numpy as np
+
+    for s in range(steps):
+        feed = {"x": x[s * batch:(s + 1) * batch], "y": y[s * batch:(s + 1) * batch]}
+        assert a.step(feed).loss == b.step(feed).loss, s
+    pa, pb = a.parameters(), b.parameters()
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.fixture
+def same_trajectory():
+    """``same_trajectory(a, b, x, y, steps, batch)``: see assert_same_trajectory."""
+    return assert_same_trajectory

@@ -41,7 +41,7 @@ def test_roundtrip_keeps_training_info():
     assert [n.op_type for n in again.graph.node] == ["Gemm", "Relu", "Gemm"]
 
 
-def test_rewrite_inspect_and_same_trajectory(cli, tmp_path):
+def test_rewrite_inspect_and_same_trajectory(cli, tmp_path, same_trajectory):
     training = ngdist.to_training_model(
         zoo.mlp((64, 32, 10)), optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
     save_proto(training, tmp_path / "training.onnx")
@@ -67,11 +67,7 @@ def test_rewrite_inspect_and_same_trajectory(cli, tmp_path):
     x, y, _, _ = load_digits()
     a = ngdist.compile(str(tmp_path / "training.onnx"), bucket_bytes=4096)
     b = ngdist.compile(str(tmp_path / "dist.onnx"))
-    for s in range(10):
-        batch = {"x": x[s * 32:(s + 1) * 32], "y": y[s * 32:(s + 1) * 32]}
-        assert a.step(batch).loss == b.step(batch).loss
-    pa, pb = a.parameters(), b.parameters()
-    assert all(np.array_equal(pa[k], pb[k]) for k in pa)
+    same_trajectory(a, b, x, y, steps=10, batch=32)
 
 
 def test_inspect_forward_model_and_help(cli, tmp_path):
