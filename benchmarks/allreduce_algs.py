@@ -48,7 +48,7 @@ def worker(max_mb: int, budget: float) -> None:
     from tqdm import tqdm
 
     from ngdist.kernels import CommNode, get_kernel
-    from ngdist.runtime.comm import Communicator
+    from ngdist.comm.mpi import Communicator
 
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()

@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
     if "PMI_RANK" not in os.environ:
-        from ngdist.launch import mpiexec_cmd
+        from ngdist.comm.launch import mpiexec_cmd
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         return subprocess.call([*mpiexec_cmd(args.n), sys.executable, __file__, "-n",

@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(system: str, n: int, args: argparse.Namespace, out: str, port: int) -> dict:
-    from ngdist.launch import mpiexec_cmd
+    from ngdist.comm.launch import mpiexec_cmd
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "NGDIST_BENCH_PORT": str(port)}

@@ -101,7 +101,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    from ngdist.launch import mpiexec_cmd
+    from ngdist.comm.launch import mpiexec_cmd
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "results.json")

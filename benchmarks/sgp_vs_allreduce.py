@@ -122,7 +122,7 @@ def worker_accuracy(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, extra_mpiexec: list[str] | None = None,
            env: dict[str, str] | None = None) -> list[dict]:
-    from ngdist.launch import mpiexec_cmd
+    from ngdist.comm.launch import mpiexec_cmd
 
     out = Path(f"/tmp/ngdist-sgp-{os.getpid()}.json")
     forward = [a for a in sys.argv[1:] if a != "--netns"]

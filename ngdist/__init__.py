@@ -5,15 +5,22 @@ model into a data-parallel trainer; the rewritten graph is an ordinary .onnx fil
 """
 from __future__ import annotations
 
+import sys
+
 from ngdist import optim
 from ngdist.api import compile, rank, size, to_training_model  # noqa: A004
 from ngdist.errors import (CommError, CommTimeoutError, ExecutionError, GradientError,
                            GraphError, InputError, ModelLoadError, NgdistError)
 from ngdist.runtime.trainer import StepStats, Trainer
-from ngdist.ray_compat import DistributedSGD  # noqa: E402  (Ray SGD's entry point)
+from ngdist.compat import backend, kvstore
+from ngdist.compat.ray import DistributedSGD  # Ray SGD's entry point
+
+# the framework-compatibility surfaces keep their public names: ngdist.kvstore, ngdist.backend
+sys.modules[__name__ + ".kvstore"] = kvstore
+sys.modules[__name__ + ".backend"] = backend
 
 __version__ = "0.1.0"
 
 __all__ = ["CommError", "CommTimeoutError", "DistributedSGD", "ExecutionError",
            "GradientError", "GraphError", "InputError", "ModelLoadError", "NgdistError",
-           "StepStats", "Trainer", "compile", "optim", "rank", "size", "to_training_model"]
+           "StepStats", "Trainer", "backend", "compile", "kvstore", "optim", "rank", "size", "to_training_model"]

@@ -12,7 +12,7 @@ from ngdist.errors import GraphError
 from ngdist.frontends.onnx import build_training_model
 from ngdist.ir.model import load_proto, split_training_model
 from ngdist.passes.pipeline import run_passes
-from ngdist.runtime.comm import Communicator, world_rank_size
+from ngdist.comm.mpi import Communicator, world_rank_size
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ranks that are fed the same global batches (passes/reproducible.py).
     """
     if kvstore is not None:
-        from ngdist.kvstore import compile_options
+        from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
     frontend = _framework_frontend(model)
     if frontend is not None:

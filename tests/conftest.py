@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def mpiexec(n: int) -> list[str]:
     """The same launch command as `ngdist run` (ngdist.launch), so tests see what users see."""
     from ngdist.errors import NgdistError
-    from ngdist.launch import mpiexec_cmd
+    from ngdist.comm.launch import mpiexec_cmd
 
     try:
         return mpiexec_cmd(n)

@@ -13,7 +13,7 @@ import pytest
 
 import ngdist
 from ngdist import kvstore, zoo
-from ngdist.kvstore import KVStoreError
+from ngdist.compat.kvstore import KVStoreError
 
 TRAIN_LOOP = r"""
 import sys

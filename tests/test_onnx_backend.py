@@ -34,7 +34,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import ngdist
-import ngdist.backend as backend
+import ngdist.compat.backend as backend
 from ngdist.errors import GraphError, InputError
 from ngdist.ir.domain import PREVIEW_TRAINING
 
@@ -336,7 +336,7 @@ TWO_RANK_STEPS = r"""
 import numpy as np
 from mpi4py import MPI
 import ngdist
-import ngdist.backend as backend
+import ngdist.compat.backend as backend
 from onnx import numpy_helper
 from test_onnx_backend import _numpy_step, _softmax_regression
 

@@ -20,7 +20,7 @@ import numpy as np
 import ngdist
 from ngdist import zoo
 from ngdist.data import load_digits
-from ngdist.ray_compat import DistributedSGD, Model
+from ngdist.compat.ray import DistributedSGD, Model
 from ngdist.runtime import ps_server
 
 out = sys.argv[1]

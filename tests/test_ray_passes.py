@@ -19,7 +19,7 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import load_proto, save_proto, split_training_model
 from ngdist.kernels.ps import make_layout, resolve_servers
 from ngdist.passes.pipeline import rewrite
-from ngdist.ray_compat import DistributedSGD, Model
+from ngdist.compat.ray import DistributedSGD, Model
 
 X, Y, _, _ = load_digits()
 SGD = ngdist.optim.SGD(lr=0.1, momentum=0.9)
@@ -251,7 +251,7 @@ def test_distributed_sgd_argument_errors():
         DistributedSGD(creator(), num_workers=4, strategy="allreduce")
     with pytest.raises(NgdistError, match="DistributedSGD strategy must be one of"):
         DistributedSGD(creator(), num_workers=1, strategy="gossip")
-    with pytest.raises(NgdistError, match="model_creator must return ngdist.ray_compat.Model"):
+    with pytest.raises(NgdistError, match="model_creator must return ngdist.compat.ray.Model"):
         DistributedSGD(lambda w, d: zoo.mlp(), num_workers=1, strategy="simple")
     sgd = DistributedSGD(lambda w, d: Model(zoo.mlp((64, 8, 10)), optimizer=SGD),
                          num_workers=1, strategy="simple")

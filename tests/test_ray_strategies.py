@@ -26,7 +26,7 @@ import ngdist
 from ngdist import zoo
 from ngdist.data import load_digits
 from ngdist.kernels import CommNode, allreduce_algs, get_kernel
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 
 out, only_mpi = sys.argv[1], len(sys.argv) > 2
 rank, size = ngdist.rank(), ngdist.size()

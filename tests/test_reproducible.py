@@ -21,8 +21,8 @@ from ngdist.errors import CommError, GraphError, InputError, NgdistError
 from ngdist.kernels import KERNELS, CommNode, get_kernel
 from ngdist.kernels.exact import FRACTION_BITS, HEADROOM, local_exponents, to_fixed
 from ngdist.passes.pipeline import rewrite
-from ngdist.ray_compat import DistributedSGD, Model
-from ngdist.runtime.comm import Communicator
+from ngdist.compat.ray import DistributedSGD, Model
+from ngdist.comm.mpi import Communicator
 
 X, Y, _, _ = load_digits()
 SGD = ngdist.optim.SGD(lr=0.1, momentum=0.9)

@@ -16,7 +16,7 @@ import numpy as np
 from ngdist.errors import CommError
 
 if TYPE_CHECKING:
-    from ngdist.runtime.comm import Communicator
+    from ngdist.comm.mpi import Communicator
 
 
 @dataclass

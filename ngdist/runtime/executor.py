@@ -22,7 +22,7 @@ from ngdist.errors import CommError, ExecutionError, NgdistError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels import CommNode, get_kernel
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 from ngdist.runtime.partition import CommCall, Segment, plan
 
 logger = logging.getLogger(__name__)

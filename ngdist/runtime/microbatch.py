@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from ngdist.errors import GraphError, InputError
 from ngdist.ir.domain import DOMAIN, is_comm_node
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.replicas import ReplicatedExecutor, split_tower
 

@@ -30,7 +30,7 @@ from onnx import helper
 from ngdist.errors import InputError, NgdistError
 from ngdist.ir.domain import DOMAIN, is_comm_node
 from ngdist.ir.model import IR_VERSION
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 from ngdist.runtime.executor import Executor, StepTimes, session_options
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from ngdist.errors import InputError, NgdistError
 from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
                              split_training_model)
 from ngdist.passes.pushsum import debias_map
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 from ngdist.runtime.executor import Executor, StepTimes, session_options
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
 import time
 
@@ -11,6 +13,7 @@ from tqdm import tqdm
 
 import ngdist
 from ngdist import zoo
+from ngdist.comm.launch import mpiexec_cmd
 from ngdist.data import load_digits
 
 
@@ -58,3 +61,27 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train an MLP on the bundled digits data on 2 ranks",
+                       description="The README's first command: a real distributed training "
+                       "run (scikit-learn's 8x8 digits, bundled) with a progress bar, then the "
+                       "test accuracy.")
+    p.add_argument("-n", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--save", help="write the trained model here")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    if args.n > 1 and "PMI_RANK" not in os.environ:
+        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.cli.demo",
+               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+               "--lr", str(args.lr)]
+        if args.save:
+            cmd += ["--save", args.save]
+        return subprocess.call(cmd)
+    return main(["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+                      "--lr", str(args.lr)] + (["--save", args.save] if args.save else []))

@@ -181,17 +181,25 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a saved model on arrays from an .npz file",
+                       description=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``ngdist train`` command: check the data, then train here or on N ranks."""
-    from ngdist.launch import mpiexec_cmd
-    from ngdist.runtime.comm import world_rank_size
+    from ngdist.comm.launch import mpiexec_cmd
+    from ngdist.comm.mpi import world_rank_size
 
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
         raise InputError("-n, --epochs and --batch-size must be at least 1")
     if args.n > 1 and world_rank_size()[1] == 1:
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)
-        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.train_cli",
+        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.cli.train",
                *relaunch_argv(args)]
         env = dict(os.environ)
         if args.timeout is not None:
@@ -202,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry of the ranks relaunched under mpiexec (``python -m ngdist.train_cli``)."""
+    """Entry of the ranks relaunched under mpiexec (``python -m ngdist.cli.train``)."""
     from ngdist.errors import NgdistError
 
     p = argparse.ArgumentParser(prog="ngdist train")
@@ -212,13 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return train(args)
     except (NgdistError, ValueError) as exc:
-        from ngdist.runtime.comm import world_rank_size
+        from ngdist.comm.mpi import world_rank_size
 
         rank, size = world_rank_size()
         if size > 1:  # no rank may be left waiting in a collective for this one
             from mpi4py import MPI
 
-            from ngdist.runtime.comm import abort_job
+            from ngdist.comm.mpi import abort_job
 
             abort_job(MPI.COMM_WORLD, f"ngdist: error on rank {rank}: {exc}\n")
         print(f"ngdist: error: {exc}", file=sys.stderr, flush=True)

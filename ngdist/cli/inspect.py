@@ -1,6 +1,7 @@
 """A readable summary of a (training) model: parameters, gradients, comm nodes, buckets."""
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -88,3 +89,17 @@ def _attr(a: onnx.AttributeProto):
         return f"<graph {a.g.name}: {len(a.g.node)} nodes>"
     v = helper.get_attribute_value(a)
     return v.decode() if isinstance(v, bytes) else v
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="show parameters, gradients, comm nodes and buckets",
+                       description="Summarize an ONNX model or training model.")
+    p.add_argument("file")
+    p.set_defaults(func=run)
+
+def run(args: argparse.Namespace) -> int:
+    from ngdist.ir.model import load_proto
+
+    for line in summarize(load_proto(args.file)).lines():
+        print(line)
+    return 0

@@ -51,7 +51,7 @@ from ngdist.errors import CommError, NgdistError
 from ngdist.ir.model import load_proto, save_proto
 from ngdist.kernels.ps import STEP, resolve_servers
 from ngdist.runtime import ps_server
-from ngdist.runtime.comm import world_rank_size
+from ngdist.comm.mpi import world_rank_size
 from ngdist.runtime.trainer import StepStats, Trainer
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class DistributedSGD:
                        for d in range(1 if is_server else devices_per_worker)]
         bad = [type(m).__name__ for m in self.models if not isinstance(m, Model)]
         if bad:
-            raise NgdistError(f"model_creator must return ngdist.ray_compat.Model objects, "
+            raise NgdistError(f"model_creator must return ngdist.compat.ray.Model objects, "
                               f"got {bad}")
         m0 = self.models[0]
         self.training_model = api.to_training_model(

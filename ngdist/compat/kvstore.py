@@ -56,7 +56,7 @@ from onnx import TensorProto, helper
 from ngdist import optim
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.runtime.comm import Communicator
+from ngdist.comm.mpi import Communicator
 from ngdist.runtime.executor import session_options
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class OnnxUpdater:
         if dtype not in self._sessions:
             if dtype not in (np.float32, np.float64):
                 raise KVStoreError(f"the optimizer updates float32 or float64 values, not {dtype}")
-            from ngdist.backend import lower_training_ops
+            from ngdist.compat.backend import lower_training_ops
 
             opt = self.optimizer
             elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE

@@ -1,0 +1,57 @@
+"""The ``ngdist`` command line: rewrite, inspect, run, demo (and more as strategies land)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ngdist.errors import NgdistError
+
+logger = logging.getLogger("ngdist.cli")
+
+EPILOG = """examples:
+  ngdist demo                                   train an MLP on digits on 2 ranks
+  ngdist rewrite mlp.onnx -o mlp.dist.onnx --loss softmax_cross_entropy --optimizer sgd:lr=0.05,momentum=0.9
+  ngdist inspect mlp.dist.onnx                  parameters, gradients, comm nodes, buckets
+  ngdist run -n 4 -- python train.py            launch 4 ranks with the bundled mpiexec
+  ngdist train mlp.onnx --data digits.npz --optimizer sgd:lr=0.1 -n 2 --epochs 5 --save out.onnx
+  ngdist run -n 6 --servers 2 -- python train.py   strategy ps: ranks 4, 5 are parameter servers
+"""
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ngdist.cli import demo, inspect, rewrite, run, train
+
+    parser = argparse.ArgumentParser(
+        prog="ngdist", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compile single-process ONNX training graphs into data-parallel ones, "
+                    "and run them on N MPI ranks.", epilog=EPILOG)
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
+    for module in (rewrite, inspect, run, demo, train):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except NgdistError as exc:
+        print(f"ngdist: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, KeyError) as exc:
+        print(f"ngdist: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

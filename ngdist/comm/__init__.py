@@ -1,0 +1,1 @@
+"""Communication: the process groups every collective goes through, and the launcher."""

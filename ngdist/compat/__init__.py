@@ -1,0 +1,1 @@
+"""Framework-compatibility surfaces: Ray SGD (DistributedSGD), MXNet's KVStore, the ONNX backend."""
