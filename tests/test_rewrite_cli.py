@@ -61,7 +61,11 @@ def test_rewrite_inspect_and_same_trajectory(cli, tmp_path, same_trajectory):
     # alone, fc0.bias (128 B) starts the last one
     assert "comm nodes: 3" in out
     assert "ngdist/allreduce/bucket0" in out and "ngdist/allreduce/bucket2" in out
-    assert "fc0.weight.grad" in out and "8,192 B" in out
+    # bucket 0 is one flat buffer of both fc1 gradients; each line names a tensor and its size
+    assert "2 tensor(s) in one flat buffer, 1,320 B" in out
+    members = [line.split() for line in out.splitlines() if line.startswith("      ")]
+    assert members == [["fc1.weight.grad", "1,280", "B"], ["fc1.bias.grad", "40", "B"],
+                       ["fc0.weight.grad", "8,192", "B"], ["fc0.bias.grad", "128", "B"]]
     assert "parameters: 4" in out
 
     x, y, _, _ = load_digits()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
@@ -17,7 +18,7 @@ class Summary:
     params: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
     states: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
     grads: list[str] = field(default_factory=list)
-    comm: list[dict] = field(default_factory=list)
+    comm: list[dict[str, Any]] = field(default_factory=list)
     ops: Counter = field(default_factory=Counter)
     training: bool = False
     opsets: dict[str, int] = field(default_factory=dict)
@@ -37,9 +38,11 @@ class Summary:
             out.append(f"comm nodes: {len(self.comm)}")
             for c in self.comm:
                 attrs = " ".join(f"{k}={v}" for k, v in c["attrs"].items())
-                out.append(f"  {c['op']:12s} {c['name']:32s} {len(c['inputs'])} tensor(s), "
-                           f"{c['bytes']:,} B  {attrs}")
-                out += [f"      {i}" for i in c["inputs"]]
+                flat = {0: "", 1: " in one flat buffer"}.get(c["flat"],
+                                                             f" in {c['flat']} flat buffers")
+                out.append(f"  {c['op']:12s} {c['name']:32s} {len(c['inputs'])} tensor(s)"
+                           f"{flat}, {c['bytes']:,} B  {attrs}")
+                out += [f"      {i:40s} {b:>12,} B" for i, b in c["inputs"]]
         else:
             out.append("comm nodes: none")
         out.append("step ops: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.ops.items())))
@@ -72,19 +75,56 @@ def summarize(model: onnx.ModelProto) -> Summary:
                 {t.name for t in info.algorithm.initializer}]
     produced = {o for n in info.algorithm.node for o in n.output}
     s.grads = sorted(o for o in produced if o.endswith(".grad"))
+    producers = {o: n for n in info.algorithm.node for o in n.output if o}
+    value_bytes = _value_bytes(info.algorithm)
     for n in info.algorithm.node:
         s.ops[f"{n.domain + '.' if n.domain and n.domain != PREVIEW_TRAINING else ''}"
               f"{n.op_type}"] += 1
         if n.domain == DOMAIN:
-            nbytes = sum(sizes.get(i.removesuffix(".grad").removesuffix(".new"), 0)
-                         for i in n.input)
-            s.comm.append({"op": n.op_type, "name": n.name, "inputs": list(n.input),
-                           "bytes": nbytes,
+            members: list[str] = []
+            flat = 0
+            for i in n.input:
+                fused = _flat_members(i, producers)
+                flat += fused is not None
+                members += fused if fused is not None else [i]
+            inputs = [(m, value_bytes.get(m, sizes.get(
+                m.removesuffix(".grad").removesuffix(".new"), 0))) for m in members]
+            s.comm.append({"op": n.op_type, "name": n.name, "inputs": inputs,
+                           "bytes": sum(b for _, b in inputs), "flat": flat,
                            "attrs": {a.name: _attr(a) for a in n.attribute}})
     return s
 
 
-def _attr(a: onnx.AttributeProto):
+def _flat_members(name: str, producers: dict[str, onnx.NodeProto]) -> list[str] | None:
+    """The tensors of a fused bucket's flat buffer (``Concat`` of ``Reshape``s, as
+    passes/bucketing.py builds it), in buffer order; None if ``name`` is no such buffer."""
+    concat = producers.get(name)
+    if concat is None or concat.domain not in ("", "ai.onnx") or concat.op_type != "Concat":
+        return None
+    reshapes = [producers.get(i) for i in concat.input]
+    if not all(r is not None and r.op_type == "Reshape" for r in reshapes):
+        return None
+    return [r.input[0] for r in reshapes if r is not None]
+
+
+def _value_bytes(graph: onnx.GraphProto) -> dict[str, int]:
+    """Byte size of every value whose element type and shape the graph states statically."""
+    out: dict[str, int] = {}
+    for v in [*graph.input, *graph.value_info, *graph.output]:
+        t = v.type.tensor_type
+        if not t.HasField("shape") or not t.elem_type:
+            continue
+        if not all(d.HasField("dim_value") for d in t.shape.dim):
+            continue
+        try:
+            itemsize = helper.tensor_dtype_to_np_dtype(t.elem_type).itemsize
+        except (KeyError, TypeError, ValueError):  # an element type numpy cannot hold
+            continue
+        out[v.name] = int(np.prod([d.dim_value for d in t.shape.dim], dtype=np.int64)) * itemsize
+    return out
+
+
+def _attr(a: onnx.AttributeProto) -> Any:
     if a.type == onnx.AttributeProto.GRAPH:  # e.g. PSPushPull's shard-update graph
         return f"<graph {a.g.name}: {len(a.g.node)} nodes>"
     v = helper.get_attribute_value(a)

@@ -8,6 +8,7 @@ import onnx_ir as ir
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import ensure_opset, get_meta
 from ngdist.passes.allreduce import insert_after_producer
+from ngdist.passes.bucketing import reduced_by
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,10 @@ class BufferAverageInsertionPass(ir.passes.InPlacePass):
     every rank's buffers identical (bit for bit) and makes them statistics of the global batch
     (the running mean exactly, the running variance up to the spread between shard means).
     PyTorch DDP instead broadcasts rank 0's buffers. Run it before ``BucketingPass``: the
-    averages then ride in the first gradient bucket instead of a message of their own.
+    averages then ride in the first gradient bucket instead of a message of their own, and
+    the output is the bucket's ``Reshape`` of its piece of the flat result, still under the
+    bound name. A buffer output that is already such a result (or a comm node's) is left as
+    it is.
     """
 
     def __init__(self, algorithm: str = "mpi") -> None:
@@ -37,8 +41,7 @@ class BufferAverageInsertionPass(ir.passes.InPlacePass):
             if target not in outputs:
                 continue
             value = graph.outputs[outputs[target]]
-            producer = value.producer()
-            if producer is not None and producer.domain == DOMAIN:
+            if reduced_by(value) is not None:
                 continue  # already averaged (a rewritten model rewritten again)
             node = ir.Node(DOMAIN, "AllReduce", [value], ir.convenience.convert_attributes(
                 {"reduction": "mean", "algorithm": self.algorithm}),
