@@ -73,12 +73,12 @@ def worker(args: argparse.Namespace) -> None:
         for _, name in tqdm(todo, disable=rank != 0, desc=f"{model_name} on {size} ranks"):
             tr = trainers[name]
             world.Barrier()
-            sent0, t0 = tr.comm.bytes_sent, time.perf_counter()
+            sent0, t0 = tr.group.bytes_sent, time.perf_counter()
             for b in batches:
                 tr.step(b, fetch_stats=False)
             dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             times[name].append(dt)
-            sent[name] = (tr.comm.bytes_sent - sent0) / len(batches)
+            sent[name] = (tr.group.bytes_sent - sent0) / len(batches)
         for tr in trainers.values():
             tr.close()
         results[model_name] = {name: {"steps_per_s": args.steps / statistics.median(t),

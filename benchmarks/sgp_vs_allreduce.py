@@ -70,8 +70,8 @@ def worker_speed(args: argparse.Namespace) -> None:
             for _ in range(args.warmup):
                 tr.step({"x": bx, "y": by})
             tr.flush()
-            tr.comm.barrier()
-            sent0 = tr.comm.bytes_sent
+            tr.group.barrier().wait()
+            sent0 = tr.group.bytes_sent
             rng = np.random.default_rng(1234 + delay)  # the same straggler on every rank
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -81,7 +81,7 @@ def worker_speed(args: argparse.Namespace) -> None:
             tr.flush()
             elapsed = _max(time.perf_counter() - t0)
             row[name] = args.steps / elapsed
-            row[f"{name}:MB"] = (tr.comm.bytes_sent - sent0) / 1e6
+            row[f"{name}:MB"] = (tr.group.bytes_sent - sent0) / 1e6
             tr.close()
         rows.append(row)
     if ngdist.rank() == 0:

@@ -10,10 +10,7 @@ from ngdist.data import load_digits
 if ngdist.rank() == 0:
     onnx.save(ngdist.zoo.mlp((64, 128, 10)), "mlp.onnx")
 x_train, y_train, x_test, y_test = load_digits()
-if ngdist.size() > 1:  # the others wait for rank 0's file
-    from mpi4py import MPI
-
-    MPI.COMM_WORLD.Barrier()
+ngdist.barrier()  # the others wait for rank 0's file
 trainer = ngdist.compile("mlp.onnx",
                          loss="softmax_cross_entropy", labels="y",
                          optimizer=ngdist.optim.SGD(lr=0.05, momentum=0.9),

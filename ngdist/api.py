@@ -1,9 +1,12 @@
 """``ngdist.compile``: model in, distributed trainer out."""
 from __future__ import annotations
 
+import inspect
 import logging
 import os
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import onnx
 
@@ -11,8 +14,9 @@ from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.onnx import build_training_model
 from ngdist.ir.model import load_proto, split_training_model
+from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
-from ngdist.comm.mpi import Communicator, world_rank_size
+from ngdist.comm import world_group, world_rank_size
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -28,6 +32,11 @@ def rank() -> int:
 def size() -> int:
     """The number of ranks (1 when not launched by mpiexec)."""
     return world_rank_size()[1]
+
+
+def barrier(timeout: float | None = None) -> None:
+    """Returns once every rank has called it (bounded by ``timeout``/NGDIST_TIMEOUT)."""
+    world_group(timeout).barrier("ngdist.barrier()").wait()
 
 
 def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,
@@ -58,59 +67,96 @@ def _framework_frontend(model: Any) -> Any:
     return None
 
 
+@dataclass(frozen=True)
+class RuntimeOptions(TypedOptions):
+    """How this process runs the compiled step, whatever the strategy (``ngdist.compile``).
+
+    ``timeout``: seconds before a stuck collective fails (default NGDIST_TIMEOUT);
+    ``intra_op_threads``: onnxruntime threads (default cores / ranks on this host);
+    ``device``: ``cpu`` or ``cuda``; ``overlap``: communication overlaps computation (default
+    on; with ``pushsum`` it is also the gossip's overlap, off by default there);
+    ``devices_per_worker``: model replicas in this process (runtime/replicas.py);
+    ``ps_serve``: with ``ps`` and dedicated servers, False makes a server rank serve round by
+    round as its program calls ``step`` (``DistributedSGD``) instead of until the workers stop.
+    """
+
+    owner: ClassVar[str] = "ngdist.compile"
+    timeout: float | None = None
+    intra_op_threads: int | None = None
+    device: str = "cpu"
+    overlap: bool | None = None
+    devices_per_worker: int = 1
+    ps_serve: bool = True
+
+
 def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             example_inputs: Any = None, *, loss: Any = _UNSET, labels: str = "y",
             optimizer: Any = _UNSET, strategy: str = "allreduce",
-            bucket_bytes: int = 25 << 20, params: list[str] | None = None,
-            frozen: list[str] | None = None, output: str | None = None,
+            params: list[str] | None = None, frozen: list[str] | None = None,
+            output: str | None = None, input_names: Sequence[str] | None = None,
+            output_names: Sequence[str] | None = None, kvstore: Any = None,
             timeout: float | None = None, intra_op_threads: int | None = None,
-            providers: list[str] | None = None, overlap: bool | None = None,
-            kvstore: Any = None, **strategy_options: Any) -> Trainer:
+            device: str = "cpu", overlap: bool | None = None, devices_per_worker: int = 1,
+            ps_serve: bool = True, **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
     the input named ``labels`` and updated by ``optimizer``; or a training model (from
-    ``trainer.save`` or ``ngdist rewrite``), used as it is. ``overlap``: communication
-    overlaps computation (default on in the executor); when given, it is also passed to the
-    strategy (``pushsum``'s gossip overlap, off by default there).
-    A ``torch.nn.Module`` or Keras model (with ``example_inputs``) goes through its frontend
-    (ngdist.frontends.torch / .keras), whose trainer can write the weights back.
+    ``trainer.save`` or ``ngdist rewrite``), used as it is.
+    A ``torch.nn.Module`` or Keras model (with ``example_inputs``; ``input_names``, and for
+    torch ``output_names``, name the graph's values) goes through its frontend
+    (ngdist.frontends.torch / .keras); ``trainer.to_torch()`` / ``to_keras()`` write the
+    trained values back.
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
+    ``timeout`` ... ``ps_serve``: how this process runs the step (:class:`RuntimeOptions`).
+    ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
+    ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``; ``pushsum``:
+    ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
+    ``servers``; ``simple`` and ``local``: none. An unknown option, or one of another
+    strategy, is an OptionError naming the valid ones.
     ``reproducible_micro_batch=M`` (allreduce): reproducible mode, every rank's batch is cut
     into micro-batches of ``M`` samples whose gradients, buffer averages and loss are summed
     exactly (``all_reduce_alg="exact"``), so training gives the same bits on any number of
     ranks that are fed the same global batches (passes/reproducible.py).
     """
+    runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
+                             overlap=overlap, devices_per_worker=devices_per_worker,
+                             ps_serve=ps_serve)
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
+    if overlap is not None and strategy == "pushsum":  # also the gossip's overlap
+        strategy_options = {"overlap": overlap, **strategy_options}
+    chosen = _strategy_options(strategy, strategy_options, also=_KEYWORDS,
+                               note=f"; runtime options: {', '.join(RuntimeOptions.names())}")
     frontend = _framework_frontend(model)
+    write_back = None
     if frontend is not None:
         if params is not None or output is not None:
             raise GraphError("params= and output= apply to ONNX models; for a framework model "
                              "choose the trained parameters with the optimizer or frozen=")
         given = {k: v for k, v in (("loss", loss), ("optimizer", optimizer)) if v is not _UNSET}
-        return frontend.compile(model, example_inputs, labels=labels, frozen=frozen, **given,
-                                strategy=strategy, bucket_bytes=bucket_bytes, timeout=timeout,
-                                intra_op_threads=intra_op_threads, providers=providers,
-                                overlap=overlap, **strategy_options)
-    if example_inputs is not None:
-        raise GraphError("example_inputs is for torch and Keras models; an ONNX model "
-                         "declares its inputs")
-    proto = to_training_model(model, loss=loss, labels=labels, optimizer=optimizer,
-                              params=params, frozen=frozen, output=output)
-    comm = Communicator(timeout=timeout)
+        proto, write_back = frontend.build(model, example_inputs, labels=labels, frozen=frozen,
+                                           input_names=input_names, output_names=output_names,
+                                           **given)
+    else:
+        if example_inputs is not None or input_names is not None or output_names is not None:
+            raise GraphError("example_inputs, input_names and output_names are for torch and "
+                             "Keras models; an ONNX model declares its inputs and outputs")
+        proto = to_training_model(model, loss=loss, labels=labels, optimizer=optimizer,
+                                  params=params, frozen=frozen, output=output)
+    group = world_group(runtime.timeout)
     inference, step = split_training_model(proto)
-    if overlap is not None:
-        strategy_options["overlap"] = overlap
-    devices = int(strategy_options.pop("devices_per_worker", 1))  # replicas in this process
-    serve = bool(strategy_options.pop("ps_serve", True))  # False: DistributedSGD's lockstep
-    step = run_passes(step, strategy, bucket_bytes=bucket_bytes, **strategy_options)
-    trainer = Trainer(inference, step=step, comm=comm, intra_op_threads=intra_op_threads,
-                      providers=providers, overlap=overlap is not False,
-                      devices_per_worker=devices)
-    from ngdist.runtime.ps_server import setup as ps_setup
-    ps_setup(trainer, serve)  # ps: shard owners; a dedicated server serves until workers stop
-    return trainer
+    step = run_passes(step, chosen)
+    # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
+    return Trainer(inference, step=step, group=group, intra_op_threads=runtime.intra_op_threads,
+                   device=runtime.device, overlap=runtime.overlap is not False,
+                   devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
+                   write_back=write_back)
+
+
+# every keyword compile takes, for the "did you mean" of a misspelt one
+_KEYWORDS = [p for p in inspect.signature(compile).parameters
+             if p not in ("model", "strategy_options")]

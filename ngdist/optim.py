@@ -8,6 +8,7 @@ ordinary ops. Semantics follow PyTorch's ``torch.optim.SGD`` (dampening 0) and O
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -76,20 +77,53 @@ Optimizer = SGD | Adam | Adagrad
 
 
 def from_spec(spec: str | Optimizer) -> Optimizer:
-    """``"sgd:lr=0.1,momentum=0.9"`` or ``"adam:lr=1e-3"`` (the CLI form) -> optimizer."""
+    """``"sgd:lr=0.1,momentum=0.9"`` or ``"adam:lr=1e-3,betas=0.9/0.999"`` (the CLI form) ->
+    optimizer. An unknown optimizer or key, or a value that is not a number (``nesterov``:
+    1/0/true/false), is an OptionError naming the valid ones."""
+    from ngdist.passes.options import OptionError, unknown_option
+
     if not isinstance(spec, str):
         return spec
     name, _, rest = spec.partition(":")
     kinds = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad}
-    if name.lower() not in kinds:
-        raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(kinds)}")
+    kind = name.strip().lower()
+    if kind not in kinds:
+        raise OptionError(f"unknown optimizer {name!r} in {spec!r}; choose one of "
+                          f"{sorted(kinds)}")
+    cls = kinds[kind]
+    valid = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, object] = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        if key == "nesterov":
-            kwargs[key] = value.lower() in ("1", "true", "yes")
-        elif key == "betas":
-            kwargs[key] = tuple(float(v) for v in value.split("/"))
-        else:
-            kwargs[key] = float(value)
-    return kinds[name.lower()](**kwargs)
+    for item in filter(None, (i.strip() for i in rest.split(","))):
+        key, eq, value = (p.strip() for p in item.partition("="))
+        if key not in valid:
+            alias = _ALIASES.get(key.lower())
+            raise unknown_option(key, f"optimizer {kind!r} in {spec!r}", valid, noun="key",
+                                 guess=alias if alias in valid else None,
+                                 listed_as=f"Valid keys of {kind}")
+        if not eq or not value:
+            raise OptionError(f"optimizer spec {spec!r}: {key!r} has no value; write "
+                              f"{key}=VALUE")
+        try:
+            if key == "nesterov":
+                if value.lower() not in _BOOLS:
+                    raise ValueError(value)
+                kwargs[key] = _BOOLS[value.lower()]
+            elif key == "betas":
+                kwargs[key] = tuple(float(v) for v in value.split("/"))
+                if len(kwargs[key]) != 2:  # type: ignore[arg-type]
+                    raise ValueError(value)
+            else:
+                kwargs[key] = float(value)
+        except ValueError:
+            expected = {"nesterov": "1, 0, true or false",
+                        "betas": "two numbers as BETA1/BETA2"}.get(key, "a number")
+            raise OptionError(f"optimizer spec {spec!r}: {key}={value!r} is not "
+                              f"{expected}") from None
+    return cls(**kwargs)
+
+
+# other libraries' names for the same hyper-parameters, suggested when misused
+_ALIASES = {"learning_rate": "lr", "epsilon": "eps", "beta1": "betas", "beta2": "betas",
+            "beta_1": "betas", "beta_2": "betas", "decay": "weight_decay",
+            "lr_decay_factor": "lr_decay"}
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

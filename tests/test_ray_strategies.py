@@ -25,8 +25,8 @@ import numpy as np
 import ngdist
 from ngdist import zoo
 from ngdist.data import load_digits
+from ngdist.comm import world_group
 from ngdist.kernels import CommNode, allreduce_algs, get_kernel
-from ngdist.comm.mpi import Communicator
 
 out, only_mpi = sys.argv[1], len(sys.argv) > 2
 rank, size = ngdist.rank(), ngdist.size()
@@ -35,8 +35,8 @@ B, STEPS = 12, 20
 digests = {}
 
 if not only_mpi:  # 1. the algorithms alone: exact sums of awkward buffers, on every rank alike
-    comm = Communicator(timeout=120)
-    kernel = get_kernel("AllReduce", "mpi")
+    comm = world_group(timeout=120)
+    kernel = get_kernel("AllReduce")
     allreduce_algs.CHUNK_BYTES = 4096  # several chunks per ring segment
     errors = {}
     for per_host in ("", "2"):  # one host (shared-memory split), then "hosts" of 2 ranks
@@ -58,9 +58,11 @@ if not only_mpi:  # 1. the algorithms alone: exact sums of awkward buffers, on e
 
 def train(name, strategy, env=None, **kw):
     os.environ.update(env or {})
+    if strategy == "allreduce":  # an option of allreduce only: another strategy refuses it
+        kw.setdefault("bucket_bytes", 8192)
     tr = ngdist.compile(zoo.mlp(seed=0), loss="softmax_cross_entropy",
                         optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9), strategy=strategy,
-                        bucket_bytes=8192, timeout=120, **kw)
+                        timeout=120, **kw)
     W = tr.num_workers
     for i in range(STEPS):
         g = slice(i * W * B, (i + 1) * W * B)

@@ -7,6 +7,8 @@ batch positions; the saved model, the CLI option and the error messages. The mul
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -21,8 +23,8 @@ from ngdist.errors import CommError, GraphError, InputError, NgdistError
 from ngdist.kernels import KERNELS, CommNode, get_kernel
 from ngdist.kernels.exact import FRACTION_BITS, HEADROOM, local_exponents, to_fixed
 from ngdist.passes.pipeline import rewrite
+from ngdist.comm import LocalGroup
 from ngdist.compat.ray import DistributedSGD, Model
-from ngdist.comm.mpi import Communicator
 
 X, Y, _, _ = load_digits()
 SGD = ngdist.optim.SGD(lr=0.1, momentum=0.9)
@@ -32,7 +34,7 @@ def exact(inputs: list[np.ndarray], reduction: str = "sum", stacked: bool = True
           ) -> list[np.ndarray]:
     node = CommNode("AllReduce", "test/exact", {"algorithm": "exact", "reduction": reduction},
                     state={"stacked": stacked})
-    return get_kernel("AllReduce", "local")(Communicator(), node, inputs)
+    return get_kernel("AllReduce")(LocalGroup(), node, inputs)
 
 
 def awkward_rows(k: int = 7, n: int = 300) -> np.ndarray:
@@ -129,7 +131,7 @@ def mlp_oracle(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
 
 def spy_allreduce(monkeypatch, seen: list[dict[str, np.ndarray]]) -> None:
     """Record every AllReduce's inputs and outputs by value name (single process)."""
-    inner = KERNELS[("AllReduce", "local")]
+    inner = KERNELS["AllReduce"]
 
     def kernel(comm, node, inputs):
         outs = inner(comm, node, inputs)
@@ -137,7 +139,7 @@ def spy_allreduce(monkeypatch, seen: list[dict[str, np.ndarray]]) -> None:
                      **{n: np.array(a) for n, a in zip(node.outputs, outs)}})
         return outs
 
-    monkeypatch.setitem(KERNELS, ("AllReduce", "local"), kernel)
+    monkeypatch.setitem(KERNELS, "AllReduce", dataclasses.replace(inner, fn=kernel))
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -147,13 +149,15 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def test_reproducible_gradients_match_ordinary_allreduce_and_float64(monkeypatch):
     seen: list[dict[str, np.ndarray]] = []
     spy_allreduce(monkeypatch, seen)
-    ordinary = ngdist.compile(zoo.mlp(seed=0), optimizer=SGD)
+    # one AllReduce per gradient, so that the spy sees each averaged gradient by name
+    ordinary = ngdist.compile(zoo.mlp(seed=0), optimizer=SGD, bucket_bytes=0)
     repro = ngdist.compile(zoo.mlp(seed=0), optimizer=SGD, reproducible_micro_batch=4)
     assert type(repro.executor).__name__ == "MicroBatchExecutor" and repro.micro_batch == 4
     batch = {"x": X[:24], "y": Y[:24]}
     loss, oracle = mlp_oracle(repro.parameters(), X[:24], Y[:24])
     stats = [ordinary.step(batch), repro.step(batch)]
-    (plain, exact_), grads = seen, {}
+    *per_gradient, exact_ = seen
+    plain, grads = {k: v for call in per_gradient for k, v in call.items()}, {}
     assert exact_["in:ngdist.loss.local"].shape == (6,)  # 6 micro-batches of 4, stacked
     assert exact_["in:fc0.weight.grad"].shape == (6, 128, 64)
     for name, want in oracle.items():

@@ -22,7 +22,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ngdist.cli.rewrite import OptionParser, add_strategy_arguments, chosen_options
+from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
+from ngdist.passes.options import cli_flag
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step "
                    "(default 32)")
     p.add_argument("--strategy", default="allreduce", help="communication strategy "
-                   "(default allreduce)")
+                   "(default allreduce); its options are the flags below")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch shuffle")
     p.add_argument("--timeout", type=float, help="seconds before a stuck collective fails")
     p.add_argument("--save", help="write the trained training model here")
+    add_strategy_arguments(p)
 
 
 def relaunch_argv(args: argparse.Namespace) -> list[str]:
@@ -60,26 +64,22 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
                         ("--timeout", args.timeout), ("--save", args.save)):
         if value is not None:
             argv += [flag, str(value)]
+    for name, value in given_options(args).items():  # the strategy's flags, as given
+        argv += [cli_flag(name)] if value is True else [cli_flag(name), str(value)]
     return argv
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy options given as flags, checked against the strategy (OptionError)."""
+    chosen_options(args, "ngdist train")
+    return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
 
 
 # ----------------------------------------------------------------------------- data checks
 
 def training_model(args: argparse.Namespace) -> onnx.ModelProto:
-    from ngdist import optim
-    from ngdist.api import to_training_model
-    from ngdist.ir.model import load_proto
-
-    proto = load_proto(args.model)
-    given: dict[str, Any] = {}
-    if args.loss is not None:
-        given["loss"] = None if args.loss == "none" else args.loss
-    if args.optimizer is not None:
-        given["optimizer"] = optim.from_spec(args.optimizer)
-    if not proto.training_info:
-        given.setdefault("loss", DEFAULT_LOSS)
-        given.setdefault("optimizer", optim.from_spec(DEFAULT_OPTIMIZER))
-    return to_training_model(proto, labels=args.labels, **given)
+    """The model as a training model (--loss/--optimizer only for a forward-only one)."""
+    return _training_model(args, DEFAULT_LOSS, DEFAULT_OPTIMIZER)
 
 
 def data_inputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
@@ -146,10 +146,11 @@ def train(args: argparse.Namespace) -> int:
 
     import ngdist
 
+    options = given_options(args)
     model = training_model(args)
     data = load_data(args.data, data_inputs(model), args.labels)
-    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout)
-    rank, size = trainer.rank, trainer.size
+    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout, **options)
+    rank, size = trainer.rank, trainer.num_workers  # ps: dedicated servers get no batches
     samples = next(iter(data.values())).shape[0]
     global_batch = args.batch_size * size
     steps = samples // global_batch
@@ -185,6 +186,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a saved model on arrays from an .npz file",
                        description=__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.__class__ = OptionParser  # unknown flags reach the command (cli/rewrite.py)
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -192,10 +194,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """The ``ngdist train`` command: check the data, then train here or on N ranks."""
     from ngdist.comm.launch import mpiexec_cmd
-    from ngdist.comm.mpi import world_rank_size
+    from ngdist.comm import world_rank_size
 
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
         raise InputError("-n, --epochs and --batch-size must be at least 1")
+    given_options(args)  # a flag the strategy does not take: refused before anything runs
     if args.n > 1 and world_rank_size()[1] == 1:
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)
@@ -213,22 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry of the ranks relaunched under mpiexec (``python -m ngdist.cli.train``)."""
     from ngdist.errors import NgdistError
 
-    p = argparse.ArgumentParser(prog="ngdist train")
+    p = OptionParser(prog="ngdist train")
     add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
         return train(args)
     except (NgdistError, ValueError) as exc:
-        from ngdist.comm.mpi import world_rank_size
+        from ngdist.comm import abort_world, world_rank_size
 
         rank, size = world_rank_size()
         if size > 1:  # no rank may be left waiting in a collective for this one
-            from mpi4py import MPI
-
-            from ngdist.comm.mpi import abort_job
-
-            abort_job(MPI.COMM_WORLD, f"ngdist: error on rank {rank}: {exc}\n")
+            abort_world(f"ngdist: error on rank {rank}: {exc}\n")
         print(f"ngdist: error: {exc}", file=sys.stderr, flush=True)
         return 1
 

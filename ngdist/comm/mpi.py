@@ -1,4 +1,10 @@
-"""The communicator: MPI world (or one local rank), timeouts, start-up agreement checks."""
+"""MpiGroup: the ProcessGroup on MPI (mpi4py's buffer API on host arrays).
+
+The only module of ngdist that imports mpi4py. Every call is non-blocking (``I*`` calls) and
+returns a Work whose wait is bounded by the group's timeout (comm/group.py). At start-up the
+ranks all-gather their process ids with a hash of (host name, boot id, PID namespace), so a
+wait on a rank whose process on this host has exited fails within seconds, naming it.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -8,19 +14,14 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ngdist.errors import CommError, CommTimeoutError
+from ngdist.comm.group import ProcessGroup, Work, describe
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = float(os.environ.get("NGDIST_TIMEOUT", "300"))
-WAIT_MODE = os.environ.get("NGDIST_WAIT", "watchdog")
-# a wait pending this long whose peer process on this host has been gone this long fails
-DEAD_CHECK_AFTER_S = 1.0
-DEAD_GRACE_S = 2.0
 
 
 def _mpi():
@@ -31,37 +32,157 @@ def _mpi():
 
 def world_rank_size() -> tuple[int, int]:
     """(rank, size) of this process; (0, 1) when not launched by mpiexec."""
-    if not _launched_by_mpi():
+    if not launched_by_mpi():
         return 0, 1
     world = _mpi().COMM_WORLD
     return world.Get_rank(), world.Get_size()
 
 
-def _launched_by_mpi() -> bool:
+def launched_by_mpi() -> bool:
     keys = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
             "HYDI_CONTROL_FD", "PMI_FD")
     return any(k in os.environ for k in keys)
 
 
-class Communicator:
-    """Rank, size and the waits of every collective, each bounded by ``timeout`` seconds."""
+class MpiWork(Work):
+    def __init__(self, group: MpiGroup, requests: list[Any], what: Any,
+                 peers: Sequence[int] | None) -> None:
+        super().__init__(group, what, peers)
+        self.requests = requests
 
-    def __init__(self, timeout: float | None = None, backend: str | None = None) -> None:
-        self.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        rank, size = world_rank_size()
-        self.world: Any = _mpi().COMM_WORLD if size > 1 else None
-        self.rank, self.size = rank, size
-        self.backend = backend or ("mpi" if size > 1 else "local")
-        self.bytes_sent = 0
+    def test(self) -> bool:
+        if not self.requests:
+            return True
+        return bool(_mpi().Request.Testall(self.requests))
+
+    def _block(self) -> None:
+        _mpi().Request.Waitall(self.requests)
+
+
+_SUM_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+class _Job:
+    """What every group of one job shares: the world communicator and the pids of the ranks
+    whose process this one can see (world rank -> pid)."""
+
+    def __init__(self, world: Any) -> None:
+        self.world = world
+        self.local_pids: dict[int, int] = {}
         self.local_size = 1
-        self._watchdog = _Watchdog()
-        self.local_pids: dict[int, int] = {}  # rank -> pid, for ranks whose pids we can see
-        if self.world is not None:
-            MPI = _mpi()
-            self.local_size = self.world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-            install_abort_hook(self.world)
-            self._exchange_pids()
 
+
+_WORLD_JOB: list[_Job] = []  # the job of this process's world groups, once known
+
+
+class MpiGroup(ProcessGroup):
+    """A ProcessGroup over an MPI communicator (COMM_WORLD, or a split/dup of it)."""
+
+    backend = "mpi"
+
+    def __init__(self, timeout: float | None = None, *, comm: Any = None, job: _Job | None = None,
+                 world_ranks: list[int] | None = None) -> None:
+        super().__init__(timeout)
+        MPI = _mpi()
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if job is None and _WORLD_JOB:  # another world group of this process: share its job
+            job = _WORLD_JOB[0]
+            self._job, self._world_ranks = job, list(range(self.size))
+            self.local_size = job.local_size
+        elif job is None:  # the first world group: start-up exchanges, bounded by the timeout
+            job = _Job(self.comm)
+            install_abort_hook(self.comm)
+            self._job = job
+            self._world_ranks = list(range(self.size))
+            self._exchange_pids()
+            job.local_size = self.local_size
+            _WORLD_JOB.append(job)
+        else:
+            self._job = job
+            self._world_ranks = world_ranks or list(range(self.size))
+
+    def world_ranks(self) -> list[int]:
+        return self._world_ranks
+
+    def _work(self, requests: list[Any], what: Any, peers: Sequence[int] | None = None) -> MpiWork:
+        return MpiWork(self, requests, what, peers)
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, buf, what, op="sum", peers=None):
+        MPI = _mpi()
+        self.bytes_sent += buf.nbytes
+        return self._work([self.comm.Iallreduce(MPI.IN_PLACE, buf,
+                                                op=getattr(MPI, _SUM_OPS[op]))], what, peers)
+
+    def broadcast(self, buf, root, what):
+        if self.rank == root:
+            self.bytes_sent += buf.nbytes
+        return self._work([self.comm.Ibcast(buf, root=root)], what,
+                          None if self.rank == root else [root])
+
+    def reduce(self, send, recv, root, what):
+        MPI = _mpi()
+        self.bytes_sent += 0 if self.rank == root else send.nbytes
+        if self.rank == root and send is recv:
+            send = MPI.IN_PLACE
+        return self._work([self.comm.Ireduce(send, recv, op=MPI.SUM, root=root)], what)
+
+    def allgather(self, send, recv, what):
+        self.bytes_sent += send.nbytes
+        return self._work([self.comm.Iallgather(send, recv)], what)
+
+    def gather(self, send, recv, root, what):
+        self.bytes_sent += 0 if self.rank == root else send.nbytes
+        return self._work([self.comm.Igather(send, recv, root=root)], what,
+                          None if self.rank == root else [root])
+
+    def reduce_scatter(self, send, recv, what):
+        MPI = _mpi()
+        self.bytes_sent += send.nbytes
+        return self._work([self.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM)], what)
+
+    def exchange(self, sends, recvs, tag, what):
+        reqs = [self.comm.Irecv(buf, source=src, tag=tag) for buf, src in recvs]
+        reqs += [self.comm.Isend(buf, dest=dst, tag=tag) for buf, dst in sends]
+        self.bytes_sent += sum(buf.nbytes for buf, _ in sends)
+        peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+        return self._work(reqs, what, peers)
+
+    def barrier(self, what="barrier"):
+        return self._work([self.comm.Ibarrier()], what)
+
+    def split(self, color, key, what):
+        MPI = _mpi()
+        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        return self._wrap(sub)
+
+    def dup(self, what):
+        new, req = self.comm.Idup()
+        self._work([req], what).wait()
+        return self._wrap(new)
+
+    def host_groups(self, what, ranks_per_host=0):
+        MPI = _mpi()
+        if ranks_per_host > 0:
+            local = self.comm.Split(self.rank // ranks_per_host, self.rank)
+        else:
+            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        leaders = self.comm.Split(0 if local.Get_rank() == 0 else MPI.UNDEFINED, self.rank)
+        return self._wrap(local), self._wrap(leaders)
+
+    def _wrap(self, sub: Any) -> MpiGroup | None:
+        MPI = _mpi()
+        if sub == MPI.COMM_NULL:
+            return None
+        mine = self.comm.Get_group()
+        ranks = sub.Get_group().Translate_ranks(list(range(sub.Get_size())), mine)
+        group = MpiGroup(self.timeout, comm=sub, job=self._job,
+                         world_ranks=[self._world_ranks[r] for r in ranks])
+        group.local_size = self.local_size
+        return group
+
+    # ------------------------------------------------------------------ failures
     def _exchange_pids(self) -> None:
         """Learn the process id of every rank that runs under this kernel and in this PID
         namespace, so that a wait on a rank whose process has gone fails at once."""
@@ -69,107 +190,28 @@ class Communicator:
         mine[0] = os.getpid()
         mine[1:] = np.frombuffer(_process_space(), np.int64)
         table = np.empty((self.size, 3), np.int64)
-        self.wait(self.world.Iallgather(mine, table), "start-up exchange of process ids")
-        self.local_pids = {r: int(table[r, 0]) for r in range(self.size)
-                           if r != self.rank and np.array_equal(table[r, 1:], mine[1:])}
+        self.allgather(mine, table, "start-up exchange of process ids").wait()
+        self.bytes_sent = 0
+        same = [r for r in range(self.size) if np.array_equal(table[r, 1:], mine[1:])]
+        self._job.local_pids = {r: int(table[r, 0]) for r in same if r != self.rank}
+        self.local_size = len(same)
 
-    def gone(self, peers: list[int] | None) -> list[int]:
-        """The ranks among ``peers`` (all ranks when None) whose process is known to have
-        exited (only ranks on this host can be checked)."""
+    def gone(self, peers):
         ranks = range(self.size) if peers is None else peers
-        return [r for r in ranks if r in self.local_pids and not _alive(self.local_pids[r])]
+        pids = self._job.local_pids
+        return [r for r in ranks
+                if self._world_ranks[r] in pids and not _alive(pids[self._world_ranks[r]])]
 
-    def gone_message(self, what: Any, dead: list[int]) -> str:
-        pids = ", ".join(f"rank {r} (pid {self.local_pids[r]})" for r in dead)
-        return (f"{_describe(what)} cannot complete on rank {self.rank}: the process of {pids} "
-                "has exited. Look at that rank's output for why it stopped")
+    def gone_message(self, what, dead):
+        pids = self._job.local_pids
+        who = ", ".join(f"rank {self._world_ranks[r]} (pid {pids[self._world_ranks[r]]})"
+                        for r in dead)
+        return (f"{describe(what)} cannot complete on rank {self._world_ranks[self.rank]}: "
+                f"the process of {who} has exited. Look at that rank's output for why it "
+                "stopped")
 
-    # ------------------------------------------------------------------ waits
-    def timeout_message(self, what: Any, peers: list[int] | None = None) -> str:
-        who = f"peers {peers}" if peers is not None else f"ranks 0..{self.size - 1}"
-        return (f"{_describe(what)} did not complete within {self.timeout:g} s on rank {self.rank} (waiting for {who}); a rank has "
-                "probably died or is running a different program. Check the other ranks' "
-                "output; raise the limit with timeout= or NGDIST_TIMEOUT")
-
-    def wait(self, request: Any, what: Any, peers: list[int] | None = None) -> None:
-        """Wait for an MPI request, bounded by the timeout.
-
-        Default ("watchdog"): a blocking MPI Wait (MPI's own progress engine, much faster than
-        polling) while a watchdog thread watches the deadline; past it, the watchdog prints the
-        CommTimeoutError message and aborts the MPI job, since a blocked MPI call cannot be
-        interrupted. With NGDIST_WAIT=poll the request is polled instead and CommTimeoutError is
-        raised in this thread (slower for large messages).
-        """
-        if request.Test():
-            return
-        if WAIT_MODE == "poll":
-            self._poll(request, what, peers)
-            return
-        token = self._watchdog.arm(self, what, peers)
-        try:
-            request.Wait()
-        finally:
-            self._watchdog.disarm(token)
-
-    def _poll(self, request: Any, what: Any, peers: list[int] | None) -> None:
-        start = time.monotonic()
-        deadline = start + self.timeout
-        spin_until = start + 0.002
-        next_check, dead_since = start + DEAD_CHECK_AFTER_S, None
-        while not request.Test():
-            now = time.monotonic()
-            if now > deadline:
-                raise CommTimeoutError(self.timeout_message(what, peers))
-            if now > next_check:
-                next_check = now + 0.5
-                dead = self.gone(peers)
-                dead_since = (dead_since or now) if dead else None
-                if dead and now - dead_since >= DEAD_GRACE_S:
-                    raise CommError(self.gone_message(what, dead))
-            time.sleep(0 if now < spin_until else 0.0002)
-
-    # ------------------------------------------------------------------ start-up checks
-    def check_same(self, payload: bytes, what: str) -> None:
-        """Every rank must hold the same ``payload`` (compared by SHA-256), else CommError."""
-        if self.world is None:
-            return
-        digest = np.frombuffer(hashlib.sha256(payload).digest(), dtype=np.uint8).copy()
-        table = np.empty((self.size, digest.size), np.uint8)
-        self.wait(self.world.Iallgather(digest, table), f"start-up check of the {what}")
-        differ = [r for r in range(self.size) if not np.array_equal(table[r], table[0])]
-        if differ:
-            raise CommError(
-                f"ranks {differ} hold a different {what} than rank 0 (sha256 "
-                f"{table[0].tobytes().hex()[:12]} on rank 0, {table[differ[0]].tobytes().hex()[:12]}"
-                f" on rank {differ[0]}); start every rank with the same model and options")
-
-    def broadcast_(self, arrays: list[np.ndarray], root: int = 0,
-                   what: str = "initial broadcast of parameters") -> None:
-        """In-place broadcast of every array from ``root`` (one message per dtype)."""
-        if self.world is None or not arrays:
-            return
-        by_dtype: dict[np.dtype, list[np.ndarray]] = {}
-        for a in arrays:
-            by_dtype.setdefault(a.dtype, []).append(a)
-        for dtype, group in by_dtype.items():
-            buf = np.concatenate([a.reshape(-1) for a in group])
-            self.wait(self.world.Ibcast(buf, root=root), what)
-            if self.rank == root:
-                continue
-            offset = 0
-            for a in group:
-                a.reshape(-1)[...] = buf[offset:offset + a.size]
-                offset += a.size
-
-    def barrier(self) -> None:
-        if self.world is not None:
-            self.wait(self.world.Ibarrier(), "barrier")
-
-
-def _describe(what: Any) -> str:
-    """``ngdist.AllReduce 'name'`` for a comm node, ``'label'`` for anything else."""
-    op = getattr(what, "op_type", "")
-    return f"{('ngdist.' + op + ' ') if op else ''}'{getattr(what, 'name', str(what))}'"
+    def abort(self, message, code=1):
+        abort_job(self._job.world, message, code)
 
 
 def _process_space() -> bytes:
@@ -231,63 +273,6 @@ def abort_job(world: Any, message: str, code: int = 1, drain_s: float = 3.0) -> 
         time.sleep(0.01)
     time.sleep(0.05)
     world.Abort(code)
-
-
-class _Watchdog:
-    """One daemon thread that aborts the MPI job when an armed wait passes its deadline."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, Communicator, Any, list[int] | None, float]] = {}
-        self._next = 0
-        self._thread: threading.Thread | None = None
-
-    def arm(self, comm: Communicator, what: Any, peers: list[int] | None) -> int:
-        with self._lock:
-            self._next += 1
-            now = time.monotonic()
-            self._armed[self._next] = (now + comm.timeout, comm, what, peers, now)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ngdist-watchdog",
-                                                daemon=True)
-                self._thread.start()
-            return self._next
-
-    def disarm(self, token: int) -> None:
-        with self._lock:
-            self._armed.pop(token, None)
-
-    def _run(self) -> None:  # pragma: no cover - exercised in multi-rank tests
-        next_check = 0.0
-        gone_since: dict[int, float] = {}  # token -> when a peer of that wait was seen gone
-        while True:
-            time.sleep(0.05)
-            now = time.monotonic()
-            with self._lock:
-                armed = dict(self._armed)
-            expired = next((v for v in armed.values() if v[0] < now), None)
-            if expired is not None:  # aborts the job: this thread goes no further
-                _, comm, what, peers, _ = expired
-                _abort(comm, "CommTimeoutError", comm.timeout_message(what, peers))
-            if now < next_check:
-                continue
-            next_check = now + 0.5
-            for token in set(gone_since) - set(armed):
-                del gone_since[token]
-            for token, (_, comm, what, peers, start) in armed.items():
-                dead = comm.gone(peers) if now - start >= DEAD_CHECK_AFTER_S else []
-                if not dead:
-                    gone_since.pop(token, None)
-                    continue
-                with self._lock:
-                    pending = token in self._armed  # not completed meanwhile
-                if pending and now - gone_since.setdefault(token, now) >= DEAD_GRACE_S:
-                    _abort(comm, "CommError", comm.gone_message(what, dead))
-
-
-def _abort(comm: Communicator, kind: str, message: str) -> None:
-    abort_job(comm.world, f"ngdist: error on rank {comm.rank}: {kind}: {message}\n"
-                          f"ngdist: rank {comm.rank} aborts the MPI job\n")
 
 
 _hook_lock = threading.Lock()

@@ -38,13 +38,13 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 from onnx import defs, helper, version_converter
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
 from ngdist.errors import GraphError, InputError
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION, StepMeta, set_meta
+from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def ort_max_opset() -> int:
                               [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])]),
             opset_imports=[helper.make_opsetid("", version)], ir_version=IR_VERSION)
         try:
-            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            make_session(model)
         except Exception:  # noqa: BLE001 - any refusal means "too new"
             continue
         return version
@@ -230,12 +230,10 @@ class InferenceRep(BackendRep):
     def __init__(self, model: onnx.ModelProto, providers: list[str] | None = None,
                  intra_op_threads: int | None = None) -> None:
         self.model = model
-        options = ort.SessionOptions()
-        options.log_severity_level = 3  # errors only: opset warnings would drown the output
-        if intra_op_threads:
-            options.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(model.SerializeToString(), options,
-                                            providers=providers or ["CPUExecutionProvider"])
+        if providers not in (None, ["CPUExecutionProvider"]):
+            raise GraphError(f"ngdist.backend runs on the CPU; providers={providers} is not "
+                             "supported")
+        self.session = make_session(model, intra_op_threads=intra_op_threads)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 

@@ -34,7 +34,8 @@ Without parameter servers the distributed types are collective: every worker iss
 ``init``/``push``/``pull`` calls in the same order (a data-parallel loop does). ``init`` checks
 that all workers name the same key with the same shape, so a mismatch is an error, not a hang;
 every wait is bounded by the communicator's timeout (``create(..., timeout=)``/NGDIST_TIMEOUT).
-Only mpi4py's buffer API is used (``Ireduce``/``Iallreduce``/``Ibcast`` on numpy arrays).
+Every message goes through the job's ProcessGroup (comm/group.py: reduce, allreduce, broadcast
+on numpy arrays), and the pushsum type through the PushSum kernel.
 
 The optimizers are ngdist's (``ngdist.optim.SGD``/``Adam``/``Adagrad`` or "sgd:lr=0.1"): the
 update is the ONNX ``Momentum``/``Adam``/``Adagrad`` op lowered by ngdist's own pass and run by
@@ -47,7 +48,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnxruntime as ort
@@ -56,8 +57,10 @@ from onnx import TensorProto, helper
 from ngdist import optim
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.comm.mpi import Communicator
-from ngdist.runtime.executor import session_options
+from ngdist.passes.options import TypedOptions, refuse_unknown
+from ngdist.comm import world_group
+from ngdist.kernels import CommNode, get_kernel
+from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +76,20 @@ class KVStoreError(NgdistError):
     """A key-value store call that cannot be honoured (unknown key, double init, bad shape)."""
 
 
-def create(name: str = "local", timeout: float | None = None) -> KVStore:
-    """A key-value store of type ``local``, ``dist_sync``, ``dist_allreduce`` or ``pushsum``."""
+@dataclass(frozen=True)
+class _CreateOptions(TypedOptions):
+    """The options of ``create``, typed."""
+
+    owner: ClassVar[str] = "ngdist.kvstore.create"
+    name: str = "local"
+    timeout: float | None = None
+
+
+def create(name: str = "local", timeout: float | None = None, **unknown: Any) -> KVStore:
+    """A key-value store of type ``local``, ``dist_sync``, ``dist_allreduce`` or ``pushsum``;
+    ``timeout``: seconds before a stuck message fails. Any other keyword is an OptionError."""
+    refuse_unknown(unknown, "ngdist.kvstore.create", ("name", "timeout"))
+    _CreateOptions(name=name, timeout=timeout)  # types
     if name not in TYPES:
         raise KVStoreError(f"unknown kvstore type {name!r}; choose one of {list(TYPES)}")
     return KVStore(name, timeout)
@@ -114,9 +129,7 @@ class OnnxUpdater:
                 [vi(o, elem, None) for o in node.output])
             model = helper.make_model(graph, opset_imports=[
                 helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
-            self._sessions[dtype] = ort.InferenceSession(
-                lower_training_ops(model).SerializeToString(), session_options(),
-                providers=["CPUExecutionProvider"])
+            self._sessions[dtype] = make_session(lower_training_ops(model))
         return self._sessions[dtype]
 
     def __call__(self, key: Key, grad: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -153,8 +166,8 @@ class KVStore:
 
     def __init__(self, kind: str, timeout: float | None = None) -> None:
         self.type = kind
-        self.comm = Communicator(timeout=timeout)
-        self._distributed = kind != "local" and self.comm.world is not None
+        self.comm = world_group(timeout)
+        self._distributed = kind != "local" and self.comm.size > 1
         self._entries: dict[Key, _Entry] = {}
         self._updater: Updater | None = None
         self.optimizer: optim.Optimizer | None = None
@@ -171,7 +184,7 @@ class KVStore:
     def barrier(self) -> None:
         """Blocks until every worker has reached it (bounded by the timeout)."""
         if self._distributed:
-            self.comm.barrier()
+            self.comm.barrier("kvstore barrier").wait()
 
     # ------------------------------------------------------------------ API
     def init(self, key: Key | Sequence[Key], value: Any) -> None:
@@ -187,12 +200,10 @@ class KVStore:
             if self._distributed:
                 self.comm.check_same(f"{k!r}:{arr.shape}:{arr.dtype}".encode(),
                                      f"kvstore key {k!r} (name, shape, dtype) in init")
-                self.comm.broadcast_([arr], root=0)
+                self.comm.broadcast_arrays([arr], root=0, what=f"kvstore init of key {k!r}")
             entry = _Entry(arr, owner=len(self._entries) % max(1, self.num_workers))
             if self.type == "pushsum":
                 entry.ps_weight = np.ones((), arr.dtype)
-                from ngdist.kernels import CommNode
-
                 entry.gossip = CommNode("PushSum", f"kvstore/{k}", {
                     "graph": "exponential", "peers_per_itr": 1, "overlap": 0, "synch_freq": 0})
             self._entries[k] = entry
@@ -204,22 +215,18 @@ class KVStore:
             merged = _merge(k, values, entry.value)
             if self.type == "dist_sync" and self._distributed:
                 total = np.empty_like(merged) if self.rank == entry.owner else None
-                self.comm.wait(self.comm.world.Ireduce(merged, total, root=entry.owner),
-                               f"kvstore push of key {k!r} (Reduce to rank {entry.owner})")
+                self.comm.reduce(merged, total, entry.owner,
+                                 f"kvstore push of key {k!r} (Reduce to rank {entry.owner})"
+                                 ).wait()
                 if self.rank == entry.owner:
                     entry.value = self._apply(k, total, entry.value)
                 entry.stale = True
                 continue
             if self.type == "dist_allreduce" and self._distributed:
-                total = np.empty_like(merged)
-                self.comm.wait(self.comm.world.Iallreduce(merged, total),
-                               f"kvstore push of key {k!r} (Allreduce)")
-                merged = total
+                self.comm.allreduce(merged, f"kvstore push of key {k!r} (Allreduce)").wait()
             entry.value = self._apply(k, merged, entry.value)
             if self.type == "pushsum":
-                from ngdist.kernels import get_kernel
-
-                x, w = get_kernel("PushSum", self.comm.backend)(
+                x, w = get_kernel("PushSum")(
                     self.comm, entry.gossip, [entry.value, entry.ps_weight])
                 entry.value, entry.ps_weight = np.array(x), np.array(w)
 
@@ -299,8 +306,9 @@ class KVStore:
         if self.type == "pushsum":
             return entry.value / entry.ps_weight
         if entry.stale:
-            self.comm.wait(self.comm.world.Ibcast(entry.value, root=entry.owner),
-                           f"kvstore pull of key {key!r} (Bcast from rank {entry.owner})")
+            self.comm.broadcast(entry.value, entry.owner,
+                                f"kvstore pull of key {key!r} (Bcast from rank {entry.owner})"
+                                ).wait()
             entry.stale = False
         return entry.value
 

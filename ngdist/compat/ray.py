@@ -34,6 +34,7 @@ launching it with ``ngdist run -n N [--servers K] -- python train.py``, and:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -50,8 +51,9 @@ from ngdist import api, optim
 from ngdist.errors import CommError, NgdistError
 from ngdist.ir.model import load_proto, save_proto
 from ngdist.kernels.ps import STEP, resolve_servers
+from ngdist.passes.options import refuse_unknown, strategy_options
 from ngdist.runtime import ps_server
-from ngdist.comm.mpi import world_rank_size
+from ngdist.comm import world_rank_size
 from ngdist.runtime.trainer import StepStats, Trainer
 
 logger = logging.getLogger(__name__)
@@ -117,20 +119,30 @@ class DistributedSGD:
     servers; ``servers`` dedicated ranks or co-located), ``simple`` (gradients averaged at
     rank 0) or ``allreduce`` (with ``all_reduce_alg``); ``grad_shard_bytes`` bounds a ps
     shard. ``gpu=True`` runs the replicas on onnxruntime's CUDA provider. ``micro_batch``:
-    reproducible mode of ``allreduce`` (micro-batches of that many samples, exact sums)."""
+    reproducible mode of ``allreduce`` (micro-batches of that many samples, exact sums).
+    A strategy option left at None takes the strategy's default; one the strategy does not
+    take (``all_reduce_alg`` with ``ps``) or an unknown keyword is an OptionError."""
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
                  devices_per_worker: int = 1, gpu: bool = False, strategy: str = "ps",
-                 grad_shard_bytes: int = 10_000_000, all_reduce_alg: str = "mpi", *,
-                 servers: int | None = None, bucket_bytes: int = 25 << 20,
+                 grad_shard_bytes: int | None = None, all_reduce_alg: str | None = None, *,
+                 servers: int | None = None, bucket_bytes: int | None = None,
                  timeout: float | None = None, intra_op_threads: int | None = None,
-                 micro_batch: int | None = None) -> None:
+                 micro_batch: int | None = None, **unknown: Any) -> None:
+        refuse_unknown(unknown, "ngdist.DistributedSGD", _PARAMETERS)
         if strategy not in STRATEGIES:
             raise NgdistError(f"DistributedSGD strategy must be one of {list(STRATEGIES)}, "
                               f"not {strategy!r}")
         if micro_batch and strategy != "allreduce":
             raise NgdistError(f"micro_batch (reproducible mode) needs strategy='allreduce', "
                               f"not {strategy!r}")
+        # the strategy's options, as given (None: the strategy's default); one that the
+        # strategy does not take is refused before any model is built
+        options: dict[str, Any] = {k: v for k, v in (
+            ("grad_shard_bytes", grad_shard_bytes), ("all_reduce_alg", all_reduce_alg),
+            ("servers", servers), ("bucket_bytes", bucket_bytes),
+            ("reproducible_micro_batch", micro_batch or None)) if v is not None}
+        strategy_options(strategy, options)
         if devices_per_worker < 1:
             raise NgdistError(f"devices_per_worker must be >= 1, got {devices_per_worker}")
         rank, size = world_rank_size()
@@ -142,13 +154,7 @@ class DistributedSGD:
                               f"launch it with `{launch} -- python SCRIPT`")
         self.strategy, self.num_workers, self.rank = strategy, num_workers, rank
         self.is_server = is_server = rank >= num_workers
-        providers = None
-        if gpu:
-            import onnxruntime as ort
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise NgdistError("gpu=True, but onnxruntime has no CUDA provider here")
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        self._comm = self._private_comm(size)  # loss mean, barrier, restore broadcast
+        device = "cuda" if gpu else "cpu"
         self.models = [model_creator(0 if is_server else rank, d)
                        for d in range(1 if is_server else devices_per_worker)]
         bad = [type(m).__name__ for m in self.models if not isinstance(m, Model)]
@@ -159,37 +165,25 @@ class DistributedSGD:
         self.training_model = api.to_training_model(
             m0.model, loss=m0.loss, labels=m0.labels, optimizer=m0.optimizer, params=m0.params,
             frozen=m0.frozen, output=m0.output)
-        options: dict[str, Any] = {"all_reduce_alg": all_reduce_alg}
-        if micro_batch:
-            options["reproducible_micro_batch"] = micro_batch
-        if strategy == "ps":
-            options.update(grad_shard_bytes=grad_shard_bytes, servers=servers or 0)
-        self.trainer = api.compile(self.training_model, strategy=strategy,
-                                   bucket_bytes=bucket_bytes, timeout=timeout,
-                                   intra_op_threads=intra_op_threads, providers=providers,
+        self.trainer = api.compile(self.training_model, strategy=strategy, timeout=timeout,
+                                   intra_op_threads=intra_op_threads, device=device,
                                    devices_per_worker=devices_per_worker, ps_serve=False,
                                    **options)
+        # loss mean, barrier, restore broadcast: messages of their own
+        self._group = self.trainer.group.dup("DistributedSGD set-up")
         for m in self.models:
             m._sgd = self
         self.worker = Worker(rank, self.trainer, self.models)
-
-    @staticmethod
-    def _private_comm(size: int) -> Any:
-        if size == 1:
-            return None
-        from mpi4py import MPI
-
-        return MPI.COMM_WORLD.Dup()
 
     # ------------------------------------------------------------------ training
     def step(self, fetch_stats: bool = False) -> StepStats | None:
         """One synchronous SGD step on every worker, each replica on its model's next batch
         (on a dedicated server rank: serve that step)."""
         if self.is_server:
-            sent0, t0 = self.trainer.comm.bytes_sent, time.perf_counter()
+            sent0, t0 = self.trainer.group.bytes_sent, time.perf_counter()
             ps_server.serve_round(self.trainer, expect=STEP)
             dt = time.perf_counter() - t0
-            stats = StepStats(0.0, dt, 0.0, dt, 0.0, 0, self.trainer.comm.bytes_sent - sent0)
+            stats = StepStats(0.0, dt, 0.0, dt, 0.0, 0, self.trainer.group.bytes_sent - sent0)
         else:
             feeds = [m.get_feed_dict() for m in self.models]
             batch = feeds[0] if len(feeds) == 1 else \
@@ -200,11 +194,7 @@ class DistributedSGD:
         if self.trainer.micro_batch:  # reproducible mode: the loss is the global batch's
             return stats
         loss = np.array([stats.loss], np.float64)  # a server adds 0
-        if self._comm is not None:
-            from mpi4py import MPI
-
-            req = self._comm.Iallreduce(MPI.IN_PLACE, loss, op=MPI.SUM)
-            self.trainer.comm.wait(req, "the mean loss over the workers (fetch_stats)")
+        self._group.allreduce(loss, "the mean loss over the workers (fetch_stats)").wait()
         return dataclasses.replace(stats, loss=float(loss[0]) / self.num_workers)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list[Any]:
@@ -225,8 +215,7 @@ class DistributedSGD:
         return p if p.suffix == ".onnx" else p / CHECKPOINT_NAME
 
     def _barrier(self, what: str) -> None:
-        if self._comm is not None:
-            self.trainer.comm.wait(self._comm.Ibarrier(), what)
+        self._group.barrier(what).wait()
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Collective: parameters, optimizer state, step count and learning rate, as an ONNX
@@ -253,14 +242,13 @@ class DistributedSGD:
         else:
             values = {n: np.empty_like(v) for n, v in wanted.items()}
         self._broadcast_error(error)
-        self.trainer.comm.broadcast_([values[n] for n in sorted(values)],
-                                     what=f"restore_checkpoint({file})")
+        self.trainer.group.broadcast_arrays([values[n] for n in sorted(values)],
+                                            what=f"restore_checkpoint({file})")
         self.trainer.load_state_dict(values)
         ps_server.load_state(self.trainer, with_state=True)
 
     def _broadcast(self, arr: np.ndarray, what: str) -> None:
-        if self._comm is not None:
-            self.trainer.comm.wait(self._comm.Ibcast(arr, root=0), what, peers=[0])
+        self._group.broadcast(arr, 0, what).wait()
 
     def _broadcast_error(self, error: bytes) -> None:
         """Rank 0's error (if any) raised on every worker, so that no rank waits forever."""
@@ -279,9 +267,11 @@ class DistributedSGD:
     def close(self) -> None:
         """Ends the session (collective; on a server rank, serves the workers' last round)."""
         self.trainer.close()
-        if self._comm is not None:
-            self._comm.Free()
-            self._comm = None
+
+
+# the keywords DistributedSGD takes, for the "did you mean" of a misspelt one
+_PARAMETERS = [p for p in inspect.signature(DistributedSGD.__init__).parameters
+               if p not in ("self", "unknown")]
 
 
 def _initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:

@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper, numpy_helper
+
+from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,8 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     probe = copy.deepcopy(model)
     del probe.graph.output[:]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in candidates)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        sess = ort.InferenceSession(probe.SerializeToString(), opts,
-                                    providers=["CPUExecutionProvider"])
+        sess = make_session(probe, optimize=False)
         runs = [sess.run(candidates, dict(f)) for f in feeds]
     except Exception as exc:  # folding is an optimisation; the graph stays as exported
         logger.warning("shape folding skipped: %s", exc)

@@ -29,10 +29,9 @@ import itertools
 import logging
 import os
 import re
-import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -40,9 +39,7 @@ from onnx import numpy_helper
 
 from ngdist import optim
 from ngdist.errors import GraphError
-
-if TYPE_CHECKING:
-    from ngdist.runtime.trainer import Trainer
+from ngdist.ir.writeback import WriteBack
 
 logger = logging.getLogger(__name__)
 
@@ -373,9 +370,9 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
 
 # --------------------------------------------------------------------------- write-back
 
-def to_keras(trainer: Trainer, model: Any, exp: KerasExport) -> Any:
-    """Assigns the trainer's values to the Keras variables they came from."""
-    values = trainer.state_dict()
+def to_keras(values: Mapping[str, np.ndarray], model: Any, exp: KerasExport) -> Any:
+    """Assigns trained ``values`` (a trainer's state_dict) to the Keras variables they came
+    from, undoing the export's transposes and reshapes."""
     variables = {v.path: v for v in model.variables}
     for name, link in exp.links.items():
         if name in values and link.path in variables:
@@ -384,23 +381,22 @@ def to_keras(trainer: Trainer, model: Any, exp: KerasExport) -> Any:
     return model
 
 
-def compile(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET,  # noqa: A001
-            labels: str = "y", optimizer: Any = _UNSET,
-            input_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None,
-            **trainer_options: Any) -> Trainer:
-    """Export a Keras model, build its training model and return a trainer.
+def build(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET, labels: str = "y",
+          optimizer: Any = _UNSET, input_names: Sequence[str] | None = None,
+          output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None
+          ) -> tuple[onnx.ModelProto, WriteBack]:
+    """Export a Keras model: its training model and the write-back ``trainer.to_keras`` calls.
 
-    The trainer gains ``to_keras(model=None)``, which writes the trained weights back.
+    ``to_keras(model=None)`` writes the trained weights back (into ``model``, by default the
+    one compiled). ``output_names`` is for torch modules; a Keras model names its outputs.
     """
-    from ngdist import api
-
+    if output_names is not None:
+        raise GraphError("output_names= is for torch modules; tf2onnx names a Keras model's "
+                         "outputs itself")
     proto, exp = training_model(model, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names, frozen=frozen)
-    trainer = api.compile(proto, **trainer_options)
 
-    def _write_back(self: Trainer, target: Any = None) -> Any:
-        return to_keras(self, model if target is None else target, exp)
+    def write(values: Mapping[str, np.ndarray], steps_done: int, /, target: Any = None) -> Any:
+        return to_keras(values, model if target is None else target, exp)
 
-    trainer.to_keras = types.MethodType(_write_back, trainer)  # type: ignore[attr-defined]
-    trainer.keras_export = exp  # type: ignore[attr-defined]
-    return trainer
+    return proto, WriteBack("keras", write, exp)

@@ -34,9 +34,8 @@ import copy
 import inspect
 import io
 import logging
-import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +46,10 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
+from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
     import torch
-
-    from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -352,11 +350,11 @@ def _use_eval_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
 
 # --------------------------------------------------------------------------- write-back
 
-def to_torch(trainer: Trainer, module: Any, exp: TorchExport, optimizer: Any = None,
-             batches_tracked: dict[str, int] | None = None) -> Any:
-    """Copies the trainer's parameters and buffers (and optimizer state) into ``module``."""
+def to_torch(values: Mapping[str, np.ndarray], steps_done: int, module: Any, exp: TorchExport,
+             optimizer: Any = None, batches_tracked: dict[str, int] | None = None) -> Any:
+    """Copies trained ``values`` (a trainer's state_dict) into ``module``'s parameters and
+    buffers, and into the torch ``optimizer``'s state when given."""
     torch = _torch()
-    values = trainer.state_dict()
     target = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for onnx_name, name in {**exp.params, **exp.buffers}.items():
@@ -364,17 +362,17 @@ def to_torch(trainer: Trainer, module: Any, exp: TorchExport, optimizer: Any = N
                 t = target[name]
                 t.copy_(torch.from_numpy(np.ascontiguousarray(values[onnx_name])).to(t.dtype))
         for name, base in (batches_tracked or {}).items():
-            target[name].fill_(base + trainer.steps_done)
+            target[name].fill_(base + steps_done)
     if optimizer is not None:
-        _write_optimizer_state(trainer, module, exp, optimizer, values)
+        _write_optimizer_state(values, steps_done, module, exp, optimizer)
     return module
 
 
-def _write_optimizer_state(trainer: Trainer, module: Any, exp: TorchExport, opt: Any,
-                           values: dict[str, np.ndarray]) -> None:
+def _write_optimizer_state(values: Mapping[str, np.ndarray], steps_done: int, module: Any,
+                           exp: TorchExport, opt: Any) -> None:
     torch = _torch()
     named = dict(module.named_parameters())
-    steps = int(values.get("ngdist.step", trainer.steps_done))
+    steps = int(values.get("ngdist.step", steps_done))
     for onnx_name, name in exp.params.items():
         p = named.get(name)
         if p is None:
@@ -389,30 +387,27 @@ def _write_optimizer_state(trainer: Trainer, module: Any, exp: TorchExport, opt:
             state["exp_avg_sq"] = torch.from_numpy(values[f"{onnx_name}.adam_v"].copy())
 
 
-def compile(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",  # noqa: A001
-            labels: str = "y", optimizer: Any = _UNSET, input_names: Sequence[str] | None = None,
-            output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None,
-            **trainer_options: Any) -> Trainer:
-    """Export ``module``, build its training model and return a trainer.
+def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",
+          labels: str = "y", optimizer: Any = _UNSET, input_names: Sequence[str] | None = None,
+          output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None
+          ) -> tuple[onnx.ModelProto, WriteBack]:
+    """Export ``module``: its training model and the write-back ``trainer.to_torch`` calls.
 
-    The trainer gains ``to_torch(module=None, optimizer=None)``: it writes the trained
-    parameters and BatchNorm buffers (and, given the torch optimizer, its state) back.
+    ``to_torch(module=None, optimizer=...)`` writes the trained parameters and BatchNorm
+    buffers (and, given a torch optimizer, its state; by default the one compiled with) back.
     """
-    from ngdist import api
-
     model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names,
                                 output_names=output_names, frozen=frozen)
-    trainer = api.compile(model, **trainer_options)
     tracked = {k: int(v) for k, v in module.state_dict().items()
                if k.endswith("num_batches_tracked")}
     native = optimizer is _UNSET or optimizer is None or \
         isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad))
     default_opt = None if native else optimizer
 
-    def _write_back(self: Trainer, target: Any = None, optimizer: Any = default_opt) -> Any:
-        return to_torch(self, module if target is None else target, exp, optimizer, tracked)
+    def write(values: Mapping[str, np.ndarray], steps_done: int, /, target: Any = None,
+              optimizer: Any = default_opt) -> Any:
+        return to_torch(values, steps_done, module if target is None else target, exp,
+                        optimizer, tracked)
 
-    trainer.to_torch = types.MethodType(_write_back, trainer)  # type: ignore[attr-defined]
-    trainer.torch_export = exp  # type: ignore[attr-defined]
-    return trainer
+    return model, WriteBack("torch", write, exp)

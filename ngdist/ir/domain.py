@@ -16,11 +16,15 @@ from onnx import defs
 logger = logging.getLogger(__name__)
 
 DOMAIN = "ngdist"
-# values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/mpi.py, allreduce_algs.py,
-# exact.py)
+# values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/collectives.py,
+# allreduce_algs.py, exact.py)
 ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical", "exact")
 DOMAIN_VERSION = 1
 PREVIEW_TRAINING = "ai.onnx.preview.training"
+# A hyper-parameter the runtime sets to 1 / (ranks that train): the loss is scaled by it before
+# differentiation, so that summing the gradients over the ranks gives their mean with no
+# division pass over the buffers (passes/gradscale.py). Saved files hold 1.
+GRAD_SCALE = "ngdist.grad_scale"
 
 
 @dataclass(frozen=True)

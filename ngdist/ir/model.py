@@ -62,6 +62,28 @@ def get_meta(model: ir.Model) -> StepMeta:
                          "ngdist.ir.model.split_training_model") from None
 
 
+def debias_map(step: ir.Model) -> dict[str, str]:
+    """parameter -> push-sum weight, read from the ``ngdist.PushSum`` nodes of a step graph.
+
+    A PushSum node's outputs are the mixed parameters then the mixed weight; the names bound to
+    them are the parameters and the weight. Empty for graphs without PushSum.
+    """
+    meta = get_meta(step)
+    bound_by_output = {out: name for name, out in meta.binding.items()}
+    table: dict[str, str] = {}
+    for node in step.graph:
+        if node.domain != DOMAIN or node.op_type != "PushSum":
+            continue
+        names = [bound_by_output.get(o.name) for o in node.outputs]
+        if None in names:
+            raise GraphError(f"ngdist.PushSum '{node.name}': outputs {[o.name for o in node.outputs]}"
+                             " are not all bound to updatable values")
+        weight = names[-1]
+        table.update({p: weight for p in names[:-1]})
+    return table
+
+
+
 def set_meta(model: ir.Model, meta: StepMeta) -> None:
     props = model.graph.metadata_props
     props["ngdist.roles"] = json.dumps(meta.roles)

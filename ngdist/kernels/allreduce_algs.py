@@ -18,15 +18,14 @@ pairwise add, and then copied); the ``mpi`` AllReduce kernel divides by the size
   allreduce. ``NGDIST_RANKS_PER_HOST=k`` groups consecutive ranks by ``k`` instead, to
   exercise the cross-host path on one machine.
 
-Every algorithm runs on its own duplicate of COMM_WORLD (created on first use, the same point
+Every algorithm runs on its own duplicate of the group (created on first use, the same point
 of the program on every rank), so its messages never match another kernel's, and every wait
-goes through ``comm.wait(request, node, peers=[...])``.
+is a Work of that group, bounded by its timeout and naming the peer it waits for.
 """
 from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,25 +33,15 @@ import numpy as np
 
 from ngdist.errors import CommError
 from ngdist.ir.domain import ALLREDUCE_ALGORITHMS
+from ngdist.kernels.base import private_group
 
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # ring: largest single message; smaller chunks pipeline the adds
 _TAG = 7
 
-_COMMS: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
-
-
-def private_comm(comm: Any, key: Any, make: Callable[[Any], Any]) -> Any:
-    """A communicator derived from ``comm.world`` by ``make`` (collective), cached per key."""
-    cache = _COMMS.setdefault(comm, {})
-    if key not in cache:
-        cache[key] = make(comm.world)
-    return cache[key]
-
-
-def _dup(comm: Any) -> Any:
-    return private_comm(comm, "dup", lambda w: w.Dup())
+def _dup(group: Any) -> Any:
+    return private_group(group, "dup", lambda g: g.dup("allreduce algorithm set-up"))
 
 
 def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -84,17 +73,18 @@ def ring(comm: Any, node: Any, buf: np.ndarray) -> int:
                 send_i, recv_i = (r + 1 - s) % p, (r - s) % p
             (slo, shi), (rlo, rhi) = seg[send_i], seg[recv_i]
             into = tmp if phase == "reduce-scatter" else buf[rlo:rhi]
-            recvs = [(a - rlo, b - rlo, world.Irecv(into[a - rlo:b - rlo], source=left, tag=_TAG))
+            recvs = [(a - rlo, b - rlo,
+                      world.exchange([], [(into[a - rlo:b - rlo], left)], _TAG, node))
                      for a, b in _chunks(rlo, rhi, step)]
-            sends = [world.Isend(buf[a:b], dest=right, tag=_TAG)
+            sends = [world.exchange([(buf[a:b], right)], [], _TAG, node)
                      for a, b in _chunks(slo, shi, step)]
-            for a, b, req in recvs:
-                comm.wait(req, node, peers=[left])
+            for a, b, work in recvs:
+                work.wait()
                 if phase == "reduce-scatter":
                     part = buf[rlo + a:rlo + b]
                     np.add(part, tmp[a:b], out=part)
-            for req in sends:
-                comm.wait(req, node, peers=[right])
+            for work in sends:
+                work.wait()
             sent += (shi - slo) * buf.itemsize
     return sent
 
@@ -113,11 +103,11 @@ def recursive_doubling(comm: Any, node: Any, buf: np.ndarray) -> int:
     sent = 0
     if r < 2 * rem:  # fold the extra ranks into their odd neighbours
         if r % 2 == 0:
-            comm.wait(world.Isend(buf, dest=r + 1, tag=_TAG), node, peers=[r + 1])
+            world.exchange([(buf, r + 1)], [], _TAG, node).wait()
             sent += buf.nbytes
-            comm.wait(world.Irecv(buf, source=r + 1, tag=_TAG), node, peers=[r + 1])
+            world.exchange([], [(buf, r + 1)], _TAG, node).wait()
             return sent
-        comm.wait(world.Irecv(tmp, source=r - 1, tag=_TAG), node, peers=[r - 1])
+        world.exchange([], [(tmp, r - 1)], _TAG, node).wait()
         np.add(tmp, buf, out=buf)
         new = r // 2
     else:
@@ -126,71 +116,43 @@ def recursive_doubling(comm: Any, node: Any, buf: np.ndarray) -> int:
     while mask < p2:
         peer_new = new ^ mask
         peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
-        rreq = world.Irecv(tmp, source=peer, tag=_TAG)
-        sreq = world.Isend(buf, dest=peer, tag=_TAG)
-        comm.wait(rreq, node, peers=[peer])
-        comm.wait(sreq, node, peers=[peer])
+        world.exchange([(buf, peer)], [(tmp, peer)], _TAG, node).wait()
         sent += buf.nbytes
         np.add(buf, tmp, out=buf)  # a + b == b + a exactly: both partners hold the same sum
         mask <<= 1
     if r < 2 * rem:  # hand the result back to the even neighbour that sat out
-        comm.wait(world.Isend(buf, dest=r - 1, tag=_TAG), node, peers=[r - 1])
+        world.exchange([(buf, r - 1)], [], _TAG, node).wait()
         sent += buf.nbytes
     return sent
 
 
 # --------------------------------------------------------------------------- hierarchical
 
-def _host_comms(comm: Any) -> tuple[Any, Any | None, list[int], list[int]]:
-    """(host communicator, leaders communicator or None, world ranks of this host, of leaders)."""
-    from mpi4py import MPI
-
+def _host_groups(group: Any) -> tuple[Any, Any | None]:
+    """(this host's ranks, the host leaders or None), created once per group."""
     per_host = int(os.environ.get("NGDIST_RANKS_PER_HOST", "0") or 0)
-
-    def make(world: Any) -> tuple[Any, Any | None, list[int], list[int]]:
-        rank = world.Get_rank()
-        if per_host > 0:
-            local = world.Split(rank // per_host, rank)
-        else:
-            local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        is_leader = local.Get_rank() == 0
-        leaders = world.Split(0 if is_leader else MPI.UNDEFINED, rank)
-        if leaders == MPI.COMM_NULL:
-            leaders = None
-        wg = world.Get_group()
-        host = list(local.Get_group().Translate_ranks(list(range(local.Get_size())), wg))
-        lead = [] if leaders is None else list(
-            leaders.Get_group().Translate_ranks(list(range(leaders.Get_size())), wg))
-        return local, leaders, host, lead
-
-    return private_comm(comm, ("hierarchical", per_host), make)
+    return private_group(group, ("hierarchical", per_host),
+                         lambda g: g.host_groups("hierarchical allreduce set-up", per_host))
 
 
 def hierarchical(comm: Any, node: Any, buf: np.ndarray) -> int:
     """Reduce to the host leader, allreduce among leaders, broadcast within the host."""
-    from mpi4py import MPI
-
     if comm.size == 1 or buf.size == 0:
         return 0
-    local, leaders, host, lead = _host_comms(comm)
-    if len(host) == comm.size:
+    local, leaders = _host_groups(comm)
+    sent0 = local.bytes_sent + (leaders.bytes_sent if leaders is not None else 0)
+    if local.size == comm.size:
         # one host: nothing crosses hosts, and the host's own allreduce beats reduce + bcast
-        comm.wait(local.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), node, peers=host)
-        return buf.nbytes
-    sent = 0
-    if local.Get_size() > 1:
-        root = local.Get_rank() == 0
-        req = local.Ireduce(MPI.IN_PLACE if root else buf, buf if root else None,
-                            op=MPI.SUM, root=0)
-        comm.wait(req, node, peers=host)
-        sent += 0 if root else buf.nbytes
-    if leaders is not None and leaders.Get_size() > 1:
-        comm.wait(leaders.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), node, peers=lead)
-        sent += buf.nbytes
-    if local.Get_size() > 1:
-        comm.wait(local.Ibcast(buf, root=0), node, peers=host)
-        sent += buf.nbytes if local.Get_rank() == 0 else 0
-    return sent
+        local.allreduce(buf, node).wait()
+    else:
+        if local.size > 1:
+            root = local.rank == 0
+            local.reduce(buf, buf if root else None, 0, node).wait()
+        if leaders is not None and leaders.size > 1:
+            leaders.allreduce(buf, node).wait()
+        if local.size > 1:
+            local.broadcast(buf, 0, node).wait()
+    return local.bytes_sent + (leaders.bytes_sent if leaders is not None else 0) - sent0
 
 
 ALGORITHMS: dict[str, Callable[[Any, Any, np.ndarray], int]] = {
@@ -205,4 +167,4 @@ def sum_inplace(algorithm: str, comm: Any, node: Any, buf: np.ndarray) -> None:
         raise CommError(f"unknown all_reduce_alg {algorithm!r} on ngdist.AllReduce "
                         f"'{getattr(node, 'name', node)}'; choose one of "
                         f"{list(ALLREDUCE_ALGORITHMS)}")
-    comm.bytes_sent += fn(comm, node, buf)
+    comm.bytes_sent += fn(comm, node, buf)  # private groups count their own bytes

@@ -1,9 +1,16 @@
 """The kernel registry and the uniform kernel signature.
 
-A kernel is ``kernel(comm, node, inputs) -> outputs``: ``comm`` is the runtime's
-``Communicator`` (rank, size, timeouts, byte counters), ``node`` the comm node's name and
-attributes, ``inputs`` numpy arrays (views of the runtime's buffers; a kernel may work in
-place on them), and the result one array per output.
+A kernel is ``kernel(group, node, inputs) -> outputs``: ``group`` the ProcessGroup it
+communicates through (comm/group.py: rank, size, timeouts, byte counter), ``node`` the comm
+node's name, attributes and kernel-private state, ``inputs`` arrays in the memory the kernel
+declares (``host``: numpy views of the runtime's values, no copy; ``device``: device arrays),
+and the result one array per output. An input whose ``node.donated[i]`` is true is produced
+within the step for this node alone: the kernel may work in place on it and return it, which
+is how a gradient bucket is reduced without any copy. A kernel never imports the runtime.
+
+A kernel that keeps communication in flight across steps (PushSum with overlap) registers a
+``drain(group, node)`` that completes it and returns what it brings, one array per output
+(or None), and a ``close(node)``.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import numpy as np
 from ngdist.errors import CommError
 
 if TYPE_CHECKING:
-    from ngdist.comm.mpi import Communicator
+    from ngdist.comm.group import ProcessGroup
 
 
 @dataclass
@@ -29,34 +36,57 @@ class CommNode:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)  # kernel-private, lives across steps
+    donated: list[bool] = field(default_factory=list)  # input i may be reused in place
 
 
-Kernel = Callable[["Communicator", CommNode, Sequence[np.ndarray]], list[np.ndarray]]
-KERNELS: dict[tuple[str, str], Kernel] = {}
+Kernel = Callable[["ProcessGroup", CommNode, Sequence[np.ndarray]], list[np.ndarray]]
 
 
-def register_kernel(op_type: str, backend: str) -> Callable[[Kernel], Kernel]:
+@dataclass
+class KernelSpec:
+    """A registered kernel: the function, the memory it reads, and its optional hooks."""
+
+    op_type: str
+    fn: Kernel
+    memory: str = "host"
+    drain: Callable[[Any, CommNode], list[np.ndarray] | None] | None = None
+    close: Callable[[CommNode], None] | None = None
+
+    def __call__(self, group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
+        return self.fn(group, node, inputs)
+
+
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def register_kernel(op_type: str, memory: str = "host", drain: Any = None,
+                    close: Any = None) -> Callable[[Kernel], Kernel]:
     def wrap(fn: Kernel) -> Kernel:
-        KERNELS[(op_type, backend)] = fn
+        KERNELS[op_type] = KernelSpec(op_type, fn, memory, drain, close)
         return fn
 
     return wrap
 
 
-def get_kernel(op_type: str, backend: str) -> Kernel:
+def get_kernel(op_type: str) -> KernelSpec:
     try:
-        return KERNELS[(op_type, backend)]
+        return KERNELS[op_type]
     except KeyError:
-        have = sorted(b for (op, b) in KERNELS if op == op_type)
-        raise CommError(f"no kernel for ngdist.{op_type} on backend {backend!r}; backends with "
-                        f"one: {have}") from None
+        raise CommError(f"no kernel for ngdist.{op_type}; kernels exist for "
+                        f"{sorted(KERNELS)}") from None
+
+
+def donated(node: CommNode, i: int) -> bool:
+    return i < len(node.donated) and node.donated[i]
 
 
 def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.ndarray:
-    """One contiguous buffer holding a copy of every array.
+    """One contiguous buffer holding a copy of every array, for the kernels whose message
+    carries several tensors (PushSum, PSPushPull, CentralReduce, AllReduce nodes that were
+    not fused into one flat tensor by the bucketing pass).
 
-    With ``node`` whose ``state["reuse_buffer"]`` the executor set (its outputs do not outlive
-    the step), the buffer is kept in the node's state and reused at the next step: fresh
+    With ``node``, the buffer is kept in the node's state and reused at the next step when
+    its outputs die within the step (``state["reuse_buffer"]``, set by the runtime): fresh
     multi-megabyte allocations page-fault on every call and cost as much as the copy.
     """
     size = sum(a.size for a in arrays)
@@ -75,10 +105,36 @@ def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.nd
     return buf
 
 
-def unflatten(buffer: np.ndarray, like: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """Views into ``buffer`` with the shapes of ``like``."""
+def unflatten(buffer: np.ndarray, like: Sequence[Any]) -> list[np.ndarray]:
+    """Views into ``buffer`` with the shapes of ``like`` (arrays or shapes)."""
     out, offset = [], 0
     for a in like:
-        out.append(buffer[offset:offset + a.size].reshape(a.shape))
-        offset += a.size
+        shape = a.shape if hasattr(a, "shape") else tuple(a)
+        n = int(np.prod(shape, dtype=np.int64))
+        out.append(buffer[offset:offset + n].reshape(shape))
+        offset += n
     return out
+
+
+def divide(buf: np.ndarray, n: int) -> None:
+    """``buf /= n`` in place (floor division for integers): the mean of a sum over n ranks."""
+    if n == 1:
+        return
+    if buf.dtype.kind == "f":
+        np.multiply(buf, buf.dtype.type(1.0 / n), out=buf) if n & (n - 1) == 0 else \
+            np.divide(buf, buf.dtype.type(n), out=buf)
+    else:
+        np.floor_divide(buf, n, out=buf)
+
+
+_PRIVATE: dict[int, dict[Any, Any]] = {}
+
+
+def private_group(group: ProcessGroup, key: Any, make: Callable[[ProcessGroup], Any]) -> Any:
+    """A group derived from ``group`` by ``make`` (collective: created the first time every
+    rank reaches this point, in program order), cached per (group, key), so that one
+    algorithm's messages never match another's."""
+    cache = _PRIVATE.setdefault(id(group), {})
+    if key not in cache:
+        cache[key] = make(group)
+    return cache[key]

@@ -179,12 +179,9 @@ def exact_allreduce(comm: Any, node: Any, inputs: Sequence[np.ndarray]) -> list[
     exps, sums, tmp, ints = _scratch(node, int(bounds[-1]))
     for m, lo, hi in zip(mats, bounds[:-1], bounds[1:]):
         exps[lo:hi] = local_exponents(m)
-    distributed = comm.size > 1 and comm.world is not None
+    distributed = comm.size > 1
     if distributed:
-        from mpi4py import MPI
-
-        comm.wait(comm.world.Iallreduce(MPI.IN_PLACE, exps, op=MPI.MAX), node)
-        comm.bytes_sent += exps.nbytes
+        comm.allreduce(exps, node, op="max").wait()
     powers = _powers_of_two(exps, ints)
     scale, unscale = powers if powers is not None else (None, None)
     if k <= 1 << HEADROOM:  # else the sums are garbage, and every rank raises below
@@ -193,8 +190,7 @@ def exact_allreduce(comm: Any, node: Any, inputs: Sequence[np.ndarray]) -> list[
                      None if scale is None else scale[lo:hi])
     sums[-1] = k
     if distributed:
-        comm.wait(comm.world.Iallreduce(MPI.IN_PLACE, sums, op=MPI.SUM), node)
-        comm.bytes_sent += sums.nbytes
+        comm.allreduce(sums, node).wait()
     total = int(sums[-1])
     if total > 1 << HEADROOM:
         raise CommError(f"exact AllReduce '{getattr(node, 'name', node)}': {total} "

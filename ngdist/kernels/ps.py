@@ -17,9 +17,9 @@ Each shard is computed by exactly one owner and copied, so every worker holds bi
 the same parameters. The optimizer state exists only on the owners (``Shards``); the state
 inputs of the node are read once, as the owners' initial values. Workers drive dedicated
 servers with a header ``[command, lr, t]`` per round (step, save, stop); the server side is
-runtime/ps_server.py. All messages use a duplicate of COMM_WORLD; every wait goes through
-``comm.wait(..., peers=[...])`` with a label naming the shard and the peer's role, so a dead
-or frozen owner ends in a timeout error that says which rank it was.
+runtime/ps_server.py. All messages use a duplicate of the group; every message is a Work
+whose label names the shard and the peer's role, so a dead or frozen owner ends in a
+timeout error that says which rank it was.
 """
 from __future__ import annotations
 
@@ -30,12 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from ngdist.errors import CommError
-from ngdist.ir.model import IR_VERSION
-from ngdist.kernels.allreduce_algs import private_comm
-from ngdist.kernels.base import CommNode, flatten, register_kernel, unflatten
+from ngdist.kernels.base import CommNode, flatten, private_group, register_kernel, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +103,11 @@ def make_layout(total: int, itemsize: int, grad_shard_bytes: int, size: int,
 
 
 class Shards:
-    """The shards one rank owns: their parameters, optimizer state and update session."""
+    """The shards one rank owns: their parameters, optimizer state and update session
+    (``make_session(graph) -> session``, the runtime's session factory, handed in)."""
 
-    def __init__(self, layout: Layout, rank: int, update: onnx.GraphProto) -> None:
+    def __init__(self, layout: Layout, rank: int, update: onnx.GraphProto,
+                 make_session: Any) -> None:
         self.layout = layout
         self.ids = layout.owned(rank)
         self.x: dict[int, np.ndarray] = {}
@@ -117,16 +116,9 @@ class Shards:
         self.lr_dtype = onnx.helper.tensor_dtype_to_np_dtype(
             update.input[0].type.tensor_type.elem_type)
         self.kinds = len(update.input) - 4
-        self.session: ort.InferenceSession | None = None
+        self.session: Any = None
         if self.ids:
-            from ngdist.runtime.executor import session_options
-
-            opts = session_options(1)
-            model = onnx.helper.make_model(
-                update, opset_imports=[onnx.helper.make_opsetid("", UPDATE_OPSET)],
-                ir_version=IR_VERSION)
-            self.session = ort.InferenceSession(model.SerializeToString(), opts,
-                                                providers=["CPUExecutionProvider"])
+            self.session = make_session(update, UPDATE_OPSET)
 
     def load(self, flat_x: np.ndarray, flat_states: list[np.ndarray] | None) -> None:
         """Take the owned slices of the flat parameters (and state; None keeps the state)."""
@@ -150,7 +142,7 @@ class PSRuntime:
 
     layout: Layout
     shards: Shards
-    mpi: Any  # duplicate of COMM_WORLD, None with one rank
+    group: Any  # the kernel's duplicate of the group
     shapes: list[np.ndarray] = field(default_factory=list)  # empty arrays shaped like the params
     dtype: Any = np.float32
     stopped: bool = False
@@ -170,18 +162,18 @@ def split_inputs(node: CommNode, inputs: list[Any]) -> tuple[Any, Any, list, lis
 
 
 def make_runtime(comm: Any, node: CommNode, xs: list[np.ndarray],
-                 states: list[list[np.ndarray]]) -> PSRuntime:
+                 states: list[list[np.ndarray]], make_session: Any) -> PSRuntime:
     """Layout, private communicator (collective over all ranks) and this rank's shards."""
     servers = resolve_servers(int(node.attributes.get("servers", 0)), comm.size)
     flat_x = flatten(xs)
     layout = make_layout(flat_x.size, flat_x.itemsize, int(node.attributes.get(
         "grad_shard_bytes", 0)), comm.size, servers)
-    mpi = private_comm(comm, "ps", lambda w: w.Dup()) if comm.world is not None else None
-    shards = Shards(layout, comm.rank, node.attributes["update"])
+    group = private_group(comm, "ps", lambda g: g.dup("parameter-server set-up"))
+    shards = Shards(layout, comm.rank, node.attributes["update"], make_session)
     shards.load(flat_x, [flatten(group) for group in states])
     logger.info("ps: rank %d owns shards %s of %d (%d worker(s), %d server(s))", comm.rank,
                 shards.ids, len(layout.bounds), layout.workers, servers)
-    return PSRuntime(layout, shards, mpi, [np.empty(np.shape(x), flat_x.dtype) for x in xs],
+    return PSRuntime(layout, shards, group, [np.empty(np.shape(x), flat_x.dtype) for x in xs],
                      flat_x.dtype)
 
 
@@ -200,17 +192,23 @@ def role(rt: PSRuntime, rank: int) -> str:
     return f"worker rank {rank}" + (" (co-located shard owner)" if not rt.dedicated else "")
 
 
-def wait_peer(comm: Any, req: Any, node: Any, rt: PSRuntime, peer: int, what: str) -> None:
-    """``comm.wait`` whose timeout message says which shard or round, and who the peer is."""
-    comm.wait(req, Waiting(node.op_type, f"{node.name}: {what} {role(rt, peer)}"),
-              peers=[peer])
+def send(rt: PSRuntime, node: Any, buf: np.ndarray, peer: int, tag: int, what: str) -> Any:
+    """One message to ``peer``; its Work's errors say which shard or round, and who."""
+    return rt.group.exchange([(buf, peer)], [], tag, Waiting(
+        node.op_type, f"{node.name}: {what} {role(rt, peer)}"))
 
 
-def wait_owner(comm: Any, req: Any, node: Any, rt: PSRuntime, k: int, what: str) -> None:
-    wait_peer(comm, req, node, rt, rt.layout.owners[k], f"{what} of shard {k} from")
+def recv(rt: PSRuntime, node: Any, buf: np.ndarray, peer: int, tag: int, what: str) -> Any:
+    return rt.group.exchange([], [(buf, peer)], tag, Waiting(
+        node.op_type, f"{node.name}: {what} {role(rt, peer)}"))
 
 
-def owner_round(rt: PSRuntime, me: int, own_grad: np.ndarray | None) -> dict[int, list]:
+def recv_owner(rt: PSRuntime, node: Any, buf: np.ndarray, k: int, tag: int, what: str) -> Any:
+    return recv(rt, node, buf, rt.layout.owners[k], tag, f"{what} of shard {k} from")
+
+
+def owner_round(rt: PSRuntime, node: Any, me: int, own_grad: np.ndarray | None
+                ) -> dict[int, list]:
     """Post the receives of every worker's slice of the shards this rank owns (``own_grad``:
     this rank's flat gradient when it is also a worker)."""
     lay = rt.layout
@@ -223,7 +221,8 @@ def owner_round(rt: PSRuntime, me: int, own_grad: np.ndarray | None) -> dict[int
                 rows.append((w, own_grad[lo:hi], None))
             else:
                 buf = np.empty(hi - lo, rt.dtype)
-                rows.append((w, buf, rt.mpi.Irecv(buf, source=w, tag=TAG_GRAD)))
+                rows.append((w, buf, recv(rt, node, buf, w, TAG_GRAD,
+                                          f"gradient of shard {k} from")))
         recvs[k] = rows
     return recvs
 
@@ -234,9 +233,9 @@ def finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: flo
     lay, me, sends = rt.layout, comm.rank, []
     for k, rows in recvs.items():
         acc = None
-        for w, buf, req in rows:  # worker order: the same sum on any owner
-            if req is not None:
-                wait_peer(comm, req, node, rt, w, f"gradient of shard {k} from")
+        for w, buf, work in rows:  # worker order: the same sum on any owner
+            if work is not None:
+                work.wait()
             acc = buf.copy() if acc is None else np.add(acc, buf, out=acc)
         if acc.dtype.kind == "f":
             acc /= acc.dtype.type(lay.workers)
@@ -246,40 +245,38 @@ def finish_owner_round(comm: Any, node: Any, rt: PSRuntime, recvs: dict, lr: flo
             out[lo:hi] = x_new
         for w in range(lay.workers):
             if w != me:
-                sends.append((w, rt.mpi.Isend(x_new, dest=w, tag=TAG_PARAM)))
+                sends.append(send(rt, node, x_new, w, TAG_PARAM, "delivery of a message to"))
                 comm.bytes_sent += x_new.nbytes
     return sends
 
 
-def header(rt: PSRuntime, command: int, lr: float = 0.0, t: int = 0) -> list[Any]:
+def header(rt: PSRuntime, node: Any, command: int, lr: float = 0.0, t: int = 0) -> list[Any]:
     """Worker -> every dedicated server: the round's command (and lr, t for a step)."""
     if not rt.dedicated:
         return []
     hdr = np.array([command, lr, t], np.float64)
-    return [(s, rt.mpi.Isend(hdr, dest=s, tag=TAG_HDR)) for s in rt.layout.servers]
+    return [send(rt, node, hdr, s, TAG_HDR, "delivery of a message to")
+            for s in rt.layout.servers]
 
 
-def complete(comm: Any, node: Any, rt: PSRuntime, sends: list[tuple[int, Any]]) -> None:
-    for peer, req in sends:
-        wait_peer(comm, req, node, rt, peer, "delivery of a message to")
+def complete(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
 
 
-@register_kernel("PSPushPull", "mpi")
-@register_kernel("PSPushPull", "local")
+@register_kernel("PSPushPull")
 def ps_push_pull(comm, node, inputs):
     lr_in, t_in, xs, gs, states = split_inputs(node, list(inputs))
     rt: PSRuntime | None = node.state.get("ps")
-    if rt is None:  # a Trainer built without ngdist.compile: co-located owners only
-        if resolve_servers(int(node.attributes.get("servers", 0)), comm.size):
-            raise CommError("dedicated parameter servers need ngdist.compile (or "
-                            "ngdist.runtime.ps_server.setup(trainer)) on every rank first")
-        rt = node.state["ps"] = make_runtime(comm, node, xs, states)
+    if rt is None:
+        raise CommError(f"ngdist.PSPushPull '{node.name}' ran before its parameter-server "
+                        "set-up; the Trainer sets it up on every rank at start")
     lay, me = rt.layout, comm.rank
     lr, t = float(np.asarray(lr_in)), int(np.asarray(t_in))
     grad = flatten(gs)
     out = np.empty(lay.total, rt.dtype)
-    sends = header(rt, STEP, lr, t)
-    recvs = owner_round(rt, me, grad)
+    sends = header(rt, node, STEP, lr, t)
+    recvs = owner_round(rt, node, me, grad)
     if not rt.dedicated:  # co-located: the workers' parameters are the owners' (bit-identical)
         flat_x = flatten(xs)
         for k in rt.shards.ids:
@@ -289,11 +286,11 @@ def ps_push_pull(comm, node, inputs):
     for k, (lo, hi) in enumerate(lay.bounds):
         owner = lay.owners[k]
         if owner != me:
-            pulls.append((k, rt.mpi.Irecv(out[lo:hi], source=owner, tag=TAG_PARAM)))
-            sends.append((owner, rt.mpi.Isend(grad[lo:hi], dest=owner, tag=TAG_GRAD)))
+            pulls.append(recv_owner(rt, node, out[lo:hi], k, TAG_PARAM, "update"))
+            sends.append(send(rt, node, grad[lo:hi], owner, TAG_GRAD,
+                              "delivery of a message to"))
             comm.bytes_sent += (hi - lo) * grad.itemsize
     sends += finish_owner_round(comm, node, rt, recvs, lr, t, out)
-    for k, req in pulls:
-        wait_owner(comm, req, node, rt, k, "update")
-    complete(comm, node, rt, sends)
+    complete(pulls)
+    complete(sends)
     return unflatten(out, rt.shapes)

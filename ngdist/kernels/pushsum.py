@@ -1,4 +1,4 @@
-"""PushSum gossip for the ``mpi`` backend (Stochastic Gradient Push), and its peer schedule.
+"""The PushSum kernel (Stochastic Gradient Push) and its peer schedule.
 
 At iteration ``k`` rank ``i`` keeps ``1/(m+1)`` of its push-sum numerators and weight and sends
 the same share to each of its ``m = peers_per_itr`` out-peers; what its in-peers sent is added.
@@ -11,35 +11,34 @@ iteration uses ``m`` consecutive phases (``e = (k*m + j) mod L``, ``j < m``), wh
 peers. The static ``ring`` sends to ``i+1`` (and ``i-1`` with two peers). In-peers come from the
 same offsets (``(i - 2**e) % n``), so every message that is waited for is sent.
 
-All parameters and the weight travel as one flat buffer per message (``Isend``/``Irecv`` on a
-communicator duplicated for the node, tag = iteration); every wait is bounded by the
-communicator's timeout and ends in a CommTimeoutError naming the op and the peer
-(``comm.wait(..., peers=[peer])``; the progress thread polls gently with the same deadline).
+All parameters and the weight travel as one flat buffer per message (one grouped exchange on
+a duplicate of the group made for the node, tag = iteration); every wait is a Work bounded by
+the group's timeout that ends in an error naming the op and the peers (the progress thread
+polls gently with the same deadline).
 
 ``overlap=1``: the round of iteration ``k`` is posted and left to a progress thread (as the
 reference implementation's gossip thread); the kernel returns at once with its own share.
 Rounds that have arrived are added at a later iteration (before the next share is taken); a
 round older than ``synch_freq + 1`` iterations is waited for, so with ``synch_freq = 0`` what
 arrives is added exactly one iteration later. Pending rounds, their buffers and the iteration
-counter live in ``CommNode.state``; ``drain`` completes the rounds still in flight.
+counter live in ``CommNode.state``; ``drain`` (the kernel's registered hook, called by the
+runtime's flush) completes the rounds still in flight.
 """
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ngdist.errors import CommError, CommTimeoutError
+from ngdist.errors import CommError
 from ngdist.kernels.base import CommNode, register_kernel, unflatten
 
 logger = logging.getLogger(__name__)
 
 TAG_MOD = 1 << 15  # MPI guarantees tags up to 32767
-GENTLE_POLL_S = 0.001  # the progress thread polls at most this often (the cores are shared)
 
 
 # --------------------------------------------------------------------------- schedule
@@ -78,7 +77,7 @@ class _Round:
     recv: list[np.ndarray]
     srcs: list[int]
     dsts: list[int]
-    requests: list[tuple[Any, int]] = field(default_factory=list)  # (request, peer)
+    work: Any = None  # the round's grouped exchange
     done: Future | None = None
 
     def received(self) -> np.ndarray | None:
@@ -88,16 +87,6 @@ class _Round:
         for b in self.recv[1:]:
             total += b
         return total
-
-
-def _wait_gently(comm: Any, request: Any, node: CommNode, peer: int) -> None:
-    """The progress thread's wait: poll every GENTLE_POLL_S (a blocking MPI Wait would spin a
-    core that the compute needs), CommTimeoutError naming the op and the peer after the timeout."""
-    deadline = time.monotonic() + comm.timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise CommTimeoutError(comm.timeout_message(node, [peer]))
-        time.sleep(GENTLE_POLL_S)
 
 
 class _Gossip:
@@ -110,9 +99,7 @@ class _Gossip:
         self.overlap = bool(int(a.get("overlap", 0)))
         self.synch_freq = int(a.get("synch_freq", 0))
         schedule(comm.rank, comm.size, 0, self.graph, self.peers_per_itr)  # validates
-        dup, req = comm.world.Idup()
-        comm.wait(req, node)
-        self.world = dup
+        self.group = comm.dup(node)
         self.pending: list[_Round] = []
         self.like: list[np.ndarray] = []
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-gossip") \
@@ -122,21 +109,17 @@ class _Gossip:
         dsts_srcs = schedule(comm.rank, comm.size, k, self.graph, self.peers_per_itr)
         rnd = _Round(k, share, [np.empty_like(share) for _ in dsts_srcs[1]], dsts_srcs[1],
                      dsts_srcs[0])
-        tag = k % TAG_MOD
-        for buf, src in zip(rnd.recv, rnd.srcs):
-            rnd.requests.append((self.world.Irecv(buf, source=src, tag=tag), src))
-        for dst in rnd.dsts:
-            rnd.requests.append((self.world.Isend(share, dest=dst, tag=tag), dst))
-        comm.bytes_sent += share.nbytes * len(rnd.dsts)
+        sent0 = self.group.bytes_sent
+        rnd.work = self.group.exchange([(share, d) for d in rnd.dsts],
+                                       list(zip(rnd.recv, rnd.srcs)), k % TAG_MOD, node)
+        comm.bytes_sent += self.group.bytes_sent - sent0
         return rnd
 
     @staticmethod
-    def complete(comm: Any, node: CommNode, rnd: _Round, gentle: bool = False) -> None:
-        for req, peer in rnd.requests:
-            if gentle:
-                _wait_gently(comm, req, node, peer)
-            else:
-                comm.wait(req, node, peers=[peer])
+    def complete(rnd: _Round, gentle: bool = False) -> None:
+        """Wait for the round; ``gentle`` (the progress thread) polls instead of spinning a
+        core the compute needs, with the same deadline."""
+        rnd.work.wait(gentle=gentle)
 
     def take_arrived(self, comm: Any, node: CommNode, k: int, everything: bool = False
                      ) -> np.ndarray | None:
@@ -160,7 +143,6 @@ def _gossip(comm: Any, node: CommNode) -> _Gossip:
     if g is None:
         g = node.state["gossip"] = _Gossip(comm, node)
         node.state["itr"] = 0
-        node.state["drain"] = lambda: drain(comm, node)
     return g
 
 
@@ -170,18 +152,10 @@ def _split(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
 
 # --------------------------------------------------------------------------- kernel
 
-@register_kernel("PushSum", "local")
-def pushsum_local(comm, node, inputs):
-    """One rank: no peers, the mix is the identity. Copies, because the weight is often a step
-    input whose buffer the trainer releases once the step has replaced it."""
-    return [np.array(a) for a in inputs]
-
-
-@register_kernel("PushSum", "mpi")
 def pushsum(comm, node, inputs):
     """Inputs: new parameters then the push-sum weight; outputs: their mixed values."""
-    if comm.size < 2:
-        return pushsum_local(comm, node, inputs)
+    if comm.size < 2:  # no peers: the mix is the identity
+        return list(inputs)
     g = _gossip(comm, node)
     k = node.state["itr"]
     g.like = list(inputs)
@@ -196,10 +170,10 @@ def pushsum(comm, node, inputs):
     rnd = g.post(comm, node, k, share)
     node.state["itr"] = k + 1
     if g.overlap:
-        rnd.done = g.pool.submit(g.complete, comm, node, rnd, True)
+        rnd.done = g.pool.submit(g.complete, rnd, True)
         g.pending.append(rnd)
         return _split(share.copy(), inputs)  # the send buffer stays untouched while in flight
-    g.complete(comm, node, rnd)
+    g.complete(rnd)
     out = share
     for buf in rnd.recv:
         out += buf  # the send has completed, so the buffer is ours again
@@ -222,3 +196,6 @@ def close(node: CommNode) -> None:
     g: _Gossip | None = node.state.get("gossip")
     if g is not None and g.pool is not None:
         g.pool.shutdown(wait=True)
+
+
+register_kernel("PushSum", drain=drain, close=close)(pushsum)

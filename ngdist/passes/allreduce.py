@@ -8,6 +8,7 @@ import onnx_ir as ir
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import ensure_opset
 from ngdist.passes.analysis import comm_nodes, find_grad_pairs
+from ngdist.passes.gradscale import has_grad_scale
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,9 @@ def reroute(value: ir.Value, new: ir.Value, skip: ir.Node) -> None:
 class AllReduceInsertionPass(ir.passes.InPlacePass):
     """Every gradient ``G`` of a parameter is replaced, for its consumers (the optimizer), by
     ``ngdist.AllReduce(G)`` with ``reduction`` (mean by default): data-parallel SGD as in
-    nGraph's distributed pass and Horovod. Does nothing if the graph already holds comm ops.
+    nGraph's distributed pass and Horovod. When the gradients come out of the backward pass
+    already scaled by 1/N (passes/gradscale.py) a mean is their sum, and the node says
+    ``reduction="sum"``. Does nothing if the graph already holds comm ops.
     """
 
     def __init__(self, reduction: str = "mean", algorithm: str = "mpi") -> None:
@@ -42,10 +45,12 @@ class AllReduceInsertionPass(ir.passes.InPlacePass):
         if comm_nodes(model):
             return ir.passes.PassResult(model, False)
         graph = model.graph
+        reduction = "sum" if self.reduction == "mean" and has_grad_scale(model) else \
+            self.reduction
         for pair in find_grad_pairs(model):
             node = ir.Node(DOMAIN, "AllReduce", [pair.grad],
                            ir.convenience.convert_attributes(
-                               {"reduction": self.reduction, "algorithm": self.algorithm}),
+                               {"reduction": reduction, "algorithm": self.algorithm}),
                            num_outputs=1, name=f"ngdist/allreduce/{pair.param}")
             out = node.outputs[0]
             out.name = f"{pair.grad.name}.reduced"

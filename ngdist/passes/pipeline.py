@@ -6,24 +6,29 @@
 the reproducible-mode pass (exact loss average, micro-batch size on the exact AllReduce nodes)
 before bucketing.
 ``local``: autodiff -> optimizer lowering (one process, no communication).
-Later strategies (``pushsum``, ``ps``, ``simple``) register themselves in ``STRATEGIES``.
+``pushsum``, ``ps`` and ``simple``: their comm pass between autodiff and optimizer lowering.
+Each factory takes its strategy's typed options (passes/options.py); nothing is swallowed.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import onnx
 import onnx_ir as ir
 
 from ngdist.errors import NgdistError
-from ngdist.ir.domain import ALLREDUCE_ALGORITHMS
 from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
 from ngdist.passes.buffers import BufferAverageInsertionPass
+from ngdist.passes.gradscale import GradientPrescalePass
 from ngdist.passes.optimizers import OptimizerLoweringPass
+from ngdist.passes.options import (AllReduceOptions, LocalOptions, OptionError, PSOptions,
+                                   PushSumOptions, SimpleOptions, StrategyOptions,
+                                   strategy_options, unknown_strategy)
 from ngdist.passes.pushsum import PushSumPass
 from ngdist.passes.reproducible import ReproducibleMicroBatchPass
 from ngdist.passes.ps import PSPushPullPass
@@ -31,62 +36,69 @@ from ngdist.passes.simple import CentralReducePass
 
 logger = logging.getLogger(__name__)
 
-PipelineFactory = Callable[..., list[ir.passes.PassBase]]
+PipelineFactory = Callable[[Any], list[ir.passes.PassBase]]
 
 
-def _allreduce(bucket_bytes: int = 25 << 20, all_reduce_alg: str = "mpi",
-               reproducible_micro_batch: int = 0, **_: object) -> list[ir.passes.PassBase]:
-    if all_reduce_alg not in ALLREDUCE_ALGORITHMS:
-        raise NgdistError(f"unknown all_reduce_alg {all_reduce_alg!r}; choose one of "
-                          f"{list(ALLREDUCE_ALGORITHMS)}")
+def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
+    algorithm = o.all_reduce_alg
     reproducible: list[ir.passes.PassBase] = []
-    if reproducible_micro_batch:  # rank-count-independent training (passes/reproducible.py)
-        if all_reduce_alg not in ("mpi", "exact"):  # "mpi": the default, i.e. not chosen
-            raise NgdistError(f"reproducible_micro_batch needs all_reduce_alg='exact' (the "
-                              f"only order-independent sum), not {all_reduce_alg!r}")
-        all_reduce_alg = "exact"
-        reproducible = [ReproducibleMicroBatchPass(reproducible_micro_batch)]
-    return [AllReduceInsertionPass("mean", all_reduce_alg),
-            BufferAverageInsertionPass(all_reduce_alg), *reproducible,
-            BucketingPass(bucket_bytes)]
+    if o.reproducible_micro_batch:  # rank-count-independent training (passes/reproducible.py)
+        if algorithm not in ("mpi", "exact"):  # "mpi": the default, i.e. not chosen
+            raise OptionError(f"reproducible_micro_batch needs all_reduce_alg='exact' (the "
+                              f"only order-independent sum), not {algorithm!r}")
+        algorithm = "exact"
+        reproducible = [ReproducibleMicroBatchPass(o.reproducible_micro_batch)]
+    # the mean as a sum of gradients prescaled by 1/N (passes/gradscale.py); reproducible
+    # mode keeps the exact kernel's own mean
+    prescale = [] if reproducible else [GradientPrescalePass()]
+    return [*prescale, AllReduceInsertionPass("mean", algorithm),
+            BufferAverageInsertionPass(algorithm), *reproducible,
+            BucketingPass(o.bucket_bytes)]
 
 
-def _local(**_: object) -> list[ir.passes.PassBase]:
+def _local(o: LocalOptions) -> list[ir.passes.PassBase]:
     return []
 
 
-def _pushsum(graph: str = "exponential", peers_per_itr: int = 1, overlap: bool = False,
-             synch_freq: int = 0, **_: object) -> list[ir.passes.PassBase]:
-    return [PushSumPass(graph, peers_per_itr, overlap, synch_freq)]
+def _pushsum(o: PushSumOptions) -> list[ir.passes.PassBase]:
+    return [PushSumPass(o.graph, o.peers_per_itr, o.overlap, o.synch_freq)]
 
 
-STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local,
-                                          "pushsum": _pushsum}
-
-
-def _simple(**_: object) -> list[ir.passes.PassBase]:
+def _simple(o: SimpleOptions) -> list[ir.passes.PassBase]:
     # buffers (BatchNorm statistics) averaged like allreduce does, so that simple's results
     # equal allreduce's for models with buffers too
     return [CentralReducePass(root=0), BufferAverageInsertionPass()]
 
 
-def _ps(grad_shard_bytes: int = 10_000_000, servers: int = 0,
-        **_: object) -> list[ir.passes.PassBase]:
-    return [PSPushPullPass(grad_shard_bytes, servers)]
+def _ps(o: PSOptions) -> list[ir.passes.PassBase]:
+    return [PSPushPullPass(o.grad_shard_bytes, o.servers)]
 
 
-STRATEGIES.update(simple=_simple, ps=_ps)  # Ray SGD's strategies (issue 6)
+# strategy name -> the pipeline built from its options (passes/options.py STRATEGY_OPTIONS)
+STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _local,
+                                          "pushsum": _pushsum, "simple": _simple, "ps": _ps}
 
 
-def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,
-               **options: object) -> ir.Model:
-    """Autodiff, the strategy's comm passes, then optimizer lowering (if ``lower``)."""
-    if strategy not in STRATEGIES:
-        raise NgdistError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    if options.get("reproducible_micro_batch") and strategy != "allreduce":
-        raise NgdistError(f"reproducible_micro_batch is an option of the allreduce strategy, "
-                          f"not of {strategy!r}")
-    passes: list[ir.passes.PassBase] = [AutodiffPass(), *STRATEGIES[strategy](**options)]
+def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
+               lower: bool = True, **options: object) -> ir.Model:
+    """Autodiff, the strategy's comm passes, then optimizer lowering (if ``lower``).
+
+    ``strategy`` is a name, whose options are then given as keywords (checked: an unknown one,
+    or one of another strategy, is an OptionError), or a ``StrategyOptions`` instance.
+    """
+    if isinstance(strategy, StrategyOptions):
+        if options:
+            raise OptionError(f"options are given twice: as {type(strategy).__name__} and as "
+                              f"keywords {sorted(options)}")
+        typed = strategy
+    elif strategy not in STRATEGIES:
+        raise unknown_strategy(strategy, STRATEGIES)
+    else:
+        typed = strategy_options(strategy, options)
+    chosen = STRATEGIES[typed.strategy](typed)
+    before = [p for p in chosen if isinstance(p, GradientPrescalePass)]  # act on the loss
+    passes: list[ir.passes.PassBase] = [*before, AutodiffPass(),
+                                        *(p for p in chosen if p not in before)]
     if lower:
         passes.append(OptimizerLoweringPass())
     manager = ir.passes.PassManager(passes, steps=1)
@@ -101,9 +113,11 @@ def run_passes(step: ir.Model, strategy: str = "allreduce", lower: bool = True,
         raise
 
 
-def rewrite(model: onnx.ModelProto, strategy: str = "allreduce", **options: object
-            ) -> onnx.ModelProto:
-    """Training model -> training model with the strategy's comm ops, fully lowered."""
+def rewrite(model: onnx.ModelProto, strategy: str | StrategyOptions = "allreduce",
+            **options: object) -> onnx.ModelProto:
+    """Training model -> training model with the strategy's comm ops, fully lowered.
+
+    ``strategy`` and ``options`` as for :func:`run_passes`."""
     inference, step = split_training_model(model)
     step = run_passes(step, strategy, **options)
     return assemble_training_model(inference, step)

@@ -134,24 +134,3 @@ class PushSumPass(ir.passes.InPlacePass):
         graph.inputs.append(value)
         graph.register_initializer(value)
         return value
-
-
-def debias_map(step: ir.Model) -> dict[str, str]:
-    """parameter -> push-sum weight, read from the ``ngdist.PushSum`` nodes of a step graph.
-
-    A PushSum node's outputs are the mixed parameters then the mixed weight; the names bound to
-    them are the parameters and the weight. Empty for graphs without PushSum.
-    """
-    meta = get_meta(step)
-    bound_by_output = {out: name for name, out in meta.binding.items()}
-    table: dict[str, str] = {}
-    for node in step.graph:
-        if node.domain != DOMAIN or node.op_type != "PushSum":
-            continue
-        names = [bound_by_output.get(o.name) for o in node.outputs]
-        if None in names:
-            raise GraphError(f"ngdist.PushSum '{node.name}': outputs {[o.name for o in node.outputs]}"
-                             " are not all bound to updatable values")
-        weight = names[-1]
-        table.update({p: weight for p in names[:-1]})
-    return table

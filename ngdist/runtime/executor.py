@@ -1,47 +1,37 @@
 """Runs a partitioned step graph: onnxruntime sessions for compute, kernels for comm nodes.
 
-Values live in an environment of ``OrtValue``s (name -> value), as in torch.fx's Interpreter;
-each value is dropped after its last use, and every error says which segment or comm node it
-came from. Comm nodes run on one background thread, in program order (the same order on every
-rank), so communication overlaps with the compute segments that do not need its result.
+Values live in an environment of ``OrtValue``s on the trainer's placement (name -> value), as
+in torch.fx's Interpreter; each value is dropped after its last use, and every error says
+which segment or comm node it came from. Segments run through IOBinding with their outputs
+bound to the placement's device, so a value stays where it lives and is handed on as it is:
+from a segment to a kernel (as an array view of the same memory, never through a copy), from
+a kernel to the next segment. A value is staged (copied) only when the kernel reads another
+memory than the placement's (a host kernel on a device placement). Comm nodes run on one
+background thread, in program order (the same order on every rank), so communication
+overlaps with the compute segments that do not need its result.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from ngdist.comm.group import ProcessGroup
 from ngdist.errors import CommError, ExecutionError, NgdistError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION
-from ngdist.kernels import CommNode, get_kernel
-from ngdist.comm.mpi import Communicator
+from ngdist.kernels import CommNode, KernelSpec, get_kernel
 from ngdist.runtime.partition import CommCall, Segment, plan
+from ngdist.runtime.sessions import CPU, Placement, make_session
 
 logger = logging.getLogger(__name__)
-
-
-def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
-    """onnxruntime options for ngdist's training sessions: ``intra_op_threads`` (one inter-op
-    thread), quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``.
-
-    The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
-    half the memory at batch 4096 but runs about 1.4x slower (docs/benchmarks.md).
-    """
-    opts = ort.SessionOptions()
-    if intra_op_threads:
-        opts.intra_op_num_threads = intra_op_threads
-        opts.inter_op_num_threads = 1
-    opts.log_severity_level = 3
-    opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
-    return opts
 
 _ORT_TYPES = {
     "tensor(float)": onnx.TensorProto.FLOAT, "tensor(double)": onnx.TensorProto.DOUBLE,
@@ -69,29 +59,48 @@ def _attr_dict(node: onnx.NodeProto) -> dict:
 
 
 class Executor:
-    """Executes one step graph (an onnx GraphProto) again and again."""
+    """Executes one step graph (an onnx ModelProto) again and again."""
 
-    def __init__(self, model: onnx.ModelProto, comm: Communicator, *,
-                 providers: list[str] | None = None, intra_op_threads: int | None = None,
+    def __init__(self, model: onnx.ModelProto, group: ProcessGroup, *,
+                 placement: Placement = CPU, intra_op_threads: int | None = None,
                  overlap: bool = True) -> None:
         self.model = model
-        self.comm = comm
-        self.providers = providers or ["CPUExecutionProvider"]
+        self.group = group
+        self.placement = placement
         self.intra_op_threads = intra_op_threads
         graph = model.graph
+        if any(n.domain == PREVIEW_TRAINING for n in graph.node):
+            raise NgdistError("the step graph still holds ai.onnx.preview.training ops; run the "
+                              "pass pipeline (ngdist.passes.pipeline.run_passes) first")
         self.items = plan(graph)
         self.constants = {t.name: t for t in graph.initializer
                           if t.name not in {i.name for i in graph.input}}
         self.outputs = [o.name for o in graph.output]
         self.opsets = [o for o in model.opset_import if o.domain not in (DOMAIN,)]
         self.sessions: dict[int, ort.InferenceSession] = {}
-        self.comm_nodes = {item.index: CommNode(item.node.op_type, item.node.name,
-                                                _attr_dict(item.node), list(item.node.input),
-                                                list(item.node.output))
-                           for item in self.items if isinstance(item, CommCall)}
-        step_outputs = {o.name for o in graph.output}
-        for node in self.comm_nodes.values():  # outputs die within the step: reuse buffers
-            node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
+        self.bindings: dict[int, Any] = {}
+        self.kernels: dict[int, KernelSpec] = {}
+        self.comm_nodes: dict[int, CommNode] = {}
+        uses: dict[str, int] = {}
+        produced_by_segment: set[str] = set()
+        for item in self.items:
+            names = item.inputs if isinstance(item, Segment) else list(item.node.input)
+            for name in names:
+                uses[name] = uses.get(name, 0) + 1
+            if isinstance(item, Segment):
+                produced_by_segment.update(item.outputs)
+        step_outputs = set(self.outputs)
+        for item in self.items:
+            if isinstance(item, CommCall):
+                n = item.node
+                node = CommNode(n.op_type, n.name, _attr_dict(n), list(n.input), list(n.output))
+                # an input made in this step for this node alone may be reused in place
+                node.donated = [name in produced_by_segment and uses.get(name) == 1
+                                and name not in step_outputs for name in n.input]
+                # outputs that die within the step: the kernel may keep their buffer
+                node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
+                self.comm_nodes[item.index] = node
+                self.kernels[item.index] = get_kernel(n.op_type)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
         last: dict[str, int] = {}
         for item in self.items:
@@ -103,9 +112,6 @@ class Executor:
         for name, idx in last.items():
             if name not in keep:
                 self.free_after.setdefault(idx, []).append(name)
-        if any(n.domain == PREVIEW_TRAINING for n in graph.node):
-            raise NgdistError("the step graph still holds ai.onnx.preview.training ops; run the "
-                              "pass pipeline (ngdist.passes.pipeline.run_passes) first")
 
     # ------------------------------------------------------------------ sessions
     def _session(self, seg: Segment, env: dict[str, ort.OrtValue]) -> ort.InferenceSession:
@@ -126,13 +132,13 @@ class Executor:
         graph = helper.make_graph(seg.nodes, f"ngdist_segment_{seg.index}", inputs, outputs,
                                   initializer=inits)
         proto = helper.make_model(graph, opset_imports=self.opsets, ir_version=IR_VERSION)
-        opts = session_options(self.intra_op_threads)
         try:
-            sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=self.providers)
+            sess = make_session(proto, self.placement, self.intra_op_threads)
         except Exception as exc:
             raise NgdistError(f"onnxruntime rejected segment {seg.index} "
                               f"({self._describe(seg)}): {exc}") from None
         self.sessions[seg.index] = sess
+        self.bindings[seg.index] = sess.io_binding()
         return sess
 
     @staticmethod
@@ -140,20 +146,62 @@ class Executor:
         names = [n.name or n.op_type for n in seg.nodes]
         return f"{len(names)} nodes, {names[0]} .. {names[-1]}"
 
-    # ------------------------------------------------------------------ run
-    def _run_comm(self, idx: int, arrays: list[np.ndarray]) -> tuple[list[np.ndarray], float]:
-        node = self.comm_nodes[idx]
-        t0 = time.perf_counter()
-        kernel = get_kernel(node.op_type, self.comm.backend)
+    def _run_segment(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[ort.OrtValue]:
+        self._session(seg, env)
+        binding = self.bindings[seg.index]
+        binding.clear_binding_inputs()
+        binding.clear_binding_outputs()
+        for name in seg.inputs:
+            value = env.get(name)
+            if value is not None:
+                binding.bind_ortvalue_input(name, value)
+        device = self.placement.ort_device
+        for name in seg.outputs:
+            binding.bind_output(name, device, self.placement.device_id)
         try:
-            out = kernel(self.comm, node, arrays)
+            self.sessions[seg.index].run_with_iobinding(binding)
+        except Exception as exc:
+            raise ExecutionError(f"while executing segment {seg.index} "
+                                 f"({self._describe(seg)}): {exc}") from None
+        return binding.get_outputs()
+
+    # ------------------------------------------------------------------ comm
+    def _views(self, spec: KernelSpec, values: list[ort.OrtValue]) -> list[Any]:
+        """The kernel's inputs: views of the values' memory, staged to the host only when the
+        kernel reads host memory and the values live on a device."""
+        if spec.memory == "host":  # on CPU the same memory; from a device, a host copy
+            return [v.numpy() for v in values]
+        raise NgdistError(f"ngdist.{spec.op_type} has a {spec.memory}-memory kernel, which "
+                          f"the {self.placement.device} placement cannot feed")
+
+    def _wrap(self, outs: list[Any], inputs: list[Any], values: list[ort.OrtValue]
+              ) -> list[ort.OrtValue]:
+        """Kernel results as OrtValues: an input handed back is its own value again; a new
+        array is wrapped without a copy (on CPU)."""
+        wrapped = []
+        on_cpu = self.placement.device == "cpu"
+        for out in outs:
+            same = next((v for x, v in zip(inputs, values) if x is out), None) if on_cpu \
+                else None
+            wrapped.append(same if same is not None else
+                           self.placement.value(out if out.flags.c_contiguous
+                                                else np.array(out, order="C")))
+        return wrapped
+
+    def _run_comm(self, idx: int, values: list[ort.OrtValue]) -> tuple[list[ort.OrtValue], float]:
+        node, spec = self.comm_nodes[idx], self.kernels[idx]
+        t0 = time.perf_counter()
+        inputs = self._views(spec, values)
+        try:
+            outs = spec(self.group, node, inputs)
         except NgdistError:
             raise
         except Exception as exc:
             raise CommError(f"while executing ngdist.{node.op_type} '{node.name}' on rank "
-                            f"{self.comm.rank}: {exc}") from exc
-        return out, time.perf_counter() - t0
+                            f"{self.group.rank}: {exc}") from exc
+        return self._wrap(outs, inputs, values), time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ run
     def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
             ) -> dict[str, ort.OrtValue]:
         times = times or StepTimes()
@@ -169,36 +217,29 @@ class Executor:
                 outs, dt, out_names = fut.result()
                 times.wait += time.perf_counter() - t0
                 times.comm += dt
-                for o, arr in zip(out_names, outs):
-                    env[o] = ort.OrtValue.ortvalue_from_numpy(np.asarray(arr, order="C"))
+                for o, value in zip(out_names, outs):
+                    env[o] = value
                     pending.pop(o, None)
 
         for item in self.items:
             if isinstance(item, Segment):
                 resolve(item.inputs)
-                sess = self._session(item, env)
-                feed = {n: env[n] for n in item.inputs if n in env}
                 t0 = time.perf_counter()
-                try:
-                    outs = sess.run_with_ort_values(item.outputs, feed)
-                except Exception as exc:
-                    raise ExecutionError(f"while executing segment {item.index} "
-                                     f"({self._describe(item)}): {exc}") from None
+                outs = self._run_segment(item, env)
                 times.compute += time.perf_counter() - t0
                 env.update(zip(item.outputs, outs))
             else:
                 names = list(item.node.input)
                 resolve(names)
-                arrays = [env[n].numpy() for n in names]
+                values = [env[n] for n in names]
                 out_names = list(item.node.output)
                 if self.pool is None:
-                    outs, dt = self._run_comm(item.index, arrays)
+                    outs, dt = self._run_comm(item.index, values)
                     times.comm += dt
-                    env.update((o, ort.OrtValue.ortvalue_from_numpy(np.asarray(a, order="C")))
-                               for o, a in zip(out_names, outs))
+                    env.update(zip(out_names, outs))
                 else:
-                    fut = self.pool.submit(lambda i=item.index, a=arrays, o=out_names:
-                                           (*self._run_comm(i, a), o))
+                    fut = self.pool.submit(lambda i=item.index, v=values, o=out_names:
+                                           (*self._run_comm(i, v), o))
                     for o in out_names:
                         pending[o] = fut
             for name in self.free_after.get(item.index, ()):
@@ -210,6 +251,21 @@ class Executor:
             raise NgdistError(f"step outputs {missing} were not produced")
         return {o: env[o] for o in self.outputs}
 
+    def drain(self) -> dict[str, np.ndarray]:
+        """Complete communication that kernels keep in flight across steps (PushSum with
+        overlap): what it brings, by comm-node output name, to be added to the values."""
+        extra: dict[str, np.ndarray] = {}
+        for idx, node in self.comm_nodes.items():
+            spec = self.kernels[idx]
+            if spec.drain is not None:
+                got = spec.drain(self.group, node)
+                extra.update(zip(node.outputs, got or ()))
+        return extra
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
+        for idx, node in self.comm_nodes.items():
+            spec = self.kernels[idx]
+            if spec.close is not None:
+                spec.close(node)

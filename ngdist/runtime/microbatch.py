@@ -26,9 +26,10 @@ import onnxruntime as ort
 
 from ngdist.errors import GraphError, InputError
 from ngdist.ir.domain import DOMAIN, is_comm_node
-from ngdist.comm.mpi import Communicator
+from ngdist.comm.group import ProcessGroup
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.replicas import ReplicatedExecutor, split_tower
+from ngdist.runtime.sessions import CPU, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,9 @@ def micro_batch_size(model: onnx.ModelProto) -> int:
 class MicroBatchExecutor(ReplicatedExecutor):
     """The tower once per micro-batch of ``micro_batch`` samples, then the rest once."""
 
-    def __init__(self, model: onnx.ModelProto, comm: Communicator, micro_batch: int, *,
+    def __init__(self, model: onnx.ModelProto, comm: ProcessGroup, micro_batch: int, *,
                  sessions: int, data_inputs: list[str], loss: str, params: list[str],
-                 providers: list[str] | None = None, overlap: bool = True) -> None:
+                 placement: Placement = CPU, overlap: bool = True) -> None:
         graph = model.graph
         nodes = list(graph.node)
         exact_idx = set(_exact_index(graph))
@@ -73,7 +74,7 @@ class MicroBatchExecutor(ReplicatedExecutor):
         sessions = max(1, sessions)
         # one intra-op thread per tower session (sessions // sessions), see the module doc
         super().__init__(model, comm, sessions, data_inputs=data_inputs, loss=local_loss,
-                         params=params, providers=providers, intra_op_threads=sessions,
+                         params=params, placement=placement, intra_op_threads=sessions,
                          overlap=overlap)
         self.rest.intra_op_threads = 1
         self.micro_batch = micro_batch

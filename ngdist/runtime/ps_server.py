@@ -3,7 +3,7 @@
 Every rank of a job runs the same program. With dedicated servers (the last ``K`` ranks) a
 server rank must answer the workers' rounds instead of training. Two ways, both here:
 
-* ``ngdist.compile`` calls ``setup(trainer)`` on every rank; on a server rank it serves until
+* the Trainer calls ``attach(trainer)`` on every rank; on a server rank it serves until
   every worker has stopped (``Trainer.close`` or interpreter exit) and then returns the trainer
   in the ``server`` role: ``shard()`` yields nothing, so the usual
   ``for batch in trainer.shard(...)`` loop is empty there, and the trainer holds the final
@@ -19,19 +19,20 @@ values (after ``load_state_dict``), which in lockstep every rank, servers includ
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
-import onnxruntime as ort
+import onnx
 
 from ngdist.errors import CommError, GraphError
+from ngdist.ir.model import IR_VERSION
 from ngdist.kernels.base import CommNode, flatten, unflatten
 from ngdist.kernels.ps import (COMMANDS, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR, TAG_STATE,
                                PSRuntime, complete, env_servers, finish_owner_round, header,
-                               make_runtime, owner_round, split_inputs, wait_owner,
-                               wait_peer)
+                               make_runtime, owner_round, recv, recv_owner, send, split_inputs)
+from ngdist.runtime.sessions import CPU, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -48,45 +49,66 @@ def runtime(trainer: Any) -> PSRuntime | None:
     return None if node is None else node.state.get("ps")
 
 
-def setup(trainer: Any, serve: bool = True) -> None:
-    """On every rank, right after the Trainer: shards and owners (collective). On a dedicated
-    server rank, with ``serve``, answer the workers until they all stop; without, the caller
-    serves round by round (``serve_round``)."""
+@dataclass
+class Attachment:
+    """What ``attach`` tells the trainer: its role, the number of training ranks, and what
+    to call when it closes."""
+
+    role: str  # "worker", or "server": a dedicated parameter server, which takes no steps
+    workers: int
+    close: Callable[[], None]
+
+
+def _update_session(graph: onnx.GraphProto, opset: int) -> Any:
+    """The shard update's session, from the runtime's one session factory (one thread)."""
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)],
+                                   ir_version=IR_VERSION)
+    return make_session(model, CPU, 1)
+
+
+def attach(trainer: Any, serve: bool = True) -> Attachment | None:
+    """On every rank, when the Trainer starts: shards and owners (collective); None without
+    a PSPushPull node. On a dedicated server rank, with ``serve``, answer the workers until
+    they all stop; without, the caller serves round by round (``serve_round``)."""
     node = ps_node(trainer)
     if node is None:
         if env_servers() > 0:
             raise GraphError(f"NGDIST_PS_SERVERS={env_servers()} (ngdist run --servers) asks "
                              "for dedicated parameter servers, but the strategy is not 'ps'")
-        return
+        return None
     values = {n: v.numpy() for n, v in trainer.values.items()}
     _, _, xs, _, states = split_inputs(node, node.inputs)
-    rt = node.state["ps"] = make_runtime(trainer.comm, node, [values[x] for x in xs],
-                                         [[values[s] for s in g] for g in states])
+    rt = node.state["ps"] = make_runtime(trainer.group, node, [values[x] for x in xs],
+                                         [[values[s] for s in g] for g in states],
+                                         _update_session)
     rt.lockstep = not serve
-    trainer.num_workers = rt.layout.workers
+    workers = rt.layout.workers
     if not rt.dedicated:
-        return
-    if trainer.comm.rank >= rt.layout.workers:
-        trainer.role = "server"
+        return Attachment("worker", workers, lambda: None)
+    if trainer.group.rank >= workers:
         if serve:
             while serve_round(trainer) != STOP:
                 pass
             rt.stopped = True
-            return
-    at_exit = functools.partial(stop, trainer)  # a rank that never calls close() still stops
+            return Attachment("server", workers, lambda: None)
+        return Attachment("server", workers, lambda: stop(trainer))
+
+    def at_exit() -> None:  # a rank that never calls close() still stops the servers
+        stop(trainer)
+
     atexit.register(at_exit)
-    trainer.close_hooks.append(lambda: (stop(trainer), atexit.unregister(at_exit)))
+    return Attachment("worker", workers, lambda: (stop(trainer), atexit.unregister(at_exit)))
 
 
 def serve_round(trainer: Any, expect: int | None = None) -> int:
     """One round on a dedicated server: wait for every worker's header, then do what it asks.
     Returns the command; raises if it is not ``expect`` (lockstep) or the workers disagree."""
     node, rt = ps_node(trainer), runtime(trainer)
-    comm, lay = trainer.comm, rt.layout
+    comm, lay = trainer.group, rt.layout
     hdrs = [np.zeros(3, np.float64) for _ in range(lay.workers)]
-    reqs = [rt.mpi.Irecv(h, source=w, tag=TAG_HDR) for w, h in enumerate(hdrs)]
-    for w, req in enumerate(reqs):  # (a worker that idles longer than the timeout also ends here)
-        wait_peer(comm, req, node, rt, w, f"server rank {comm.rank}: next request from")
+    works = [recv(rt, node, h, w, TAG_HDR, f"server rank {comm.rank}: next request from")
+             for w, h in enumerate(hdrs)]
+    complete(works)  # (a worker that idles longer than the timeout also ends here)
     asked = [COMMANDS.get(int(h[0]), str(h[0])) for h in hdrs]
     if len(set(asked)) != 1 or (expect is not None and int(hdrs[0][0]) != expect):
         wanted = f", while this server is in {COMMANDS[expect]}()" if expect else ""
@@ -96,17 +118,15 @@ def serve_round(trainer: Any, expect: int | None = None) -> int:
     cmd = int(hdrs[0][0])
     if cmd == STEP:
         lr, t = float(hdrs[0][1]), int(hdrs[0][2])
-        recvs = owner_round(rt, comm.rank, None)
-        complete(comm, node, rt, finish_owner_round(comm, node, rt, recvs, lr, t, None))
+        recvs = owner_round(rt, node, comm.rank, None)
+        complete(finish_owner_round(comm, node, rt, recvs, lr, t, None))
     elif cmd == SAVE:
-        complete(comm, node, rt, _send_states(rt))
+        complete(_send_states(rt, node))
     elif cmd == STOP:
         final = np.empty(lay.total, rt.dtype)
-        wait_peer(comm, rt.mpi.Irecv(final, source=0, tag=TAG_FINAL), node, rt, 0,
-                  "final parameters from")
+        recv(rt, node, final, 0, TAG_FINAL, "final parameters from").wait()
         _, _, xs, _, _ = split_inputs(node, node.inputs)
-        for name, arr in zip(xs, unflatten(final, rt.shapes)):
-            trainer.values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(arr))
+        trainer.load_state_dict(dict(zip(xs, unflatten(final, rt.shapes))))
         logger.info("ps: server rank %d: all workers stopped", comm.rank)
     return cmd
 
@@ -118,22 +138,23 @@ def stop(trainer: Any) -> None:
     if rt is None or not rt.dedicated or rt.stopped:
         return
     rt.stopped = True
-    node, comm = ps_node(trainer), trainer.comm
+    node, comm = ps_node(trainer), trainer.group
     if comm.rank >= rt.layout.workers:
         serve_round(trainer, expect=STOP)
         return
-    sends = header(rt, STOP)
+    sends = header(rt, node, STOP)
     if comm.rank == 0:
         _, _, xs, _, _ = split_inputs(node, node.inputs)
-        final = flatten([trainer.values[x].numpy() for x in xs]).copy()
-        sends += [(s, rt.mpi.Isend(final, dest=s, tag=TAG_FINAL)) for s in rt.layout.servers]
-    complete(comm, node, rt, sends)
+        final = flatten([trainer.values[x].numpy() for x in xs])
+        sends += [send(rt, node, final, s, TAG_FINAL, "delivery of a message to")
+                  for s in rt.layout.servers]
+    complete(sends)
 
 
-def _send_states(rt: PSRuntime) -> list[Any]:
+def _send_states(rt: PSRuntime, node: Any) -> list[Any]:
     """Owner -> rank 0: the optimizer state of each owned shard (one buffer per shard)."""
-    return [(0, rt.mpi.Isend(np.concatenate(rt.shards.state[k]) if rt.shards.kinds else
-                             np.empty(0, rt.dtype), dest=0, tag=TAG_STATE))
+    return [send(rt, node, np.concatenate(rt.shards.state[k]) if rt.shards.kinds else
+                 np.empty(0, rt.dtype), 0, TAG_STATE, "delivery of a message to")
             for k in rt.shards.ids]
 
 
@@ -143,13 +164,13 @@ def gather_state(trainer: Any) -> dict[str, np.ndarray] | None:
     node, rt = ps_node(trainer), runtime(trainer)
     if rt is None:
         return None
-    comm, lay = trainer.comm, rt.layout
+    comm, lay = trainer.group, rt.layout
     if comm.rank >= lay.workers:
         serve_round(trainer, expect=SAVE)
         return None
-    sends = header(rt, SAVE)
+    sends = header(rt, node, SAVE)
     if comm.rank != 0:
-        complete(comm, node, rt, sends + ([] if rt.dedicated else _send_states(rt)))
+        complete(sends + ([] if rt.dedicated else _send_states(rt, node)))
         return None
     kinds = rt.shards.kinds
     flat = [np.empty(lay.total, rt.dtype) for _ in range(kinds)]
@@ -160,13 +181,13 @@ def gather_state(trainer: Any) -> dict[str, np.ndarray] | None:
                 flat[i][lo:hi] = rt.shards.state[k][i]
         else:
             buf = np.empty(kinds * (hi - lo), rt.dtype)
-            pulls.append((k, buf, rt.mpi.Irecv(buf, source=lay.owners[k], tag=TAG_STATE)))
-    for k, buf, req in pulls:
-        wait_owner(comm, req, node, rt, k, "optimizer state")
+            pulls.append((k, buf, recv_owner(rt, node, buf, k, TAG_STATE, "optimizer state")))
+    for k, buf, work in pulls:
+        work.wait()
         lo, hi = lay.bounds[k]
         for i in range(kinds):
             flat[i][lo:hi] = buf[i * (hi - lo):(i + 1) * (hi - lo)]
-    complete(comm, node, rt, sends)
+    complete(sends)
     _, _, _, _, states = split_inputs(node, node.inputs)
     out: dict[str, np.ndarray] = {}
     for i, names in enumerate(states):

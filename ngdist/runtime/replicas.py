@@ -30,8 +30,9 @@ from onnx import helper
 from ngdist.errors import InputError, NgdistError
 from ngdist.ir.domain import DOMAIN, is_comm_node
 from ngdist.ir.model import IR_VERSION
-from ngdist.comm.mpi import Communicator
-from ngdist.runtime.executor import Executor, StepTimes, session_options
+from ngdist.comm.group import ProcessGroup
+from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.sessions import CPU, Placement, make_session
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ def split_tower(graph: onnx.GraphProto, data_inputs: list[str], loss: str,
 class ReplicatedExecutor:
     """``devices`` tower sessions in threads, their results averaged, then the rest."""
 
-    def __init__(self, model: onnx.ModelProto, comm: Communicator, devices: int, *,
+    def __init__(self, model: onnx.ModelProto, comm: ProcessGroup, devices: int, *,
                  data_inputs: list[str], loss: str, params: list[str],
-                 providers: list[str] | None = None, intra_op_threads: int | None = None,
+                 placement: Placement = CPU, intra_op_threads: int | None = None,
                  overlap: bool = True) -> None:
         graph = model.graph
         tower_idx, rest_idx, self.dependent = split_tower(graph, data_inputs, loss, params)
@@ -99,12 +100,10 @@ class ReplicatedExecutor:
             initializer=[inits[n] for n in needed if n in inits and n not in inputs])
         opsets = [o for o in model.opset_import if o.domain != DOMAIN]
         tower_model = helper.make_model(tower_graph, opset_imports=opsets, ir_version=IR_VERSION)
-        opts = session_options(max(1, (intra_op_threads or 1) // devices))
+        threads = max(1, (intra_op_threads or 1) // devices)
         blob = tower_model.SerializeToString()
         try:
-            self.towers = [ort.InferenceSession(blob, opts, providers=providers or
-                                                ["CPUExecutionProvider"])
-                           for _ in range(devices)]
+            self.towers = [make_session(blob, placement, threads) for _ in range(devices)]
         except Exception as exc:
             raise NgdistError(f"onnxruntime rejected the replica tower graph: {exc}") from None
         rest_graph = helper.make_graph(
@@ -113,7 +112,7 @@ class ReplicatedExecutor:
             initializer=list(graph.initializer))
         rest_model = helper.make_model(rest_graph, opset_imports=list(model.opset_import),
                                        ir_version=model.ir_version)
-        self.rest = Executor(rest_model, comm, providers=providers,
+        self.rest = Executor(rest_model, comm, placement=placement,
                              intra_op_threads=intra_op_threads, overlap=overlap)
         self.items, self.comm_nodes = self.rest.items, self.rest.comm_nodes
         self.devices = devices
@@ -189,3 +188,6 @@ class ReplicatedExecutor:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.rest.close()
+
+    def drain(self) -> dict[str, np.ndarray]:
+        return self.rest.drain()

@@ -15,13 +15,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from ngdist.comm import ProcessGroup, world_group
 from ngdist.errors import InputError, NgdistError
-from ngdist.ir.model import (assemble_training_model, get_meta, save_proto,
+from ngdist.ir.domain import GRAD_SCALE
+from ngdist.ir.writeback import WriteBack
+from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save_proto,
                              split_training_model)
-from ngdist.passes.pushsum import debias_map
-from ngdist.comm.mpi import Communicator
-from ngdist.runtime.executor import Executor, StepTimes, session_options
+from ngdist.runtime import ps_server
+from ngdist.runtime.executor import Executor, StepTimes
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
+from ngdist.runtime.sessions import Placement, make_session, placement_for
 
 logger = logging.getLogger(__name__)
 
@@ -43,18 +46,21 @@ class StepStats:
         return self.samples / self.step_time if self.step_time > 0 else float("nan")
 
 
-def _default_threads(comm: Communicator) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
+def _default_threads(group: ProcessGroup) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
 
 
 class Trainer:
     """Trains a rewritten training model on this rank; every rank runs the same program."""
 
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
-                 comm: Communicator | None = None, timeout: float | None = None,
-                 intra_op_threads: int | None = None, providers: list[str] | None = None,
-                 overlap: bool = True, devices_per_worker: int = 1) -> None:
-        self.comm = comm or Communicator(timeout=timeout)
+                 group: ProcessGroup | None = None, timeout: float | None = None,
+                 intra_op_threads: int | None = None, device: str | Placement = "cpu",
+                 overlap: bool = True, devices_per_worker: int = 1,
+                 ps_serve: bool = True, write_back: WriteBack | None = None) -> None:
+        self.group = group or world_group(timeout)
+        self._write_back = write_back  # frontends: how to_torch / to_keras write values back
+        self.placement = device if isinstance(device, Placement) else placement_for(device)
         if step is None:
             inference, step = split_training_model(model)
         else:
@@ -64,52 +70,57 @@ class Trainer:
         self.meta = get_meta(step)
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
         proto = ir.to_proto(step)
-        threads = intra_op_threads or _default_threads(self.comm)
+        threads = intra_op_threads or _default_threads(self.group)
         self.micro_batch = micro_batch_size(proto)  # > 0: reproducible mode
         if self.micro_batch:  # the tower once per micro-batch (runtime/microbatch.py)
             self.executor = MicroBatchExecutor(
-                proto, self.comm, self.micro_batch, data_inputs=self.meta.names("data"),
+                proto, self.group, self.micro_batch, data_inputs=self.meta.names("data"),
                 sessions=devices_per_worker if devices_per_worker > 1 else threads,
-                loss=self.meta.loss, params=self.meta.names("param"), providers=providers,
-                overlap=overlap)
+                loss=self.meta.loss, params=self.meta.names("param"),
+                placement=self.placement, overlap=overlap)
         elif devices_per_worker > 1:  # several model replicas in this process (runtime/replicas.py)
             from ngdist.runtime.replicas import ReplicatedExecutor
             self.executor = ReplicatedExecutor(
-                proto, self.comm, devices_per_worker, data_inputs=self.meta.names("data"),
-                loss=self.meta.loss, params=self.meta.names("param"), providers=providers,
-                intra_op_threads=threads, overlap=overlap)
+                proto, self.group, devices_per_worker, data_inputs=self.meta.names("data"),
+                loss=self.meta.loss, params=self.meta.names("param"),
+                placement=self.placement, intra_op_threads=threads, overlap=overlap)
         else:
-            self.executor = Executor(proto, self.comm, providers=providers,
+            self.executor = Executor(proto, self.group, placement=self.placement,
                                      intra_op_threads=threads, overlap=overlap)
         graph = proto.graph
-        inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
         self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
-        self.values: dict[str, ort.OrtValue] = {}
-        for name, role in self.meta.roles.items():
-            if role != "data":
-                self.values[name] = ort.OrtValue.ortvalue_from_numpy(np.array(inits[name]))
         self.steps_done = 0
-        self.role = "worker"  # "server": a dedicated parameter server (kernels/ps.py), no steps
-        self.num_workers = self.comm.size  # ranks that train (fewer with dedicated servers)
-        self.close_hooks: list[Any] = []
         self._predict_cache: tuple[int, ort.InferenceSession] | None = None
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
-        # every rank: same graph (structure and constants), then rank 0's values
-        self.comm.check_same(self._graph_fingerprint(proto), "step graph")
-        self.comm.broadcast_([v.numpy() for v in self.values.values()])
+        # every rank: same graph (structure and constants), then rank 0's values, broadcast
+        # in host memory before they are placed
+        self.group.check_same(self._graph_fingerprint(proto), "step graph")
+        inits = {t.name: t for t in graph.initializer}
+        host = {name: numpy_helper.to_array(inits[name]).copy()
+                for name, role in self.meta.roles.items() if role != "data"}
+        self.group.broadcast_arrays(list(host.values()))
+        self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
+        # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
+        # serves the workers until they stop (runtime/ps_server.py)
+        self.ps = ps_server.attach(self, ps_serve)
+        self.role = self.ps.role if self.ps else "worker"
+        self.num_workers = self.ps.workers if self.ps else self.group.size  # ranks that train
+        if GRAD_SCALE in self.values:  # gradients prescaled so that their sum is the mean
+            self.values[GRAD_SCALE] = self.placement.value(
+                np.array(1.0 / self.num_workers, self.values[GRAD_SCALE].numpy().dtype))
         logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
-                    self.comm.rank, self.comm.size, self.comm.backend,
+                    self.group.rank, self.group.size, self.group.backend,
                     sum(1 for i in self.executor.items if hasattr(i, "nodes")),
                     len(self.executor.comm_nodes))
 
     # ------------------------------------------------------------------ identity
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.group.rank
 
     @property
     def size(self) -> int:
-        return self.comm.size
+        return self.group.size
 
     def _graph_fingerprint(self, proto: onnx.ModelProto) -> bytes:
         g = copy.deepcopy(proto.graph)
@@ -168,7 +179,7 @@ class Trainer:
                         raise InputError(f"input '{name}' has shape {arr.shape}; the model "
                                          f"expects {_shape_str(dims)} (axis {axis})")
             samples = samples or (arr.shape[0] if arr.ndim else 1)
-            feeds[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            feeds[name] = self.placement.value(arr)
         return feeds, samples
 
     # ------------------------------------------------------------------ training
@@ -182,7 +193,7 @@ class Trainer:
         feeds, samples = self._feeds(batch)
         feeds.update(self.values)
         times = StepTimes()
-        sent0 = self.comm.bytes_sent
+        sent0 = self.group.bytes_sent
         t0 = time.perf_counter()
         outputs = self.executor.run(feeds, times)
         for name, out in self.meta.binding.items():
@@ -192,12 +203,12 @@ class Trainer:
             return None
         loss = float(outputs[self.meta.loss].numpy())
         return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
-                         samples, self.comm.bytes_sent - sent0)
+                         samples, self.group.bytes_sent - sent0)
 
     def set_lr(self, lr: float) -> None:
         if "ngdist.lr" not in self.values:
             raise KeyError("this model has no ngdist.lr hyper-parameter")
-        self.values["ngdist.lr"] = ort.OrtValue.ortvalue_from_numpy(np.array(lr, np.float32))
+        self.values["ngdist.lr"] = self.placement.value(np.array(lr, np.float32))
 
     # ------------------------------------------------------------------ access
     def parameters(self) -> dict[str, np.ndarray]:
@@ -212,31 +223,33 @@ class Trainer:
             values[p] = (values[p] / values[w]).astype(values[p].dtype)
         for w in set(self.debias.values()):
             values[w] = np.ones_like(values[w])
+        if GRAD_SCALE in values:  # the runtime sets it from the rank count; files hold 1
+            values[GRAD_SCALE] = np.ones_like(values[GRAD_SCALE])
         return values
 
     def flush(self) -> None:
         """Complete communication still in flight (pushsum with overlap) and add what it
         brings to the bound values. Call it on every rank, e.g. before reading state_dict()."""
         bound = {out: name for name, out in self.meta.binding.items()}
-        for node in self.executor.comm_nodes.values():
-            drain = node.state.get("drain")
-            extra = drain() if drain is not None else None
-            for out, arr in zip(node.outputs, extra or ()):
-                name = bound[out]
-                self.values[name] = ort.OrtValue.ortvalue_from_numpy(
-                    np.asarray(self.values[name].numpy() + arr))
-                self._predict_cache = None
+        for out, arr in self.executor.drain().items():
+            name = bound[out]
+            self.values[name] = self.placement.value(np.asarray(self.values[name].numpy() + arr))
+            self._predict_cache = None
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of everything the step updates or reads (params, buffers, optimizer state)."""
-        return {n: v.numpy().copy() for n, v in self.values.items()}
+        """Copies of everything the step updates or reads (params, buffers, optimizer state,
+        hyper-parameters), without ``ngdist.grad_scale``, which the runtime sets from the
+        number of ranks."""
+        return {n: v.numpy().copy() for n, v in self.values.items() if n != GRAD_SCALE}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        state = {n: v for n, v in state.items() if n != GRAD_SCALE}  # a fact of this job
         unknown = set(state) - set(self.values)
         if unknown:
             raise KeyError(f"unknown names in state: {sorted(unknown)}")
         for n, v in state.items():
-            self.values[n] = ort.OrtValue.ortvalue_from_numpy(np.array(v, dtype=self.values[n].numpy().dtype))
+            self.values[n] = self.placement.value(
+                np.array(v, dtype=self.values[n].numpy().dtype))
 
     def to_onnx(self) -> onnx.ModelProto:
         """The training model with the current values: deployable graph + training_info."""
@@ -253,8 +266,7 @@ class Trainer:
     def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Runs the inference graph with the current parameters."""
         if self._predict_cache is None or self._predict_cache[0] != self.steps_done:
-            sess = ort.InferenceSession(self.inference_model().SerializeToString(),
-                                        session_options(), providers=["CPUExecutionProvider"])
+            sess = make_session(self.inference_model(), self.placement)
             self._predict_cache = (self.steps_done, sess)
         return self._predict_cache[1].run(None, dict(inputs))
 
@@ -267,8 +279,6 @@ class Trainer:
         every worker (dedicated servers answer it by themselves) before saving; with other
         strategies it does nothing.
         """
-        from ngdist.runtime import ps_server
-
         rt = ps_server.runtime(self)
         if rt is None or (self.role == "server" and not rt.lockstep):
             return
@@ -283,8 +293,6 @@ class Trainer:
         optimizer state."""
         if self.rank == 0 or all_ranks:
             if self.steps_done != self._state_synced_at and self.role == "worker":
-                from ngdist.runtime import ps_server
-
                 if ps_server.runtime(self) is not None:
                     logger.warning(
                         "ps: %s gets the parameters of step %d but the optimizer state of step "
@@ -293,9 +301,28 @@ class Trainer:
                         self._state_synced_at)
             save_proto(self.to_onnx(), path)
 
+    def to_torch(self, module: Any = None, **kwargs: Any) -> Any:
+        """Writes the trained parameters and buffers into the torch module this trainer was
+        compiled from (or ``module``), and the optimizer state into a torch optimizer
+        (``optimizer=``, by default the one compiled with). Returns the module."""
+        if self._write_back is None or self._write_back.framework != "torch":
+            source = "a Keras model" if self._write_back else "an ONNX model"
+            raise NgdistError(f"to_torch() needs a trainer compiled from a torch.nn.Module; "
+                              f"this one was compiled from {source}")
+        return self._write_back(self.state_dict(), self.steps_done, module, **kwargs)
+
+    def to_keras(self, model: Any = None) -> Any:
+        """Writes the trained weights into the Keras model this trainer was compiled from (or
+        ``model``). Returns the model."""
+        if self._write_back is None or self._write_back.framework != "keras":
+            source = "a torch.nn.Module" if self._write_back else "an ONNX model"
+            raise NgdistError(f"to_keras() needs a trainer compiled from a Keras model; this "
+                              f"one was compiled from {source}")
+        return self._write_back(self.state_dict(), self.steps_done, model)
+
     def close(self) -> None:
-        while self.close_hooks:
-            self.close_hooks.pop(0)()
+        if self.ps is not None:
+            self.ps.close()
         self.executor.close()
 
 

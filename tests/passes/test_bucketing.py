@@ -110,7 +110,8 @@ def test_buckets_are_flat_and_follow_backward_order_and_size():
             consumers.setdefault(i, []).append(n)
     for idx, (node, members, flat) in enumerate(found):
         assert node.name == f"ngdist/allreduce/bucket{idx}"
-        assert attrs(node) == {"reduction": b"mean", "algorithm": b"mpi", "bucket": idx}
+        # gradients leave the backward pass prescaled by 1/N: their mean is a sum
+        assert attrs(node) == {"reduction": b"sum", "algorithm": b"mpi", "bucket": idx}
         assert len(node.input) == len(node.output) == 1
         if len(members) > 1:
             assert sum(sizes[m] for m in members) <= BUCKET_BYTES
@@ -198,9 +199,11 @@ def test_buffer_averages_ride_in_the_first_flat_bucket():
     producer = {o: n for n in graph.node for o in n.output}
     for name in meta.names("buffer"):
         target = meta.binding[name]
-        assert f"{target}.local" in members
+        # prescaled by ngdist.grad_scale like the gradients, so that a sum is their mean
+        assert f"{target}.scaled" in members
+        assert producer[f"{target}.scaled"].input[0] == f"{target}.local"
         assert producer[target].op_type == "Reshape"  # the step output keeps its name
-    assert members.index(f"{meta.binding[meta.names('buffer')[0]]}.local") < \
+    assert members.index(f"{meta.binding[meta.names('buffer')[0]]}.scaled") < \
         members.index("fc.weight.grad")  # buffers are ready first (forward pass)
     unfused = rewrite(training, "allreduce", bucket_bytes=0)
     feeds = batch(training, n=8)

@@ -1,0 +1,83 @@
+"""Kernels of the plain collectives: AllReduce, Broadcast, AllGather, ReduceScatter.
+
+Written against ProcessGroup only. AllReduce reduces its bucket in place: the bucketing pass
+hands it one flat tensor (Concat in the graph), produced for it alone, so in a steady-state
+step no byte of a gradient is copied by Python; ``reduction="mean"`` divides once, here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ngdist.kernels.allreduce_algs import sum_inplace
+from ngdist.kernels.base import divide, donated, flatten, register_kernel, unflatten
+from ngdist.kernels.exact import exact_allreduce
+
+
+def _own_buffer(node, inputs) -> tuple[np.ndarray, bool]:
+    """(one contiguous buffer to reduce in place, whether it holds several inputs)."""
+    if len(inputs) == 1:
+        x = inputs[0]
+        if donated(node, 0) and x.flags.c_contiguous and x.flags.writeable:
+            return x, False
+        buf = node.state.get("buffer") if node.state.get("reuse_buffer") else None
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = np.empty(x.shape, x.dtype)
+            if node.state.get("reuse_buffer"):
+                node.state["buffer"] = buf
+        np.copyto(buf, x)  # never reduce into a value someone else still reads
+        return buf, False
+    return flatten(inputs, node), True
+
+
+@register_kernel("AllReduce")
+def allreduce(group, node, inputs):
+    """Sum (or mean) over the ranks, with MPI's own algorithm or the one named by the
+    ``algorithm`` attribute (kernels/allreduce_algs.py, kernels/exact.py)."""
+    algorithm = node.attributes.get("algorithm", "mpi")
+    if algorithm == "exact":  # reproducible mode
+        return exact_allreduce(group, node, inputs)
+    if group.size == 1:
+        return list(inputs)
+    buf, fused = _own_buffer(node, inputs)
+    flat = buf.reshape(-1)  # a view: the buffer is contiguous
+    if algorithm == "mpi":
+        group.allreduce(flat, node).wait()
+    else:
+        sum_inplace(algorithm, group, node, flat)
+    if node.attributes.get("reduction", "mean") == "mean":
+        divide(flat, group.size)
+    return unflatten(buf, inputs) if fused else [buf]
+
+
+@register_kernel("Broadcast")
+def broadcast(group, node, inputs):
+    root = int(node.attributes.get("root", 0))
+    outs = []
+    for i, x in enumerate(inputs):
+        buf = x if donated(node, i) and x.flags.writeable and x.flags.c_contiguous \
+            else np.ascontiguousarray(x).copy()
+        outs.append(buf)
+    works = [group.broadcast(b, root, node) for b in outs]
+    for w in works:
+        w.wait()
+    return outs
+
+
+@register_kernel("AllGather")
+def allgather(group, node, inputs):
+    (x,) = inputs
+    x = np.ascontiguousarray(x)
+    out = np.empty((group.size * x.shape[0], *x.shape[1:]), x.dtype)
+    group.allgather(x, out, node).wait()
+    return [out]
+
+
+@register_kernel("ReduceScatter")
+def reduce_scatter(group, node, inputs):
+    (x,) = inputs
+    x = np.ascontiguousarray(x)
+    if x.shape[0] % group.size:
+        raise ValueError(f"ReduceScatter needs axis 0 ({x.shape[0]}) divisible by {group.size}")
+    out = np.empty((x.shape[0] // group.size, *x.shape[1:]), x.dtype)
+    group.reduce_scatter(x, out, node).wait()
+    return [out]

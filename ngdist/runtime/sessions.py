@@ -1,0 +1,98 @@
+"""Placement and the one session factory: every onnxruntime session of ngdist comes from here.
+
+A :class:`Placement` says where a trainer's values live and run: ``cpu``, or ``cuda`` with a
+device id. ``make_session`` builds an ``InferenceSession`` for a model on that placement with
+ngdist's options (threads, quiet logging, the CPU memory arena unless ``NGDIST_CPU_ARENA=0``,
+graph optimisations), so that no part of the package builds sessions its own way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from ngdist.errors import NgdistError
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where values live and compute runs: ``device`` ``cpu`` or ``cuda``, and its id."""
+
+    device: str = "cpu"
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise NgdistError(f"unknown device {self.device!r}; choose one of {list(DEVICES)}")
+
+    @property
+    def providers(self) -> list[str | tuple[str, dict[str, str]]]:
+        if self.device == "cuda":
+            return [("CUDAExecutionProvider", {"device_id": str(self.device_id)}),
+                    "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+
+    @property
+    def ort_device(self) -> str:
+        """The device name IOBinding and OrtValue take."""
+        return self.device
+
+    def value(self, array: np.ndarray) -> ort.OrtValue:
+        """An OrtValue on this placement holding ``array`` (on CPU: the array itself, no copy;
+        keep the array alive as long as the value)."""
+        if self.device == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(array)
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device,
+                                                self.device_id)
+
+
+CPU = Placement()
+
+
+def placement_for(device: str | None, local_rank: int = 0) -> Placement:
+    """``cpu`` (default) or ``cuda`` (rank r on GPU ``local_rank % count``)."""
+    if device in (None, "cpu"):
+        return CPU
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise NgdistError("device='cuda' needs onnxruntime with the CUDA execution provider "
+                              "(pip install onnxruntime-gpu) and a GPU; this onnxruntime has "
+                              f"{ort.get_available_providers()}")
+        return Placement("cuda", local_rank)
+    raise NgdistError(f"unknown device {device!r}; choose one of {list(DEVICES)}")
+
+
+def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+    """onnxruntime options for ngdist's sessions: ``intra_op_threads`` (one inter-op thread),
+    quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``.
+
+    The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
+    half the memory at batch 4096 but runs about 1.3x slower (docs/benchmarks.md).
+    """
+    opts = ort.SessionOptions()
+    if intra_op_threads:
+        opts.intra_op_num_threads = intra_op_threads
+        opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
+    return opts
+
+
+def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
+                 intra_op_threads: int | None = None, optimize: bool = True
+                 ) -> ort.InferenceSession:
+    """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
+    ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites)."""
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    opts = session_options(intra_op_threads)
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(data, opts, providers=placement.providers)
