@@ -85,3 +85,51 @@ def cnn(channels: tuple[int, int] = (32, 32), classes: int = 10, image: int = 8,
         [helper.make_tensor_value_info("logits", elem, ["batch", classes])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
                              ir_version=IR_VERSION, producer_name="ngdist.zoo")
+
+
+def digits_cnn(channels: tuple[int, int] = (32, 64), hidden: int = 128, classes: int = 10,
+               image: int = 8, seed: int = 0, dtype: type = np.float32) -> onnx.ModelProto:
+    """Forward-only CNN for ``N x 1 x image x image`` inputs ``x`` -> ``logits``, without
+    normalisation: Conv3x3(32) - Relu - Conv3x3(64) - Relu - MaxPool2x2 - Flatten -
+    Gemm(128) - Relu - Gemm(classes) (convolutions padded to keep the image size). The same
+    layers as ``nn.Sequential(Conv2d(1, 32, 3, padding=1), ReLU(), Conv2d(32, 64, 3,
+    padding=1), ReLU(), MaxPool2d(2), Flatten(), Linear(64 * 16, 128), ReLU(), Linear(128,
+    10))``, with PyTorch's default initialisation (uniform +-1/sqrt(fan_in)). Parameter names:
+    ``conv1.weight``, ``conv2.bias``, ``fc1.weight``, ``fc2.bias``...
+    """
+    rng = np.random.default_rng(seed)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    c1, c2 = channels
+    flat = c2 * (image // 2) ** 2
+
+    def uniform(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
+        bound = 1.0 / np.sqrt(fan_in)
+        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(dtype), name)
+
+    inits = [uniform("conv1.weight", (c1, 1, 3, 3), 9), uniform("conv1.bias", (c1,), 9),
+             uniform("conv2.weight", (c2, c1, 3, 3), 9 * c1), uniform("conv2.bias", (c2,), 9 * c1),
+             uniform("fc1.weight", (hidden, flat), flat), uniform("fc1.bias", (hidden,), flat),
+             uniform("fc2.weight", (classes, hidden), hidden),
+             uniform("fc2.bias", (classes,), hidden),
+             numpy_helper.from_array(np.array([-1, flat], np.int64), "flat_shape")]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv1.weight", "conv1.bias"], ["c1"], name="conv1",
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "conv2.weight", "conv2.bias"], ["c2"], name="conv2",
+                         pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("MaxPool", ["r2"], ["p2"], name="pool", kernel_shape=[2, 2],
+                         strides=[2, 2]),
+        helper.make_node("Reshape", ["p2", "flat_shape"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc1.weight", "fc1.bias"], ["z1"], name="fc1", transB=1),
+        helper.make_node("Relu", ["z1"], ["h1"], name="relu3"),
+        helper.make_node("Gemm", ["h1", "fc2.weight", "fc2.bias"], ["logits"], name="fc2",
+                         transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "digits_cnn",
+        [helper.make_tensor_value_info("x", elem, ["batch", 1, image, image])],
+        [helper.make_tensor_value_info("logits", elem, ["batch", classes])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                             ir_version=IR_VERSION, producer_name="ngdist.zoo")

@@ -251,6 +251,9 @@ def _cases() -> list[Case]:
       pads=[1, 2], dilations=[2])
     c("Conv-1d-group", "Conv", lambda g: [g.n(2, 4, 8), g.n(4, 2, 3)], group=2)
     c("Conv-3d", "Conv", lambda g: [g.n(1, 2, 4, 4, 3), g.n(2, 2, 2, 3, 2)], strides=[2, 1, 1])
+    c("Conv-stride-dilation-pads", "Conv", lambda g: [g.n(2, 2, 9, 8), g.n(3, 2, 3, 2), g.n(3)],
+      strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1])
+    c("Conv-1x1", "Conv", lambda g: [g.n(2, 3, 4, 5), g.n(4, 3, 1, 1)])
     c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
       strides=[2, 2], symbolic="batch")
     c("ConvTranspose-2d", "ConvTranspose", lambda g: [g.n(2, 3, 3, 3), g.n(3, 2, 3, 3)])
@@ -598,6 +601,36 @@ def test_max_pool_ties_go_to_the_first_maximum() -> None:
         for j in range(2):
             expected[i, j] += w["w0"][0, 0, i, j]  # window (i, j) starts at (i, j)
     np.testing.assert_array_equal(grads["in0"][0, 0], expected)
+
+
+def test_max_pool_disjoint_windows_ties_go_to_the_first_maximum_in_float32() -> None:
+    """2x2 windows with stride 2 share no element: the float32 backward writes the gradient
+    with MaxUnpool (no scatter-add), still to the first maximum of each window."""
+    x = np.ones((1, 1, 4, 4))
+    x[0, 0, 3, 3] = 2.0  # one window with a unique maximum at its last element
+    case = op_case("MaxPool-disjoint-ties", "MaxPool", [x], kernel_shape=[2, 2], strides=[2, 2])
+    weights = weights_for(case)
+    model = grad_model(case, np.float32, weights)
+    assert [n.op_type for n in model.graph.node].count("MaxUnpool") == 1
+    assert not [n for n in model.graph.node if n.op_type == "ScatterElements"]
+    got = Runner(model, ort_only=True)({"in0": x.astype(np.float32)})[1]
+    expected = np.zeros((4, 4))
+    w = weights["w0"][0, 0]
+    for (i, j), (r, c) in {(0, 0): (0, 0), (0, 1): (0, 2), (1, 0): (2, 0), (1, 1): (3, 3)}.items():
+        expected[r, c] = w[i, j]
+    np.testing.assert_allclose(got[0, 0], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cid", ["Conv-2d", "Conv-stride-dilation-pads", "ConvTranspose-2d"])
+def test_conv_weight_gradient_is_one_matmul_per_kernel_tap(cid: str) -> None:
+    """Group-1 convolutions: the weight gradient is prod(kernel) matrix products over the
+    channels-last input, with no second Conv (the forward one stays the only Conv)."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    ops = [n.op_type for n in lowered.graph.node]
+    taps = int(np.prod(case.inputs["in1"].shape[2:]))
+    assert ops.count("MatMul") == taps
+    assert ops.count(case.nodes[0].op_type) == 1
 
 
 # ----------------------------------------------------------------------------- reuse

@@ -2,9 +2,11 @@
 
 MaxPool routes each output gradient to the element its ``Indices`` output names (the output is
 added to the forward node when absent, so the argmax is never recomputed; ties go to the first
-maximum in row-major order, as onnxruntime's kernel picks). AveragePool spreads the gradient
-over each window with a ConvTranspose of a ones kernel, after dividing it by the window's
-divisor (count_include_pad either way, ceil_mode, pads, strides, dilations).
+maximum in row-major order, as onnxruntime's kernel picks): MaxUnpool when the windows are
+disjoint (stride >= window extent), else a ScatterElements that adds where windows overlap.
+AveragePool spreads the gradient over each window with a ConvTranspose of a ones kernel, after
+dividing it by the window's divisor (count_include_pad either way, ceil_mode, pads, strides,
+dilations).
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from ngdist.passes.autodiff.registry import attr, register
 from ngdist.passes.autodiff.rules._common import ensure_output, static_dims, window
 
 
+UNPOOL_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16}  # onnxruntime's CPU MaxUnpool kernels
+
+
 @register("MaxPool")
 def max_pool(ctx, node, gys):
     x = node.inputs[0]
@@ -23,12 +28,33 @@ def max_pool(ctx, node, gys):
                          "differentiated")
     indices = ensure_output(node, 1, "indices", ir.DataType.INT64, node.outputs[0].shape)
     g = gys[0]
+    kernel = list(attr(node, "kernel_shape"))
+    strides = list(attr(node, "strides", None) or [1] * len(kernel))
+    dilations = list(attr(node, "dilations", None) or [1] * len(kernel))
+    disjoint = all(s >= (k - 1) * d + 1 for k, s, d in zip(kernel, strides, dilations))
+    if disjoint and x.dtype in UNPOOL_TYPES and _fits(x, node.outputs[0]):
+        # no window shares an element, so each index occurs once: MaxUnpool's write is the
+        # scatter-add below, 4x faster ([128, 64, 8, 8], 2x2: 0.19 vs 0.79 ms). Its window
+        # attributes only bound the output shape from below; given 1s, that bound is the
+        # pooled size, which _fits checked.
+        ones = [1] * len(kernel)
+        return [ctx.op("MaxUnpool", g, indices, ctx.op("Shape", x), kernel_shape=ones,
+                       strides=ones)]
     zeros = ctx.op("CastLike", ctx.op("ConstantOfShape", ctx.op("Reshape", ctx.op("Size", x),
                                                                 ctx.ints([1])),
                                       value=ir.tensor(np.zeros(1, np.float32))), g)
     flat = ctx.op("ScatterElements", zeros, ctx.op("Reshape", indices, ctx.ints([-1])),
                   ctx.op("Reshape", g, ctx.ints([-1])), axis=0, reduction="add")
     return [ctx.op("Reshape", flat, ctx.op("Shape", x))]
+
+
+def _fits(x: ir.Value, y: ir.Value) -> bool:
+    """Whether the pooled spatial sizes of ``y`` are known and at most those of ``x``."""
+    if x.shape is None or y.shape is None:
+        return False
+    dims = list(zip(list(x.shape.dims)[2:], list(y.shape.dims)[2:]))
+    return bool(dims) and all(isinstance(a, int) and isinstance(b, int) and b <= a
+                              for a, b in dims)
 
 
 def _pool_sizes(node, spatial, kernel, strides, dilations, begin, end) -> list[int]:
