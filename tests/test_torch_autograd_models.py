@@ -131,7 +131,7 @@ def test_batchnorm_running_statistics_match_torch_after_5_steps(name):
                              optimizer=torch.optim.SGD(module.parameters(), lr=0.1,
                                                        momentum=0.9), strategy="local")
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    inp = trainer.torch_export.input_names[0]
+    inp = trainer.inference_model().graph.input[0].name  # the module's forward argument
     for step in range(5):
         x, y = _batch(kind, 32, offset=32 * step)
         trainer.step({inp: x, "y": y})
