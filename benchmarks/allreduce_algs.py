@@ -8,9 +8,11 @@ markdown table per rank count. Inside MPI, for every float32 buffer from 4 KiB t
 
 * ``mpi4py``: ``COMM_WORLD.Allreduce(buf, out, SUM)``, the MPI library's own algorithm, no
   ngdist code at all (the baseline);
-* ``ngdist:<alg>``: the ``ngdist.AllReduce`` mpi kernel (what a training step runs: flatten
-  and copy the bucket, reduce, every wait bounded by the watchdog) with ``algorithm`` =
-  ``mpi``, ``ring``, ``recursive_doubling``, ``hierarchical``.
+* ``ngdist:<alg>``: the ``ngdist.AllReduce`` kernel on an input it may not reduce in place
+  (so it copies it first; a training step hands it its bucket to reduce in place), every
+  wait bounded by the watchdog, with ``algorithm`` = ``mpi``, ``ring``,
+  ``recursive_doubling``, ``hierarchical``. benchmarks/step_comm_cost.py measures the
+  AllReduce inside a training step.
 
 Each cell is the median over repetitions of the slowest rank's time, turned into bus
 bandwidth as nccl-tests define it, ``busbw = 2 (p - 1) / p * bytes / time``, so that the
@@ -47,13 +49,13 @@ def worker(max_mb: int, budget: float) -> None:
     from mpi4py import MPI
     from tqdm import tqdm
 
+    from ngdist.comm import world_group
     from ngdist.kernels import CommNode, get_kernel
-    from ngdist.comm.mpi import Communicator
 
     world = MPI.COMM_WORLD
     rank, p = world.Get_rank(), world.Get_size()
-    comm = Communicator(timeout=600)
-    kernel = get_kernel("AllReduce", "mpi")
+    comm = world_group(timeout=600)
+    kernel = get_kernel("AllReduce")
     rows = []
     todo = [(n, m) for n in sizes(max_mb) for m in METHODS]
     bar = tqdm(todo, disable=rank != 0, desc=f"allreduce algorithms on {p} ranks", unit="cell")

@@ -1,0 +1,130 @@
+"""The AllReduce inside a training step next to raw mpi4py ``Allreduce`` of the same bytes.
+
+    python benchmarks/step_comm_cost.py [--ranks 2] [--sizes 4 16 64] [--rounds 5]
+
+Run plainly, it launches itself under the venv's mpiexec. For each size S (MiB of float32
+gradients) it builds an MLP 64-h-10 whose parameters take S MiB, compiles it twice in the same
+processes, with ``strategy="allreduce"`` (default buckets of 25 MiB) and with
+``strategy="local"`` (the same step without communication), one intra-op thread per rank, and
+times, alternating in rounds:
+
+* ``allreduce``: one training step; ``local``: the same step with no communication;
+* ``mpi4py``: ``COMM_WORLD.Allreduce(IN_PLACE, buf, SUM)`` of a float32 buffer of the same
+  bytes as all the gradients, no ngdist code at all.
+
+The communication cost inside the step is ``allreduce - local`` (the best of each round's
+median, the slowest rank's time); the ratio printed is ``mpi4py / (allreduce - local)``: 1.0
+means the step's communication costs what the MPI library's own Allreduce of those bytes costs
+(above 1 when the step overlaps communication with compute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(sizes: list[int], rounds: int, steps: int, batch: int) -> None:
+    from mpi4py import MPI
+
+    import ngdist
+    from ngdist import zoo
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    rng = np.random.default_rng(rank)
+    rows = []
+    for mib in sizes:
+        hidden = (mib << 20) // 4 // (64 + 1 + 10)
+        model = zoo.mlp((64, hidden, 10), seed=0)
+        trainers = {s: ngdist.compile(model, loss="softmax_cross_entropy", labels="y",
+                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s,
+                                      intra_op_threads=1)
+                    for s in ("allreduce", "local")}
+        nbytes = sum(v.nbytes for v in trainers["local"].parameters().values())
+        buf = np.ones(nbytes // 4, np.float32)
+        x = rng.standard_normal((batch, 64)).astype(np.float32)
+        y = rng.integers(0, 10, batch).astype(np.int64)
+
+        def step(name: str) -> None:
+            trainers[name].step({"x": x, "y": y}, fetch_stats=False)
+
+        def raw() -> None:
+            world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        runs = {"allreduce": lambda: step("allreduce"), "local": lambda: step("local"),
+                "mpi4py": raw}
+        for fn in runs.values():  # warm-up: sessions, arenas, buffers
+            fn(), fn()
+        best: dict[str, float] = {}
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                times = []
+                for _ in range(steps):
+                    world.Barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(_max(world, time.perf_counter() - t0))
+                best[name] = min(best.get(name, float("inf")), statistics.median(times))
+        cost = best["allreduce"] - best["local"]
+        rows.append({"MiB": mib, "bytes": nbytes, **{f"{k}_ms": v * 1e3 for k, v in best.items()},
+                     "comm_in_step_ms": cost * 1e3, "ratio": best["mpi4py"] / cost})
+        for t in trainers.values():
+            t.close()
+    if rank == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def _max(world, value: float) -> float:
+    from mpi4py import MPI
+
+    buf = np.array([value])
+    world.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    return float(buf[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[4, 16, 64], help="MiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.sizes, args.rounds, args.steps, args.batch)
+        return 0
+    from ngdist.comm.launch import mpiexec_cmd
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--rounds",
+           str(args.rounds), "--steps", str(args.steps), "--batch", str(args.batch),
+           "--sizes", *map(str, args.sizes)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        return proc.returncode or 1
+    rows = json.loads(line[7:])
+    print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank")
+    print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['MiB']} MiB | {r['allreduce_ms']:.2f} ms | {r['local_ms']:.2f} ms | "
+              f"{r['comm_in_step_ms']:.2f} ms | {r['mpi4py_ms']:.2f} ms | {r['ratio']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
