@@ -10,7 +10,7 @@ import sys
 from ngdist import optim
 from ngdist.api import barrier, compile, rank, size, to_training_model  # noqa: A004
 from ngdist.errors import (CommError, CommTimeoutError, ExecutionError, GradientError,
-                           GraphError, InputError, ModelLoadError, NgdistError)
+                           GraphError, InputError, ModelLoadError, NgdistError, OptionError)
 from ngdist.runtime.trainer import StepStats, Trainer
 from ngdist.compat import backend, kvstore
 from ngdist.compat.ray import DistributedSGD  # Ray SGD's entry point
@@ -22,5 +22,5 @@ sys.modules[__name__ + ".backend"] = backend
 __version__ = "0.1.0"
 
 __all__ = ["CommError", "CommTimeoutError", "DistributedSGD", "ExecutionError",
-           "GradientError", "GraphError", "InputError", "ModelLoadError", "NgdistError",
+           "GradientError", "GraphError", "InputError", "ModelLoadError", "NgdistError", "OptionError",
            "StepStats", "Trainer", "backend", "barrier", "compile", "kvstore", "optim", "rank", "size", "to_training_model"]

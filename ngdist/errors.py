@@ -18,6 +18,10 @@ class GradientError(GraphError):
     """Reverse-mode differentiation is impossible, e.g. an op has no gradient rule."""
 
 
+class OptionError(NgdistError):
+    """An option that does not exist, belongs to another strategy, or has a wrong type."""
+
+
 class InputError(NgdistError):
     """A batch given to ``Trainer.step`` does not fit the model."""
 

@@ -29,15 +29,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ngdist.errors import NgdistError
+from ngdist.errors import OptionError
 from ngdist.ir.domain import ALLREDUCE_ALGORITHMS
 from ngdist.passes.pushsum import GRAPHS
 
 Spell = Callable[[str], str]
-
-
-class OptionError(NgdistError):
-    """An option that does not exist, belongs to another strategy, or has a wrong type."""
 
 
 def python_name(name: str) -> str:

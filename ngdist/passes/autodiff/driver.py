@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from ngdist.errors import GradientError
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.passes.autodiff import rules  # noqa: F401  (registers every rule family)
+import ngdist.passes.autodiff.rules  # noqa: F401  (registers every rule family)
 from ngdist.passes.autodiff.registry import NON_DIFFERENTIABLE, GradContext, attr, get_rule
 
 logger = logging.getLogger(__name__)
