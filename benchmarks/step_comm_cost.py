@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(sizes: list[int], rounds: int, steps: int, batch: int) -> None:
+def worker(sizes: list[int], rounds: int, steps: int, batch: int, overlap: bool) -> None:
     from mpi4py import MPI
 
     import ngdist
@@ -47,8 +47,8 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int) -> None:
         hidden = (mib << 20) // 4 // (64 + 1 + 10)
         model = zoo.mlp((64, hidden, 10), seed=0)
         trainers = {s: ngdist.compile(model, loss="softmax_cross_entropy", labels="y",
-                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s,
-                                      intra_op_threads=1)
+                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s, **({"bucket_bytes": int(os.environ["BB"])} if "BB" in os.environ and s == "allreduce" else {}),
+                                      intra_op_threads=1, overlap=overlap)
                     for s in ("allreduce", "local")}
         nbytes = sum(v.nbytes for v in trainers["local"].parameters().values())
         buf = np.ones(nbytes // 4, np.float32)
@@ -99,10 +99,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="run comm nodes in program order on the main thread")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.sizes, args.rounds, args.steps, args.batch)
+        worker(args.sizes, args.rounds, args.steps, args.batch, not args.no_overlap)
         return 0
     from ngdist.comm.launch import mpiexec_cmd
 
@@ -110,14 +112,15 @@ def main() -> int:
            "OMP_NUM_THREADS": "1"}
     cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--rounds",
            str(args.rounds), "--steps", str(args.steps), "--batch", str(args.batch),
-           "--sizes", *map(str, args.sizes)]
+           "--sizes", *map(str, args.sizes), *(["--no-overlap"] if args.no_overlap else [])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         sys.stderr.write(proc.stdout + proc.stderr)
         return proc.returncode or 1
     rows = json.loads(line[7:])
-    print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank")
+    print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank, "
+          f"overlap {'off' if args.no_overlap else 'on'}")
     print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce | ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:

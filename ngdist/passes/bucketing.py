@@ -18,6 +18,10 @@ logger = logging.getLogger(__name__)
 # AllReduce algorithms whose kernel takes a bucket as a list of tensors: the exact kernel
 # (kernels/exact.py) gets each input stacked per micro-batch, so its inputs are not concatenated
 LIST_ALGORITHMS = ("exact",)
+# a tensor of at least this many bytes is reduced alone, in place: copying it into and out of
+# a bucket costs more than the latency of its own message (about 0.1 ms a copy of 256 KiB,
+# against tens of microseconds per MPI call), so fusion only gathers the small ones
+ALONE_BYTES = 256 << 10
 SPLIT_SIZES_INPUT_OPSET = 13  # Split reads its sizes from a second input from opset 13 on
 RESHAPE_ALLOWZERO_OPSET = 14  # Reshape's allowzero: a 0 in the target is a zero-sized axis
 
@@ -28,8 +32,10 @@ class BucketingPass(ir.passes.InPlacePass):
 
     Gradients are taken in the order the backward pass produces them (last layer first, as in
     PyTorch DDP); a bucket closes when the next gradient would take it past ``bucket_bytes``
-    or has another element type, reduction or algorithm. ``bucket_bytes <= 0`` leaves one
-    AllReduce per gradient (numbered buckets still).
+    or has another element type, reduction or algorithm. A tensor of ``ALONE_BYTES`` or more
+    (256 KiB) gets a bucket of its own and leaves the open bucket of small tensors open, so no
+    large gradient is copied. ``bucket_bytes <= 0`` leaves one AllReduce per gradient
+    (numbered buckets still).
 
     A bucket of several tensors becomes, right after the producer of its last gradient::
 
@@ -79,6 +85,7 @@ class BucketingPass(ir.passes.InPlacePass):
 
     def _group(self, singles: list[ir.Node]) -> list[list[ir.Node]]:
         buckets: list[list[ir.Node]] = []
+        cur: list[ir.Node] | None = None  # the open bucket of small tensors
         size = 0
         for n in singles:
             g = n.inputs[0]
@@ -86,7 +93,9 @@ class BucketingPass(ir.passes.InPlacePass):
             if b is None:
                 logger.warning("size of gradient %s unknown; counted as 0 bytes", g.name)
                 b = 0
-            cur = buckets[-1] if buckets else None
+            if b >= ALONE_BYTES and attr(n, "algorithm", "mpi") not in LIST_ALGORITHMS:
+                buckets.append([n])
+                continue
             fits = cur is not None and self.bucket_bytes > 0 and size + b <= self.bucket_bytes \
                 and cur[0].inputs[0].dtype == g.dtype \
                 and attr(cur[0], "reduction", "mean") == attr(n, "reduction", "mean") \
@@ -95,7 +104,8 @@ class BucketingPass(ir.passes.InPlacePass):
                 cur.append(n)
                 size += b
             else:
-                buckets.append([n])
+                cur = [n]
+                buckets.append(cur)
                 size = b
         return buckets
 

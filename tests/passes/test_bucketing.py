@@ -348,3 +348,19 @@ def test_compiled_single_rank_training_is_the_same_with_and_without_fusion(same_
     b = ngdist.compile(zoo.mlp(SIZES, seed=2), optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9),
                        bucket_bytes=1 << 30)
     same_trajectory(a, b, x, y, steps=3, batch=32)
+
+
+def test_a_large_gradient_travels_alone_and_small_ones_stay_fused():
+    # fc0.weight is 64 x 1024 floats = 256 KiB (ALONE_BYTES): its own bucket, reduced in
+    # place with no Concat; the small gradients around it share one flat bucket
+    from ngdist.passes.bucketing import ALONE_BYTES
+
+    training = ngdist.to_training_model(zoo.mlp((64, 1024, 10), seed=0),
+                                        optimizer=ngdist.optim.SGD(lr=0.1))
+    graph = algorithm(rewrite(training, "allreduce", bucket_bytes=1 << 30))
+    found = {tuple(members): flat for _, members, flat in buckets(graph)}
+    assert found == {("fc1.weight.grad", "fc1.bias.grad", "fc0.bias.grad"): True,
+                     ("fc0.weight.grad",): False}
+    assert ALONE_BYTES == 64 * 1024 * 4
+    concat_inputs = {i for n in graph.node if n.op_type == "Concat" for i in n.input}
+    assert not any(i.startswith("fc0.weight.grad") for i in concat_inputs)
