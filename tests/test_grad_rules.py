@@ -209,6 +209,7 @@ def _cases() -> list[Case]:
                         ("mat-vec", (2, 3, 4), (4,)), ("vec-vec", (4,), (4,))]:
         c(f"MatMul-{cid}", "MatMul", lambda g, sa=sa, sb=sb: [g.n(*sa), g.n(*sb)])
     c("MatMul-symbolic", "MatMul", lambda g: [g.n(2, 3, 4), g.n(4, 5)], symbolic=True)
+    c("MatMul-batched-left-4d", "MatMul", lambda g: [g.n(2, 3, 2, 4), g.n(4, 5)])
     # --- shape ops ----------------------------------------------------------------------------
     c("Reshape", "Reshape", lambda g: [g.n(2, 3, 4), np.array([4, -1])])
     c("Flatten-1", "Flatten", lambda g: [g.n(2, 3, 4)], axis=1)
@@ -631,6 +632,17 @@ def test_conv_weight_gradient_is_one_matmul_per_kernel_tap(cid: str) -> None:
     taps = int(np.prod(case.inputs["in1"].shape[2:]))
     assert ops.count("MatMul") == taps
     assert ops.count(case.nodes[0].op_type) == 1
+
+
+@pytest.mark.parametrize("cid", ["MatMul-batched-left", "MatMul-batched-left-4d",
+                                 "MatMul-symbolic"])
+def test_matmul_weight_gradient_is_one_product_over_all_rows(cid: str) -> None:
+    """[..., M, K] @ [K, N]: the gradient of the 2-D operand is one Gemm over the flattened
+    rows, with no batched product and no ReduceSum over a [..., K, N] intermediate."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    backward = [n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")]
+    assert backward.count("Gemm") == 1 and "ReduceSum" not in backward
 
 
 # ----------------------------------------------------------------------------- reuse

@@ -1,4 +1,9 @@
-"""Matrix products: Gemm and MatMul (batched, broadcast, 1-D operands)."""
+"""Matrix products: Gemm and MatMul (batched, broadcast, 1-D operands).
+
+The weight gradient of a batched MatMul with a 2-D right operand (``[B, M, K] @ [K, N]``, a
+linear layer applied to sequences) is one Gemm over the B*M rows, not B products and a
+ReduceSum over a [B, K, N] intermediate.
+"""
 from __future__ import annotations
 
 from ngdist.passes.autodiff.registry import attr, register
@@ -36,6 +41,14 @@ def _swap_last(ctx, v, rank):
     return ctx.op("Transpose", v, perm=perm)
 
 
+def _rows_of(ctx, v):
+    """The shape [-1, last dim of v]: v as a matrix of its rows."""
+    last = list(v.shape.dims)[-1] if v.shape is not None and v.shape.rank() else None
+    if isinstance(last, int):
+        return ctx.ints([-1, last])
+    return ctx.op("Concat", ctx.ints([-1]), ctx.op("Shape", v, start=-1), axis=0)
+
+
 @register("MatMul")
 def matmul(ctx, node, gys):
     (g,) = gys
@@ -52,6 +65,9 @@ def matmul(ctx, node, gys):
         g2 = ctx.op("Unsqueeze", g2, ctx.ints([-1]))
     rout = max(ra, rb, 2)
     ga = ctx.op("MatMul", g2, _swap_last(ctx, b2, max(rb, 2)))
+    if rb == 2 and ra > 2:  # a weight under batched rows: one product over every row
+        rows = ctx.op("Reshape", a, _rows_of(ctx, a))  # [B*M, K]
+        return [ga, ctx.op("Gemm", rows, ctx.op("Reshape", g, _rows_of(ctx, g)), transA=1)]
     gb = ctx.op("MatMul", _swap_last(ctx, a2, max(ra, 2)), g2)
     if not (ra == rb == 2):
         ga = ctx.unbroadcast(ga, a2, grad_rank=rout) if ra >= 2 else \
