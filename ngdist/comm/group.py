@@ -131,6 +131,7 @@ class ProcessGroup(abc.ABC):
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.bytes_sent = 0  # what this rank's calls put on the wire (step statistics)
         self.local_size = 1  # ranks of this group on this host (threads per rank)
+        self.local_rank = 0  # this rank's place among them (its GPU on a multi-GPU host)
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
@@ -198,9 +199,16 @@ class ProcessGroup(abc.ABC):
                 "output for why it stopped")
 
     def timeout_message(self, what: Any, peers: Sequence[int] | None = None) -> str:
-        who = f"peers {list(peers)}" if peers is not None else f"ranks 0..{self.size - 1}"
+        """Names job-wide ranks, also in a sub-group."""
+        world = self.world_ranks()
+        if peers is not None:
+            who = f"peers {[world[p] for p in peers]}"
+        elif world == list(range(self.size)):
+            who = f"ranks 0..{self.size - 1}"
+        else:
+            who = f"ranks {world}"
         return (f"{describe(what)} did not complete within {self.timeout:g} s on rank "
-                f"{self.rank} (waiting for {who}); a rank has probably died or is running a "
+                f"{world[self.rank]} (waiting for {who}); a rank has probably died or is running a "
                 "different program. Check the other ranks' output; raise the limit with "
                 "timeout= or NGDIST_TIMEOUT")
 
@@ -218,11 +226,12 @@ class ProcessGroup(abc.ABC):
         self.allgather(digest, table, f"start-up check of the {what}").wait()
         differ = [r for r in range(self.size) if not np.array_equal(table[r], table[0])]
         if differ:
+            world = self.world_ranks()
             raise CommError(
-                f"ranks {differ} hold a different {what} than rank 0 (sha256 "
-                f"{table[0].tobytes().hex()[:12]} on rank 0, "
-                f"{table[differ[0]].tobytes().hex()[:12]} on rank {differ[0]}); start every "
-                "rank with the same model and options")
+                f"ranks {[world[r] for r in differ]} hold a different {what} than rank "
+                f"{world[0]} (sha256 {table[0].tobytes().hex()[:12]} on rank {world[0]}, "
+                f"{table[differ[0]].tobytes().hex()[:12]} on rank {world[differ[0]]}); start "
+                "every rank with the same model and options")
 
     def broadcast_arrays(self, arrays: Sequence[np.ndarray], root: int = 0,
                          what: str = "initial broadcast of parameters") -> None:

@@ -70,6 +70,7 @@ class _Job:
         self.world = world
         self.local_pids: dict[int, int] = {}
         self.local_size = 1
+        self.local_rank = 0
 
 
 _WORLD_JOB: list[_Job] = []  # the job of this process's world groups, once known
@@ -89,14 +90,14 @@ class MpiGroup(ProcessGroup):
         if job is None and _WORLD_JOB:  # another world group of this process: share its job
             job = _WORLD_JOB[0]
             self._job, self._world_ranks = job, list(range(self.size))
-            self.local_size = job.local_size
+            self.local_size, self.local_rank = job.local_size, job.local_rank
         elif job is None:  # the first world group: start-up exchanges, bounded by the timeout
             job = _Job(self.comm)
             install_abort_hook(self.comm)
             self._job = job
             self._world_ranks = list(range(self.size))
             self._exchange_pids()
-            job.local_size = self.local_size
+            job.local_size, job.local_rank = self.local_size, self.local_rank
             _WORLD_JOB.append(job)
         else:
             self._job = job
@@ -152,8 +153,14 @@ class MpiGroup(ProcessGroup):
     def barrier(self, what="barrier"):
         return self._work([self.comm.Ibarrier()], what)
 
+    def _all_present(self, what: Any) -> None:
+        """A bounded barrier before a blocking MPI call (Split has no non-blocking form):
+        once every rank has reached it, the call that follows completes."""
+        self.barrier(what).wait()
+
     def split(self, color, key, what):
         MPI = _mpi()
+        self._all_present(what)
         sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
         return self._wrap(sub)
 
@@ -164,10 +171,12 @@ class MpiGroup(ProcessGroup):
 
     def host_groups(self, what, ranks_per_host=0):
         MPI = _mpi()
+        self._all_present(what)
         if ranks_per_host > 0:
             local = self.comm.Split(self.rank // ranks_per_host, self.rank)
         else:
             local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self._all_present(what)
         leaders = self.comm.Split(0 if local.Get_rank() == 0 else MPI.UNDEFINED, self.rank)
         return self._wrap(local), self._wrap(leaders)
 
@@ -179,7 +188,7 @@ class MpiGroup(ProcessGroup):
         ranks = sub.Get_group().Translate_ranks(list(range(sub.Get_size())), mine)
         group = MpiGroup(self.timeout, comm=sub, job=self._job,
                          world_ranks=[self._world_ranks[r] for r in ranks])
-        group.local_size = self.local_size
+        group.local_size, group.local_rank = self.local_size, self.local_rank
         return group
 
     # ------------------------------------------------------------------ failures
@@ -195,6 +204,7 @@ class MpiGroup(ProcessGroup):
         same = [r for r in range(self.size) if np.array_equal(table[r, 1:], mine[1:])]
         self._job.local_pids = {r: int(table[r, 0]) for r in same if r != self.rank}
         self.local_size = len(same)
+        self.local_rank = same.index(self.rank)
 
     def gone(self, peers):
         ranks = range(self.size) if peers is None else peers

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ngdist.errors import CommError
-from ngdist.kernels.base import CommNode, register_kernel, unflatten
+from ngdist.kernels.base import CommNode, flatten, register_kernel, unflatten
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def pushsum(comm, node, inputs):
     k = node.state["itr"]
     g.like = list(inputs)
     dtype = np.result_type(*inputs)
-    flat = np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in inputs])
+    flat = flatten(inputs)
     if g.overlap:
         arrived = g.take_arrived(comm, node, k)
         if arrived is not None:

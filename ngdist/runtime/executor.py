@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from ngdist.comm.group import ProcessGroup
 from ngdist.errors import CommError, ExecutionError, NgdistError
@@ -101,6 +101,11 @@ class Executor:
                 node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
                 self.comm_nodes[item.index] = node
                 self.kernels[item.index] = get_kernel(n.op_type)
+        # constants a comm node reads directly, placed once
+        self.comm_constants: dict[str, ort.OrtValue] = {
+            name: placement.value(numpy_helper.to_array(self.constants[name]).copy())
+            for node in self.comm_nodes.values() for name in node.inputs
+            if name in self.constants}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
         last: dict[str, int] = {}
         for item in self.items:
@@ -205,7 +210,7 @@ class Executor:
     def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
             ) -> dict[str, ort.OrtValue]:
         times = times or StepTimes()
-        env = dict(feeds)
+        env = {**self.comm_constants, **feeds}
         pending: dict[str, Future] = {}
 
         def resolve(names: list[str]) -> None:

@@ -57,17 +57,49 @@ class Placement:
 CPU = Placement()
 
 
+def gpu_count() -> int:
+    """The GPUs onnxruntime sees on this machine (0 without one)."""
+    try:
+        from onnxruntime.capi import _pybind_state as C
+
+        return sum(1 for h in C.get_hardware_devices() if h.type.name == "GPU")
+    except (ImportError, AttributeError):  # an onnxruntime without device discovery
+        return 0
+
+
 def placement_for(device: str | None, local_rank: int = 0) -> Placement:
-    """``cpu`` (default) or ``cuda`` (rank r on GPU ``local_rank % count``)."""
+    """``cpu`` (default), ``cuda`` (rank r on GPU ``local_rank % count``) or ``auto`` (``cuda``
+    when it is usable, else ``cpu``). ``cuda`` fails at once, saying what is missing, when
+    onnxruntime has no CUDA provider or sees no GPU, or when a buffer cannot be placed on the
+    GPU (no CUDA runtime)."""
     if device in (None, "cpu"):
         return CPU
-    if device == "cuda":
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            raise NgdistError("device='cuda' needs onnxruntime with the CUDA execution provider "
-                              "(pip install onnxruntime-gpu) and a GPU; this onnxruntime has "
-                              f"{ort.get_available_providers()}")
-        return Placement("cuda", local_rank)
-    raise NgdistError(f"unknown device {device!r}; choose one of {list(DEVICES)}")
+    if device == "auto":
+        try:
+            return placement_for("cuda", local_rank)
+        except NgdistError as exc:
+            logger.info("device='auto': CPU (%s)", exc)
+            return CPU
+    if device != "cuda":
+        raise NgdistError(f"unknown device {device!r}; choose one of "
+                          f"{[*DEVICES, 'auto']}")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise NgdistError("device='cuda' needs onnxruntime with the CUDA execution provider: "
+                          "pip install onnxruntime-gpu (a CUDA 13 build from 1.27 on); this "
+                          f"onnxruntime has {ort.get_available_providers()}")
+    count = gpu_count()
+    if count == 0:
+        raise NgdistError("device='cuda': onnxruntime has the CUDA execution provider but sees "
+                          "no GPU on this machine; use device='cpu' (or 'auto' to pick CUDA "
+                          "only when it is usable)")
+    placement = Placement("cuda", local_rank % count)
+    try:
+        placement.value(np.zeros(1, np.float32))
+    except Exception as exc:  # noqa: BLE001 - any failure means CUDA is not usable here
+        raise NgdistError(f"device='cuda': a buffer cannot be placed on GPU "
+                          f"{placement.device_id}: {exc}. Check the CUDA runtime (onnxruntime-gpu "
+                          "from 1.27 on needs CUDA 13) and the driver") from None
+    return placement
 
 
 def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:

@@ -60,7 +60,8 @@ class Trainer:
                  ps_serve: bool = True, write_back: WriteBack | None = None) -> None:
         self.group = group or world_group(timeout)
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
-        self.placement = device if isinstance(device, Placement) else placement_for(device)
+        self.placement = device if isinstance(device, Placement) else \
+            placement_for(device, self.group.local_rank)
         if step is None:
             inference, step = split_training_model(model)
         else:

@@ -91,7 +91,7 @@ def test_placement_for_cpu(device):
 def test_placement_for_unknown_device():
     with pytest.raises(NgdistError) as info:
         placement_for("tpu")
-    assert str(info.value) == "unknown device 'tpu'; choose one of ['cpu', 'cuda']"
+    assert str(info.value) == "unknown device 'tpu'; choose one of ['cpu', 'cuda', 'auto']"
 
 
 def test_placement_for_cuda_without_the_cuda_provider(monkeypatch):
@@ -100,8 +100,9 @@ def test_placement_for_cuda_without_the_cuda_provider(monkeypatch):
     with pytest.raises(NgdistError) as info:
         placement_for("cuda")
     assert str(info.value) == (
-        "device='cuda' needs onnxruntime with the CUDA execution provider (pip install "
-        "onnxruntime-gpu) and a GPU; this onnxruntime has ['CPUExecutionProvider']")
+        "device='cuda' needs onnxruntime with the CUDA execution provider: pip install "
+        "onnxruntime-gpu (a CUDA 13 build from 1.27 on); this onnxruntime has "
+        "['CPUExecutionProvider']")
 
 
 @pytest.mark.skipif(not cuda_usable(), reason="needs a GPU onnxruntime can use")
@@ -117,8 +118,8 @@ def test_placement_for_cuda_without_a_usable_gpu():
     of returning a cuda placement nothing can use."""
     with pytest.raises(NgdistError) as info:
         placement_for("cuda")
-    assert str(info.value).startswith("device='cuda' needs onnxruntime with the CUDA "
-                                      "execution provider"), str(info.value)
+    assert str(info.value).startswith("device='cuda': "), str(info.value)
+    assert "use device='cpu'" in str(info.value) or "Check the CUDA runtime" in str(info.value)
 
 
 # ---------------------------------------------------------------- session options
