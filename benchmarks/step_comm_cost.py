@@ -47,7 +47,7 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int, overlap: bool)
         hidden = (mib << 20) // 4 // (64 + 1 + 10)
         model = zoo.mlp((64, hidden, 10), seed=0)
         trainers = {s: ngdist.compile(model, loss="softmax_cross_entropy", labels="y",
-                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s, **({"bucket_bytes": int(os.environ["BB"])} if "BB" in os.environ and s == "allreduce" else {}),
+                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s,
                                       intra_op_threads=1, overlap=overlap)
                     for s in ("allreduce", "local")}
         nbytes = sum(v.nbytes for v in trainers["local"].parameters().values())
