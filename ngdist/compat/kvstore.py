@@ -20,10 +20,11 @@ Semantics follow MXNet's KVStore:
 Types (``create(name)``):
 
 * ``local``: one process (``rank`` 0, ``num_workers`` 1), no communication.
-* ``dist_sync``: the pushes of all workers are summed *where the key lives* (each key is owned
-  by one rank, round-robin in ``init`` order: MPI ``Reduce`` to the owner), the owner applies
-  the optimizer (server-side update, optimizer state only there), and ``pull`` returns the
-  owner's value (``Bcast``), bit-for-bit the same on every worker.
+* ``dist_sync``: the ``ps`` strategy's parameter servers (kernels/ps.py), co-located, one
+  shard per key, owned round-robin in ``init`` order. A push sends each worker's merged
+  gradient to the key's owner, which sums them in worker order (a sum, not ``ps``'s mean),
+  applies the optimizer (optimizer state only there) and sends the new value to every worker;
+  ``pull`` copies locally: every worker holds bit-for-bit the owner's value.
 * ``dist_allreduce``: the pushes are summed on every worker (``Allreduce``, Horovod's way) and
   every worker applies the same update to its replica.
 * ``pushsum``: Stochastic Gradient Push; each worker applies its own update to its push-sum
@@ -34,8 +35,10 @@ Without parameter servers the distributed types are collective: every worker iss
 ``init``/``push``/``pull`` calls in the same order (a data-parallel loop does). ``init`` checks
 that all workers name the same key with the same shape, so a mismatch is an error, not a hang;
 every wait is bounded by the communicator's timeout (``create(..., timeout=)``/NGDIST_TIMEOUT).
-Every message goes through the job's ProcessGroup (comm/group.py: reduce, allreduce, broadcast
-on numpy arrays), and the pushsum type through the PushSum kernel.
+Every message goes through the job's ProcessGroup (comm/group.py), dist_sync's through the
+parameter-server round of kernels/ps.py (on the store's duplicate of the group, made by the
+first ``init``; a failed wait names the key and the owner rank), pushsum's through the
+PushSum kernel.
 
 The optimizers are ngdist's (``ngdist.optim.SGD``/``Adam``/``Adagrad`` or "sgd:lr=0.1"): the
 update is the ONNX ``Momentum``/``Adam``/``Adagrad`` op lowered by ngdist's own pass and run by
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -60,6 +63,7 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.options import TypedOptions, refuse_unknown
 from ngdist.comm import world_group
 from ngdist.kernels import CommNode, get_kernel
+from ngdist.kernels.ps import Layout, PSGroup, Waiting, complete, push_pull
 from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
@@ -153,12 +157,10 @@ class OnnxUpdater:
 
 @dataclass
 class _Entry:
-    value: np.ndarray  # the weight (dist_sync: authoritative on the owner, a cache elsewhere)
-    owner: int
-    stale: bool = False  # dist_sync: pushed since the last pull
+    value: np.ndarray  # the weight (dist_sync: the owner's, copied to every worker by a push)
+    shard: int = -1  # dist_sync: this key's shard in the store's parameter-server layout
     ps_weight: np.ndarray | None = None  # pushsum: the push-sum weight w
     gossip: Any = None  # pushsum: the kernel's CommNode (its state persists across pushes)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class KVStore:
@@ -171,6 +173,9 @@ class KVStore:
         self._entries: dict[Key, _Entry] = {}
         self._updater: Updater | None = None
         self.optimizer: optim.Optimizer | None = None
+        self._ps: PSGroup | None = None  # dist_sync: one shard per key (made by the first init)
+        self._shard_keys: list[Key] = []  # dist_sync: the key of each shard
+        self._ps_label = Waiting("", f"kvstore {kind} push")
 
     # ------------------------------------------------------------------ identity
     @property
@@ -201,7 +206,10 @@ class KVStore:
                 self.comm.check_same(f"{k!r}:{arr.shape}:{arr.dtype}".encode(),
                                      f"kvstore key {k!r} (name, shape, dtype) in init")
                 self.comm.broadcast_arrays([arr], root=0, what=f"kvstore init of key {k!r}")
-            entry = _Entry(arr, owner=len(self._entries) % max(1, self.num_workers))
+            entry = _Entry(arr)
+            if self.type == "dist_sync" and self._distributed:
+                entry.shard = self._layout().append(arr.size, f"key {k!r}")
+                self._shard_keys.append(k)
             if self.type == "pushsum":
                 entry.ps_weight = np.ones((), arr.dtype)
                 entry.gossip = CommNode("PushSum", f"kvstore/{k}", {
@@ -210,21 +218,15 @@ class KVStore:
 
     def push(self, key: Key | Sequence[Key], value: Any, priority: int = 0) -> None:
         """Pushes values (a list for one key is summed); ``priority`` is accepted and ignored."""
-        for k, values in _pairs(key, value, "push"):
-            entry = self._entry(k, "push")
-            merged = _merge(k, values, entry.value)
-            if self.type == "dist_sync" and self._distributed:
-                total = np.empty_like(merged) if self.rank == entry.owner else None
-                self.comm.reduce(merged, total, entry.owner,
-                                 f"kvstore push of key {k!r} (Reduce to rank {entry.owner})"
-                                 ).wait()
-                if self.rank == entry.owner:
-                    entry.value = self._apply(k, total, entry.value)
-                entry.stale = True
-                continue
+        pushes = [(k, self._entry(k, "push"), values) for k, values in _pairs(key, value, "push")]
+        merged = [(k, entry, _merge(k, values, entry.value)) for k, entry, values in pushes]
+        if self.type == "dist_sync" and self._distributed:
+            self._push_sync(merged)
+            return
+        for k, entry, grad in merged:
             if self.type == "dist_allreduce" and self._distributed:
-                self.comm.allreduce(merged, f"kvstore push of key {k!r} (Allreduce)").wait()
-            entry.value = self._apply(k, merged, entry.value)
+                self.comm.allreduce(grad, f"kvstore push of key {k!r} (Allreduce)").wait()
+            entry.value = self._apply(k, grad, entry.value)
             if self.type == "pushsum":
                 x, w = get_kernel("PushSum")(
                     self.comm, entry.gossip, [entry.value, entry.ps_weight])
@@ -295,6 +297,35 @@ class KVStore:
                                f"init({key!r}, value) first (initialized keys: {known})"
                                ) from None
 
+    def _layout(self) -> Layout:
+        """dist_sync: one shard per key; the first call (collective) duplicates the group."""
+        if self._ps is None:
+            size = self.comm.size
+            self._ps = PSGroup(Layout(0, [], [], size, size),
+                               self.comm.dup("kvstore dist_sync set-up"))
+        return self._ps.layout
+
+    def _push_sync(self, merged: list[tuple[Key, _Entry, np.ndarray]]) -> None:
+        """dist_sync: one parameter-server round per run of distinct keys (a key pushed twice
+        in one call starts a new round); the owners sum (MXNet), every entry gets the owner's
+        new value."""
+        rounds: list[dict[int, _Entry]] = [{}]
+        grads: list[dict[int, np.ndarray]] = [{}]
+        for _, entry, grad in merged:
+            if entry.shard in rounds[-1]:
+                rounds.append({})
+                grads.append({})
+            rounds[-1][entry.shard], grads[-1][entry.shard] = entry, grad
+        for entries, grad in zip(rounds, grads):
+            outs = {shard: entry.value for shard, entry in entries.items()}
+            complete(push_pull(self.comm, self._ps_label, self._ps, grad, outs,
+                               self._update_shard, "sum"))
+
+    def _update_shard(self, shard: int, total: np.ndarray) -> np.ndarray:
+        """dist_sync, on the owner of the key of ``shard``: its update by the summed gradient."""
+        key = self._shard_keys[shard]
+        return self._apply(key, total, self._entries[key].value)
+
     def _apply(self, key: Key, grad: np.ndarray, weight: np.ndarray) -> np.ndarray:
         if self._updater is None:
             return grad.astype(weight.dtype, copy=True)  # MXNet: no updater assigns
@@ -305,12 +336,7 @@ class KVStore:
         entry = self._entry(key, "pull")
         if self.type == "pushsum":
             return entry.value / entry.ps_weight
-        if entry.stale:
-            self.comm.broadcast(entry.value, entry.owner,
-                                f"kvstore pull of key {key!r} (Bcast from rank {entry.owner})"
-                                ).wait()
-            entry.stale = False
-        return entry.value
+        return entry.value  # dist_sync: the owner's value, delivered by the push
 
 
 def _check_key(key: Any) -> None:

@@ -29,9 +29,10 @@ import onnx
 from ngdist.errors import CommError, GraphError
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels.base import CommNode, flatten, unflatten
-from ngdist.kernels.ps import (COMMANDS, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR, TAG_STATE,
-                               PSRuntime, complete, env_servers, finish_owner_round, header,
-                               make_runtime, owner_round, recv, recv_owner, send, split_inputs)
+from ngdist.kernels.ps import (COMMANDS, PS_REDUCTION, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR,
+                               TAG_STATE, PSRuntime, complete, env_servers, finish_owner_round,
+                               header, make_runtime, owner_round, recv, recv_owner, send,
+                               split_inputs)
 from ngdist.runtime.sessions import CPU, make_session
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def serve_round(trainer: Any, expect: int | None = None) -> int:
     cmd = int(hdrs[0][0])
     if cmd == STEP:
         lr, t = float(hdrs[0][1]), int(hdrs[0][2])
-        recvs = owner_round(rt, node, comm.rank, None)
-        complete(finish_owner_round(comm, node, rt, recvs, lr, t, None))
+        recvs = owner_round(rt, node, rt.shards.x)  # the owned slices shape the receives
+        complete(finish_owner_round(comm, node, rt, recvs, rt.shards.updater(lr, t), None,
+                                    PS_REDUCTION))
     elif cmd == SAVE:
         complete(_send_states(rt, node))
     elif cmd == STOP:
