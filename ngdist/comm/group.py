@@ -132,6 +132,8 @@ class ProcessGroup(abc.ABC):
         self.bytes_sent = 0  # what this rank's calls put on the wire (step statistics)
         self.local_size = 1  # ranks of this group on this host (threads per rank)
         self.local_rank = 0  # this rank's place among them (its GPU on a multi-GPU host)
+        # groups derived from this one for a kernel's own messages (kernels.base.private_group)
+        self.derived: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod

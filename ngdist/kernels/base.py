@@ -127,14 +127,11 @@ def divide(buf: np.ndarray, n: int) -> None:
         np.floor_divide(buf, n, out=buf)
 
 
-_PRIVATE: dict[int, dict[Any, Any]] = {}
-
-
 def private_group(group: ProcessGroup, key: Any, make: Callable[[ProcessGroup], Any]) -> Any:
     """A group derived from ``group`` by ``make`` (collective: created the first time every
-    rank reaches this point, in program order), cached per (group, key), so that one
-    algorithm's messages never match another's."""
-    cache = _PRIVATE.setdefault(id(group), {})
-    if key not in cache:
-        cache[key] = make(group)
-    return cache[key]
+    rank reaches this point, in program order), kept in ``group.derived`` under ``key``, so
+    that one algorithm's messages never match another's. Kept on the group itself: a cache
+    keyed by ``id(group)`` could hand a new group a dead one's derivative on some ranks."""
+    if key not in group.derived:
+        group.derived[key] = make(group)
+    return group.derived[key]
