@@ -24,17 +24,30 @@ def _swap01(ctx, v, rank: int):
 MAX_TAPS = 64  # kernels with more taps keep the single-Conv weight gradient (fewer nodes)
 
 
+def by_tap(group: int, kernel: list[int]) -> bool:
+    """Whether the weight gradient is taken tap by tap (see ``_weight_grad_taps``)."""
+    return group == 1 and math.prod(kernel) <= MAX_TAPS
+
+
+def channel_rows(ctx, gy, rank: int):
+    """gy [N, M, *out] as the matrix [M, N*prod(out)]."""
+    return ctx.op("Reshape", _swap01(ctx, gy, rank), ctx.ints([0, -1]))
+
+
 def weight_grad(ctx, x, gy, *, group: int, channels: int, kernel: list[int], spatial: list[int],
-                strides: list[int], dilations: list[int], begin: list[int], end: list[int]):
-    """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out]."""
+                strides: list[int], dilations: list[int], begin: list[int], end: list[int],
+                gy_rows=None):
+    """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out];
+    ``gy_rows``: ``channel_rows`` of gy when the caller has it already."""
     window_args = dict(kernel=kernel, spatial=spatial, strides=strides, dilations=dilations,
                        begin=begin, end=end)
-    if group == 1 and math.prod(kernel) <= MAX_TAPS:
-        return _weight_grad_taps(ctx, x, gy, channels=channels, **window_args)
+    if by_tap(group, kernel):
+        rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
+        return _weight_grad_taps(ctx, x, rows, channels=channels, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
 
-def _weight_grad_taps(ctx, x, gy, *, channels: int, kernel: list[int], spatial: list[int],
+def _weight_grad_taps(ctx, x, m, *, channels: int, kernel: list[int], spatial: list[int],
                       strides: list[int], dilations: list[int], begin: list[int],
                       end: list[int]):
     """group == 1: one matrix product per kernel tap, gy [M, N*out] @ x_tap [N*out, C].
@@ -48,19 +61,21 @@ def _weight_grad_taps(ctx, x, gy, *, channels: int, kernel: list[int], spatial: 
     rank = len(kernel) + 2
     axes = list(range(1, rank - 1))
     xh = ctx.op("Transpose", x, perm=[0, *range(2, rank), 1])  # [N, *spatial, C]
-    if any(begin) or any(end):
-        xh = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0]))
-    m = ctx.op("Reshape", _swap01(ctx, gy, rank), ctx.ints([0, -1]))  # [M, N*out]
+    xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
     out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
            for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
-    steps = [ctx.ints(strides)] if any(s != 1 for s in strides) else []
+    strided = any(s != 1 for s in strides)
+    steps = [ctx.ints(strides)] if strided else []
     flat = ctx.ints([-1, channels])
     parts = []
     for tap in itertools.product(*(range(k) for k in kernel)):
         starts = [t * d for t, d in zip(tap, dilations)]
-        ends = [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]
-        xt = ctx.op("Slice", xh, ctx.ints(starts), ctx.ints(ends), ctx.ints(axes),
-                    *steps)  # [N, *out, C]
+        if not strided and starts == begin and out == spatial:
+            xt = xh  # this tap reads exactly the unpadded input (the centre of a 'same' conv)
+        else:
+            ends = [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]
+            xt = ctx.op("Slice", xp, ctx.ints(starts), ctx.ints(ends), ctx.ints(axes),
+                        *steps)  # [N, *out, C]
         parts.append(ctx.op("MatMul", m, ctx.op("Reshape", xt, flat)))  # [M, C]
     gw = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)  # [M, taps*C]
     gw = ctx.op("Reshape", gw, ctx.ints([0, len(parts), channels]))
@@ -117,13 +132,17 @@ def conv(ctx, node, gys):
                for size, k, s, d, bb, e in zip(spatial, kernel, strides, dilations, begin, end)]
         out[0] = ctx.op("ConvTranspose", g, w, strides=strides, dilations=dilations,
                         pads=[*begin, *end], output_padding=rem, group=group)
+    rows = None
     if ctx.needs(w):
         channels = static_dims(w, "Conv weight", 1)[0] * group
+        if by_tap(group, kernel):
+            rows = channel_rows(ctx, g, len(kernel) + 2)
         out[1] = weight_grad(ctx, x, g, group=group, channels=channels, kernel=kernel,
                              spatial=spatial, strides=strides, dilations=dilations,
-                             begin=begin, end=end)
-    if ctx.needs(b):
-        out[2] = _bias_grad(ctx, g, len(kernel) + 2)
+                             begin=begin, end=end, gy_rows=rows)
+    if ctx.needs(b):  # a sum along rows is cheaper than over axes 0, 2, 3 of NCHW
+        out[2] = _bias_grad(ctx, g, len(kernel) + 2) if rows is None else \
+            ctx.op("ReduceSum", rows, ctx.ints([1]), keepdims=0)
     return out
 
 

@@ -30,8 +30,12 @@ def gemm(ctx, node, gys):
         gb = ctx.op("Gemm", g, a, transA=1, transB=1, alpha=alpha)
     grads = [ga, gb]
     if c is not None:
-        gc = g if beta == 1.0 else ctx.op("Mul", g, ctx.const(beta, like=g))
-        grads.append(ctx.unbroadcast(gc, c, grad_rank=2))
+        gc = g if beta == 1.0 else ctx.op("Mul", g, ctx.const([[beta]], like=g))
+        cdims = list(c.shape.dims) if c.shape is not None else []
+        if len(cdims) == 1 and isinstance(cdims[0], int) and cdims[0] != 1:
+            grads.append(ctx.op("ReduceSum", gc, ctx.ints([0]), keepdims=0))  # a bias row
+        else:
+            grads.append(ctx.unbroadcast(gc, c, grad_rank=2))
     return grads
 
 
