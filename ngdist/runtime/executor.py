@@ -72,7 +72,7 @@ class Executor:
         if any(n.domain == PREVIEW_TRAINING for n in graph.node):
             raise NgdistError("the step graph still holds ai.onnx.preview.training ops; run the "
                               "pass pipeline (ngdist.passes.pipeline.run_passes) first")
-        self.items = plan(graph)
+        self.items = plan(graph, defer_comm=not overlap)
         self.constants = {t.name: t for t in graph.initializer
                           if t.name not in {i.name for i in graph.input}}
         self.outputs = [o.name for o in graph.output]

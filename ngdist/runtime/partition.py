@@ -5,6 +5,9 @@ the output of a comm node of stage s counts as s + 1. Nodes are ordered by (stag
 position), which keeps the order topological, and the list is cut at each comm node. So a
 gradient bucket's AllReduce is issued as soon as its last gradient exists, the rest of the
 backward pass runs while it is in flight, and the updates that need its result come after.
+With ``defer_comm`` (no overlap: communication runs on the calling thread) the comm nodes of a
+stage come after all of its compute instead, so the step has as few segments (and as few
+points where the ranks wait for each other) as the graph allows.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class CommCall:
 Item = Segment | CommCall
 
 
-def plan(graph: onnx.GraphProto) -> list[Item]:
+def plan(graph: onnx.GraphProto, defer_comm: bool = False) -> list[Item]:
     nodes = list(graph.node)
     producer: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -48,7 +51,11 @@ def plan(graph: onnx.GraphProto) -> list[Item]:
                 p = producer[name]
                 s = max(s, stage[p] + (1 if is_comm_node(nodes[p].domain, nodes[p].op_type) else 0))
         stage[i] = s
-    order = sorted(range(len(nodes)), key=lambda i: (stage[i], i))
+    def key(i: int) -> tuple[int, bool, int]:
+        late = defer_comm and is_comm_node(nodes[i].domain, nodes[i].op_type)
+        return stage[i], late, i
+
+    order = sorted(range(len(nodes)), key=key)
     items: list[Item] = []
     current: list[onnx.NodeProto] = []
     for i in order:

@@ -213,3 +213,17 @@ def test_a_comm_node_on_a_graph_input_comes_first():
     items = plan(graph(nodes, ["x", "w"], ["y"]))
     assert layout(items) == [("comm", "initial"), ("seg", ["mul"])]
     assert (items[1].index, items[1].inputs, items[1].outputs) == (1, ["x", "w0"], ["y"])
+
+
+def test_without_overlap_the_comm_nodes_of_a_stage_come_after_its_compute():
+    # communication on the calling thread gains nothing from cutting the backward pass:
+    # one compute segment, the buckets in their order, then the updates
+    g = backward_with_two_buckets()
+    items = plan(g, defer_comm=True)
+    assert layout(items) == [
+        ("seg", ["grad2", "backward1a", "grad1"]),
+        ("comm", "bucket0"),
+        ("comm", "bucket1"),
+        ("seg", ["update2", "update1", "sum_params"]),
+    ]
+    assert_topological(g, items)
