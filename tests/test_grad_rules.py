@@ -645,6 +645,21 @@ def test_matmul_weight_gradient_is_one_product_over_all_rows(cid: str) -> None:
     assert backward.count("Gemm") == 1 and "ReduceSum" not in backward
 
 
+@pytest.mark.parametrize("cid", ["Relu", "Sigmoid", "Tanh", "LeakyRelu", "Gelu", "Gelu-tanh",
+                                 "Erf", "Sqrt"])
+def test_elementwise_constants_have_the_rank_of_the_tensor(cid: str) -> None:
+    """Float constants the backward pass combines with a tensor are shaped [1] * its rank:
+    onnxruntime's binary ops take a ~50x slower path for a rank-0 operand against a tensor
+    whose last dimension is 1."""
+    case = next(c for c in CASES if c.id == cid)
+    rank = len(next(iter(case.inputs.values())).shape)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    ranks = [len(numpy_helper.to_array(a.t).shape) for n in lowered.graph.node
+             if n.op_type == "Constant" and n.name.startswith("node0/grad/") for a in n.attribute
+             if a.name == "value" and a.t.data_type in (TensorProto.FLOAT, TensorProto.DOUBLE)]
+    assert ranks and set(ranks) == {rank}
+
+
 # ----------------------------------------------------------------------------- reuse
 
 REUSE = ["MaxPool-2x2", "MaxPool-with-indices", "BatchNorm-train-4d", "LayerNorm-last",

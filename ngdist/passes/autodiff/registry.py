@@ -100,6 +100,14 @@ class GradContext:
         out = self.op("Constant", value=ir.tensor(arr))
         return self.op("CastLike", out, like) if like is not None else out
 
+    def scalar(self, value: float, like: ir.Value) -> ir.Value:
+        """The number ``value`` in like's element type and shaped [1] * rank(like) (rank 0 when
+        the rank is unknown), for elementwise ops with ``like`` or a tensor of its rank:
+        onnxruntime's binary ops take a slow path for a rank-0 operand against a tensor whose
+        last dimension is 1 (Mul, Sub, Greater of [262144, 1]: 2.3 ms vs 0.05 ms)."""
+        rank = self.rank(like)
+        return self.const(np.full([1] * (rank or 0), value, np.float32), like=like)
+
     def ints(self, values: Sequence[int]) -> ir.Value:
         return self.const(np.asarray(list(values), dtype=np.int64))
 

@@ -9,21 +9,21 @@ from ngdist.passes.autodiff.registry import attr, register
 @register("Relu")
 def relu(ctx, node, gys):
     (x,) = node.inputs
-    mask = ctx.op("CastLike", ctx.op("Greater", x, ctx.const(0.0, like=x)), gys[0])
+    mask = ctx.op("CastLike", ctx.op("Greater", x, ctx.scalar(0.0, x)), gys[0])
     return [ctx.op("Mul", gys[0], mask)]
 
 
 @register("Sigmoid")
 def sigmoid(ctx, node, gys):
     (y,) = node.outputs
-    one_minus = ctx.op("Sub", ctx.const(1.0, like=y), y)
+    one_minus = ctx.op("Sub", ctx.scalar(1.0, y), y)
     return [ctx.op("Mul", gys[0], ctx.op("Mul", y, one_minus))]
 
 
 @register("Tanh")
 def tanh(ctx, node, gys):
     (y,) = node.outputs
-    return [ctx.op("Mul", gys[0], ctx.op("Sub", ctx.const(1.0, like=y), ctx.op("Mul", y, y)))]
+    return [ctx.op("Mul", gys[0], ctx.op("Sub", ctx.scalar(1.0, y), ctx.op("Mul", y, y)))]
 
 
 def _axis(ctx, node) -> int:
@@ -52,31 +52,31 @@ def log_softmax(ctx, node, gys):
 @register("LeakyRelu")
 def leaky_relu(ctx, node, gys):
     (x,), g = node.inputs, gys[0]
-    slope = ctx.const(attr(node, "alpha", 0.01), like=x)
-    return [ctx.op("Where", ctx.op("Greater", x, ctx.const(0.0, like=x)), g,
+    slope = ctx.scalar(attr(node, "alpha", 0.01), x)
+    return [ctx.op("Where", ctx.op("Greater", x, ctx.scalar(0.0, x)), g,
                    ctx.op("Mul", g, slope))]
 
 
 @register("Gelu")
 def gelu(ctx, node, gys):
     (x,), g = node.inputs, gys[0]
-    half, one = ctx.const(0.5, like=x), ctx.const(1.0, like=x)
+    half, one = ctx.scalar(0.5, x), ctx.scalar(1.0, x)
     if attr(node, "approximate", "none") == "tanh":
         # y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
         c, k = math.sqrt(2.0 / math.pi), 0.044715
         x2 = ctx.op("Mul", x, x)
-        u = ctx.op("Mul", ctx.const(c, like=x),
-                   ctx.op("Mul", x, ctx.op("Add", one, ctx.op("Mul", ctx.const(k, like=x), x2))))
+        u = ctx.op("Mul", ctx.scalar(c, x),
+                   ctx.op("Mul", x, ctx.op("Add", one, ctx.op("Mul", ctx.scalar(k, x), x2))))
         t = ctx.op("Tanh", u)
-        du = ctx.op("Mul", ctx.const(c, like=x),
-                    ctx.op("Add", one, ctx.op("Mul", ctx.const(3 * k, like=x), x2)))
+        du = ctx.op("Mul", ctx.scalar(c, x),
+                    ctx.op("Add", one, ctx.op("Mul", ctx.scalar(3 * k, x), x2)))
         sech2 = ctx.op("Sub", one, ctx.op("Mul", t, t))
         dy = ctx.op("Add", ctx.op("Mul", half, ctx.op("Add", one, t)),
                     ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Mul", sech2, du)))
     else:  # y = x Phi(x): dy = Phi(x) + x phi(x)
         cdf = ctx.op("Mul", half, ctx.op("Add", one, ctx.op(
-            "Erf", ctx.op("Mul", x, ctx.const(1.0 / math.sqrt(2.0), like=x)))))
-        pdf = ctx.op("Mul", ctx.const(1.0 / math.sqrt(2.0 * math.pi), like=x), ctx.op(
-            "Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.const(-0.5, like=x))))
+            "Erf", ctx.op("Mul", x, ctx.scalar(1.0 / math.sqrt(2.0), x)))))
+        pdf = ctx.op("Mul", ctx.scalar(1.0 / math.sqrt(2.0 * math.pi), x), ctx.op(
+            "Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.scalar(-0.5, x))))
         dy = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
     return [ctx.op("Mul", g, dy)]

@@ -30,8 +30,8 @@ def softmax_cross_entropy(ctx, node, gys):
                           ctx.ints([0]), labels64)
         w = ctx.op("Gather", weights, safe, axis=0)
     if ignore_index is not None:
-        keep = ctx.op("CastLike", ctx.op("Not", ctx.op("Equal", labels64, ctx.ints([ignore_index]))),
-                      scores)
+        ignored = ctx.op("Equal", labels64, ctx.ints([ignore_index]))
+        keep = ctx.op("CastLike", ctx.op("Not", ignored), scores)
         w = keep if w is None else ctx.op("Mul", w, keep)
         labels64 = ctx.op("Where", ctx.op("Equal", labels64, ctx.ints([ignore_index])),
                           ctx.ints([0]), labels64)

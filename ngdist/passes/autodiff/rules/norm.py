@@ -21,8 +21,8 @@ def _moments(ctx, x, axes, eps: float):
     mean = ctx.op("ReduceMean", x, axes, keepdims=1)
     centered = ctx.op("Sub", x, mean)
     var = ctx.op("ReduceMean", ctx.op("Mul", centered, centered), axes, keepdims=1)
-    one = ctx.const(1.0, like=x)
-    return mean, ctx.op("Div", one, ctx.op("Sqrt", ctx.op("Add", var, ctx.const(eps, like=x))))
+    one = ctx.scalar(1.0, x)
+    return mean, ctx.op("Div", one, ctx.op("Sqrt", ctx.op("Add", var, ctx.scalar(eps, x))))
 
 
 def _normalized_grad(ctx, gxhat, xhat, invstd, axes):
@@ -141,8 +141,8 @@ def dropout(ctx, node, gys):
     if flag is not None and not bool(np.asarray(flag).reshape(-1)[0]):
         return [g, None, None]
     mask = ensure_output(node, 1, "mask", ir.DataType.BOOL, node.outputs[0].shape)
-    rate = ctx.const(0.5, like=x) if ratio is None else ctx.op("CastLike", ratio, x)
-    one = ctx.const(1.0, like=x)
+    rate = ctx.scalar(0.5, x) if ratio is None else ctx.op("CastLike", ratio, x)
+    one = ctx.scalar(1.0, x)
     scale = ctx.op("Div", one, ctx.op("Sub", one, rate))
     if flag is None:  # training_mode decided at run time
         scale = ctx.op("Where", training, scale, one)

@@ -14,7 +14,7 @@ from ngdist.passes.autodiff.registry import register
 def erf(ctx, node, gys):
     (x,) = node.inputs
     bell = ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))
-    return [ctx.op("Mul", gys[0], ctx.op("Mul", bell, ctx.const(2.0 / math.sqrt(math.pi), like=x)))]
+    return [ctx.op("Mul", gys[0], ctx.op("Mul", bell, ctx.scalar(2.0 / math.sqrt(math.pi), x)))]
 
 
 @register("Pow")
@@ -23,7 +23,7 @@ def pow_(ctx, node, gys):
     out = [None, None]
     if ctx.needs(a):
         bf = ctx.op("CastLike", b, a)
-        da = ctx.op("Mul", bf, ctx.op("Pow", a, ctx.op("Sub", bf, ctx.const(1.0, like=a))))
+        da = ctx.op("Mul", bf, ctx.op("Pow", a, ctx.op("Sub", bf, ctx.scalar(1.0, bf))))
         out[0] = ctx.unbroadcast(ctx.op("Mul", g, da), a)
     if ctx.needs(b):  # d a^b / db = a^b log a (a > 0)
         out[1] = ctx.unbroadcast(ctx.op("Mul", g, ctx.op("Mul", y, ctx.op("Log", a))), b)
@@ -33,7 +33,7 @@ def pow_(ctx, node, gys):
 @register("Sqrt")
 def sqrt(ctx, node, gys):
     (y,) = node.outputs
-    return [ctx.op("Div", ctx.op("Mul", gys[0], ctx.const(0.5, like=y)), y)]
+    return [ctx.op("Div", ctx.op("Mul", gys[0], ctx.scalar(0.5, y)), y)]
 
 
 @register("Exp")
@@ -65,7 +65,7 @@ def clip(ctx, node, gys):
     lo = node.inputs[1] if len(node.inputs) > 1 else None
     hi = node.inputs[2] if len(node.inputs) > 2 else None
     g = gys[0]
-    zero = ctx.const(0.0, like=g)
+    zero = ctx.scalar(0.0, g)
     out = [None, None, None]
     keep = None
     for i, (bound, test) in enumerate(((lo, "GreaterOrEqual"), (hi, "LessOrEqual")), start=1):

@@ -12,7 +12,7 @@ from ngdist.passes.autodiff.registry import register
 def where(ctx, node, gys):
     cond, a, b = node.inputs
     g = gys[0]
-    zero = ctx.const(0.0, like=g)
+    zero = ctx.scalar(0.0, g)
     out = [None, None, None]
     if ctx.needs(a):
         out[1] = ctx.unbroadcast(ctx.op("Where", cond, g, zero), a)
