@@ -296,6 +296,10 @@ def _cases() -> list[Case]:
       dilations=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1, opset=19)
     c("AveragePool-stride-drops", "AveragePool", lambda g: [g.n(1, 2, 8, 8)],
       kernel_shape=[2, 2], strides=[3, 3])
+    c("AveragePool-tiles", "AveragePool", lambda g: [g.n(2, 3, 6, 4)], kernel_shape=[3, 2],
+      strides=[3, 2])
+    c("AveragePool-tiles-1d", "AveragePool", lambda g: [g.n(2, 2, 6)], kernel_shape=[2],
+      strides=[2])
     c("GlobalAveragePool-2d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4, 5)])
     c("GlobalAveragePool-1d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4)])
     c("GlobalMaxPool", "GlobalMaxPool", lambda g: [g.distinct(2, 3, 3, 3)])
@@ -620,6 +624,19 @@ def test_max_pool_disjoint_windows_ties_go_to_the_first_maximum_in_float32() -> 
     for (i, j), (r, c) in {(0, 0): (0, 0), (0, 1): (0, 2), (1, 0): (2, 0), (1, 1): (3, 3)}.items():
         expected[r, c] = w[i, j]
     np.testing.assert_allclose(got[0, 0], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cid, spread", [("AveragePool-tiles", "Resize"),
+                                         ("AveragePool-tiles-1d", "Resize"),
+                                         ("AveragePool-stride-drops", "ConvTranspose"),
+                                         ("AveragePool-dilation", "ConvTranspose")])
+def test_average_pool_gradient_is_an_upsampling_when_windows_tile(cid: str, spread: str) -> None:
+    """float32: windows that tile the input (stride == kernel, no pads, sizes divisible)
+    spread the gradient with a nearest Resize, other windows with a ConvTranspose."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    backward = {n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")}
+    assert spread in backward and not backward & ({"Resize", "ConvTranspose"} - {spread})
 
 
 @pytest.mark.parametrize("cid", ["Conv-2d", "Conv-stride-dilation-pads", "ConvTranspose-2d"])

