@@ -23,6 +23,7 @@ Excluded by name: see EXCLUDED below (onnxruntime kernel gaps and numerics, rand
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import re
 import unittest
 import warnings
@@ -364,10 +365,11 @@ print(f"rank {rank} OK", flush=True)
 
 def test_training_rep_is_data_parallel_on_2_ranks(ranks):
     """Under mpiexec each rank's run() takes its shard; the step equals the whole batch's."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(__file__))  # the rank script imports this module
+    tests_dir = here
     proc = ranks(2, TWO_RANK_STEPS, timeout=120,
                  env={"NGDIST_TIMEOUT": "60",
-                      "PYTHONPATH": f"{os.path.dirname(tests_dir)}{os.pathsep}{tests_dir}"})
+                      "PYTHONPATH": os.pathsep.join([str(Path(here).parents[1]), here])})
     assert sorted(re.findall(r"rank \d OK", proc.stdout)) == ["rank 0 OK", "rank 1 OK"]
 
 
