@@ -366,7 +366,6 @@ print(f"rank {rank} OK", flush=True)
 def test_training_rep_is_data_parallel_on_2_ranks(ranks):
     """Under mpiexec each rank's run() takes its shard; the step equals the whole batch's."""
     here = os.path.dirname(os.path.abspath(__file__))  # the rank script imports this module
-    tests_dir = here
     proc = ranks(2, TWO_RANK_STEPS, timeout=120,
                  env={"NGDIST_TIMEOUT": "60",
                       "PYTHONPATH": os.pathsep.join([str(Path(here).parents[1]), here])})
