@@ -255,9 +255,16 @@ def _cases() -> list[Case]:
     c("Conv-stride-dilation-pads", "Conv", lambda g: [g.n(2, 2, 9, 8), g.n(3, 2, 3, 2), g.n(3)],
       strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1])
     c("Conv-1x1", "Conv", lambda g: [g.n(2, 3, 4, 5), g.n(4, 3, 1, 1)])
+    c("Conv-8ch-same", "Conv", lambda g: [g.n(1, 8, 4, 4), g.n(2, 8, 3, 3), g.n(2)],
+      pads=[1, 1, 1, 1])
+    c("Conv-8ch-stride-dilation-pads", "Conv", lambda g: [g.n(1, 8, 7, 6), g.n(2, 8, 3, 2)],
+      strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1])
+    c("Conv-8ch-1x1", "Conv", lambda g: [g.n(2, 8, 3, 3), g.n(3, 8, 1, 1)])
     c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
       strides=[2, 2], symbolic="batch")
     c("ConvTranspose-2d", "ConvTranspose", lambda g: [g.n(2, 3, 3, 3), g.n(3, 2, 3, 3)])
+    c("ConvTranspose-8ch", "ConvTranspose", lambda g: [g.n(1, 2, 3, 3), g.n(2, 8, 2, 2)],
+      strides=[2, 2])
     c("ConvTranspose-stride-outpad", "ConvTranspose",
       lambda g: [g.n(1, 2, 3, 4), g.n(2, 3, 3, 2), g.n(3)], strides=[2, 3],
       output_padding=[1, 2], pads=[1, 0, 0, 1])
@@ -639,16 +646,24 @@ def test_average_pool_gradient_is_an_upsampling_when_windows_tile(cid: str, spre
     assert spread in backward and not backward & ({"Resize", "ConvTranspose"} - {spread})
 
 
-@pytest.mark.parametrize("cid", ["Conv-2d", "Conv-stride-dilation-pads", "ConvTranspose-2d"])
-def test_conv_weight_gradient_is_one_matmul_per_kernel_tap(cid: str) -> None:
-    """Group-1 convolutions: the weight gradient is prod(kernel) matrix products over the
-    channels-last input, with no second Conv (the forward one stays the only Conv)."""
+@pytest.mark.parametrize("cid, by_tap", [("Conv-8ch-same", True),
+                                         ("Conv-8ch-stride-dilation-pads", True),
+                                         ("Conv-8ch-1x1", True), ("ConvTranspose-8ch", True),
+                                         ("Conv-2d", False), ("Conv-group", False)])
+def test_conv_weight_gradient_is_one_matmul_per_kernel_tap(cid: str, by_tap: bool) -> None:
+    """Group-1 convolutions with at least 8 input channels (of the Conv whose weight gradient
+    it is: the output channels of a ConvTranspose): the weight gradient is prod(kernel) matrix
+    products over the channels-last input and no second Conv; fewer channels or groups keep
+    the single Conv of input and output gradient."""
     case = next(c for c in CASES if c.id == cid)
     lowered = grad_model(case, np.float32, weights_for(case))
-    ops = [n.op_type for n in lowered.graph.node]
+    ops = [n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")]
     taps = int(np.prod(case.inputs["in1"].shape[2:]))
-    assert ops.count("MatMul") == taps
-    assert ops.count(case.nodes[0].op_type) == 1
+    data_conv = case.nodes[0].op_type == "ConvTranspose"  # its data gradient is a Conv
+    if by_tap:
+        assert ops.count("MatMul") == taps and ops.count("Conv") == data_conv
+    else:
+        assert "MatMul" not in ops and ops.count("Conv") == 1 + data_conv
 
 
 @pytest.mark.parametrize("cid", ["MatMul-batched-left", "MatMul-batched-left-4d",

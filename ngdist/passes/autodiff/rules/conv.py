@@ -2,9 +2,10 @@
 
 Conv's data gradient is a ConvTranspose with the same weight and window (``output_padding``
 restores the rows a strided forward pass dropped when its output size floored); its weight
-gradient (group 1) is one matrix product per kernel tap between the output gradient and a
-strided slice of the channels-last input; with groups, a Conv of the input with the output
-gradient, batch and channels swapped, the forward stride becoming the dilation.
+gradient (group 1, at least 8 input channels) is one matrix product per kernel tap between
+the output gradient and a strided slice of the channels-last input; otherwise a Conv of the
+input with the output gradient, batch and channels swapped, the forward stride becoming the
+dilation.
 ConvTranspose is the adjoint: its data gradient is a Conv, its weight gradient the same
 computation with the roles of input and output gradient swapped.
 """
@@ -22,11 +23,15 @@ def _swap01(ctx, v, rank: int):
 
 
 MAX_TAPS = 64  # kernels with more taps keep the single-Conv weight gradient (fewer nodes)
+# Below 8 input channels a tap's product has too few columns to pay for its Slice (forward +
+# weight gradient, 1 thread: 4 channels 0.89x, 6 channels 0.97x, 8 channels 1.09-1.21x, 16-256
+# channels 1.5-2.8x the single Conv; a 7x7 stem on 3 channels 0.57x).
+MIN_TAP_CHANNELS = 8
 
 
-def by_tap(group: int, kernel: list[int]) -> bool:
+def by_tap(group: int, kernel: list[int], channels: int) -> bool:
     """Whether the weight gradient is taken tap by tap (see ``_weight_grad_taps``)."""
-    return group == 1 and math.prod(kernel) <= MAX_TAPS
+    return group == 1 and math.prod(kernel) <= MAX_TAPS and channels >= MIN_TAP_CHANNELS
 
 
 def channel_rows(ctx, gy, rank: int):
@@ -41,7 +46,7 @@ def weight_grad(ctx, x, gy, *, group: int, channels: int, kernel: list[int], spa
     ``gy_rows``: ``channel_rows`` of gy when the caller has it already."""
     window_args = dict(kernel=kernel, spatial=spatial, strides=strides, dilations=dilations,
                        begin=begin, end=end)
-    if by_tap(group, kernel):
+    if by_tap(group, kernel, channels):
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
         return _weight_grad_taps(ctx, x, rows, channels=channels, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
@@ -135,7 +140,7 @@ def conv(ctx, node, gys):
     rows = None
     if ctx.needs(w):
         channels = static_dims(w, "Conv weight", 1)[0] * group
-        if by_tap(group, kernel):
+        if by_tap(group, kernel, channels):
             rows = channel_rows(ctx, g, len(kernel) + 2)
         out[1] = weight_grad(ctx, x, g, group=group, channels=channels, kernel=kernel,
                              spatial=spatial, strides=strides, dilations=dilations,
