@@ -14,11 +14,13 @@ from __future__ import annotations
 import itertools
 import math
 
-from ngdist.passes.autodiff.registry import attr, register
+import onnx_ir as ir
+
+from ngdist.passes.autodiff.registry import GradContext, attr, register
 from ngdist.passes.autodiff.rules._common import static_dims, window
 
 
-def _swap01(ctx, v, rank: int):
+def _swap01(ctx: GradContext, v: ir.Value, rank: int) -> ir.Value:
     return ctx.op("Transpose", v, perm=[1, 0, *range(2, rank)])
 
 
@@ -34,27 +36,27 @@ def by_tap(group: int, kernel: list[int], channels: int) -> bool:
     return group == 1 and math.prod(kernel) <= MAX_TAPS and channels >= MIN_TAP_CHANNELS
 
 
-def channel_rows(ctx, gy, rank: int):
+def channel_rows(ctx: GradContext, gy: ir.Value, rank: int) -> ir.Value:
     """gy [N, M, *out] as the matrix [M, N*prod(out)]."""
     return ctx.op("Reshape", _swap01(ctx, gy, rank), ctx.ints([0, -1]))
 
 
-def weight_grad(ctx, x, gy, *, group: int, channels: int, kernel: list[int], spatial: list[int],
-                strides: list[int], dilations: list[int], begin: list[int], end: list[int],
-                gy_rows=None):
+def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int, channels: int,
+                kernel: list[int], spatial: list[int], strides: list[int], dilations: list[int],
+                begin: list[int], end: list[int], gy_rows: ir.Value | None = None) -> ir.Value:
     """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out];
     ``gy_rows``: ``channel_rows`` of gy when the caller has it already."""
-    window_args = dict(kernel=kernel, spatial=spatial, strides=strides, dilations=dilations,
-                       begin=begin, end=end)
+    window_args: dict[str, list[int]] = dict(kernel=kernel, spatial=spatial, strides=strides,
+                                             dilations=dilations, begin=begin, end=end)
     if by_tap(group, kernel, channels):
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
         return _weight_grad_taps(ctx, x, rows, channels=channels, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
 
-def _weight_grad_taps(ctx, x, m, *, channels: int, kernel: list[int], spatial: list[int],
-                      strides: list[int], dilations: list[int], begin: list[int],
-                      end: list[int]):
+def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: int,
+                      kernel: list[int], spatial: list[int], strides: list[int],
+                      dilations: list[int], begin: list[int], end: list[int]) -> ir.Value:
     """group == 1: one matrix product per kernel tap, gy [M, N*out] @ x_tap [N*out, C].
 
     x goes channels-last (and padded) once; each tap is a strided Slice of it. This is the
@@ -88,9 +90,9 @@ def _weight_grad_taps(ctx, x, m, *, channels: int, kernel: list[int], spatial: l
     return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
 
 
-def _weight_grad_conv(ctx, x, gy, *, group: int, channels: int, kernel: list[int],
-                      spatial: list[int], strides: list[int], dilations: list[int],
-                      begin: list[int], end: list[int]):
+def _weight_grad_conv(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
+                      channels: int, kernel: list[int], spatial: list[int], strides: list[int],
+                      dilations: list[int], begin: list[int], end: list[int]) -> ir.Value:
     """Any group: a Conv of x with gy, batch and channels swapped, the forward stride becoming
     the dilation."""
     rank = len(kernel) + 2

@@ -6,7 +6,9 @@ ReduceSum over a [B, K, N] intermediate.
 """
 from __future__ import annotations
 
-from ngdist.passes.autodiff.registry import attr, register
+import onnx_ir as ir
+
+from ngdist.passes.autodiff.registry import GradContext, attr, register
 
 
 @register("Gemm")
@@ -45,7 +47,7 @@ def _swap_last(ctx, v, rank):
     return ctx.op("Transpose", v, perm=perm)
 
 
-def _rows_of(ctx, v):
+def _rows_of(ctx: GradContext, v: ir.Value) -> ir.Value:
     """The shape [-1, last dim of v]: v as a matrix of its rows."""
     last = list(v.shape.dims)[-1] if v.shape is not None and v.shape.rank() else None
     if isinstance(last, int):
