@@ -54,7 +54,8 @@ def test_train_on_2_ranks_equals_1_rank_with_the_whole_batch(files):
     assert two.returncode == 0, two.stderr
     assert "train mlp.onnx on 2 rank(s): 100%" in two.stderr  # the progress bar (rank 0 only)
     assert two.stderr.count("train mlp.onnx on 2 rank(s):   0%") == 1
-    assert "trained 4 epoch(s), 80 steps of 32 samples on 2 rank(s)" in two.stdout
+    # relaunched under ngdist's supervisor: each line says its rank
+    assert "[rank 0] trained 4 epoch(s), 80 steps of 32 samples on 2 rank(s)" in two.stdout
     one = ngdist_train(files, *common, "-n", "1", "--batch-size", "32", "--save", "one.onnx")
     assert one.returncode == 0, one.stderr
     p2, p1, p0 = _params(files / "two.onnx"), _params(files / "one.onnx"), \

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import subprocess
 import sys
 import time
 
@@ -13,7 +11,8 @@ from tqdm import tqdm
 
 import ngdist
 from ngdist import zoo
-from ngdist.comm.launch import mpiexec_cmd
+from ngdist.cli.run import add_launch_arguments, launch
+from ngdist.comm import world_rank_size
 from ngdist.data import load_digits
 
 
@@ -73,15 +72,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--save", help="write the trained model here")
+    add_launch_arguments(p)
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
-    if args.n > 1 and "PMI_RANK" not in os.environ:
-        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.cli.demo",
-               "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-               "--lr", str(args.lr)]
-        if args.save:
-            cmd += ["--save", args.save]
-        return subprocess.call(cmd)
-    return main(["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-                      "--lr", str(args.lr)] + (["--save", args.save] if args.save else []))
+    argv = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+            "--lr", str(args.lr)] + (["--save", args.save] if args.save else [])
+    if args.n > 1 and world_rank_size()[1] == 1:
+        return launch([sys.executable, "-m", "ngdist.cli.demo", *argv], args.n, args)
+    return main(argv)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import onnx
 
 from ngdist.cli.rewrite import OptionParser, add_strategy_arguments, chosen_options
+from ngdist.cli.run import add_launch_arguments
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
 from ngdist.passes.options import cli_flag
@@ -188,12 +188,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.__class__ = OptionParser  # unknown flags reach the command (cli/rewrite.py)
     add_arguments(p)
+    add_launch_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """The ``ngdist train`` command: check the data, then train here or on N ranks."""
-    from ngdist.comm.launch import mpiexec_cmd
+    from ngdist.cli.run import launch
     from ngdist.comm import world_rank_size
 
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
@@ -202,13 +203,11 @@ def run(args: argparse.Namespace) -> int:
     if args.n > 1 and world_rank_size()[1] == 1:
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)
-        cmd = [*mpiexec_cmd(args.n), sys.executable, "-m", "ngdist.cli.train",
-               *relaunch_argv(args)]
         env = dict(os.environ)
         if args.timeout is not None:
             env["NGDIST_TIMEOUT"] = str(args.timeout)
-        logger.info("launching: %s", " ".join(cmd))
-        return subprocess.call(cmd, env=env)
+        return launch([sys.executable, "-m", "ngdist.cli.train", *relaunch_argv(args)], args.n,
+                      args, env=env)
     return train(args)
 
 

@@ -4,11 +4,14 @@
 without finalizing MPI, and if that rank's status was 0 the whole job "succeeds" silently.
 With the flag, the survivors keep running until ngdist's collective timeout fires, and they
 exit with an error that names the op that could not complete (then MPI_Abort ends the job).
+``ngdist run`` does not leave them waiting that long: its supervisor (comm/supervisor.py) stops
+the job a few seconds after a rank failed.
 """
 from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ngdist.errors import NgdistError
@@ -27,11 +30,13 @@ def mpiexec_path() -> str:
     return found
 
 
-def mpiexec_cmd(n: int, hostfile: str | None = None, hosts: str | None = None) -> list[str]:
-    """The command prefix that starts ``n`` ranks."""
+def mpiexec_cmd(n: int, hostfile: str | None = None, hosts: str | None = None, *,
+                flags: Sequence[str] = ()) -> list[str]:
+    """The command prefix that starts ``n`` ranks; ``flags``: more hydra options (the
+    supervisor's ``-prepend-pattern``)."""
     if n < 1:
         raise NgdistError(f"the number of ranks must be at least 1, got {n}")
-    cmd = [mpiexec_path(), *MPIEXEC_FLAGS, "-n", str(n)]
+    cmd = [mpiexec_path(), *MPIEXEC_FLAGS, *flags, "-n", str(n)]
     if hostfile:
         cmd += ["-f", hostfile]
     if hosts:
