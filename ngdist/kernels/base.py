@@ -51,6 +51,8 @@ class KernelSpec:
     memory: str = "host"
     drain: Callable[[Any, CommNode], list[np.ndarray] | None] | None = None
     close: Callable[[CommNode], None] | None = None
+    # whether the op is the identity on a group of one rank, given the node's attributes
+    alone_identity: Callable[[dict[str, Any]], bool] = lambda attributes: False
 
     def __call__(self, group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
         return self.fn(group, node, inputs)
@@ -60,9 +62,17 @@ KERNELS: dict[str, KernelSpec] = {}
 
 
 def register_kernel(op_type: str, memory: str = "host", drain: Any = None,
-                    close: Any = None) -> Callable[[Kernel], Kernel]:
+                    close: Any = None, alone_identity: Any = None
+                    ) -> Callable[[Kernel], Kernel]:
+    """``alone_identity``: True, or a predicate on the node's attributes, when the op is the
+    identity on a group of one rank (the runtime then runs it as onnxruntime Identity nodes
+    inside a segment, without cutting the step)."""
     def wrap(fn: Kernel) -> Kernel:
-        KERNELS[op_type] = KernelSpec(op_type, fn, memory, drain, close)
+        spec = KernelSpec(op_type, fn, memory, drain, close)
+        if alone_identity is not None:
+            spec.alone_identity = alone_identity if callable(alone_identity) else \
+                (lambda attributes: bool(alone_identity))
+        KERNELS[op_type] = spec
         return fn
 
     return wrap

@@ -7,7 +7,7 @@ import numpy as np
 from ngdist.kernels.base import divide, flatten, register_kernel, unflatten
 
 
-@register_kernel("CentralReduce")
+@register_kernel("CentralReduce", alone_identity=True)
 def central_reduce(comm, node, inputs):
     if comm.size == 1:
         return list(inputs)

@@ -29,7 +29,8 @@ def _own_buffer(node, inputs) -> tuple[np.ndarray, bool]:
     return flatten(inputs, node), True
 
 
-@register_kernel("AllReduce")
+@register_kernel("AllReduce",
+                 alone_identity=lambda attributes: attributes.get("algorithm") != "exact")
 def allreduce(group, node, inputs):
     """Sum (or mean) over the ranks, with MPI's own algorithm or the one named by the
     ``algorithm`` attribute (kernels/allreduce_algs.py, kernels/exact.py)."""
@@ -49,7 +50,7 @@ def allreduce(group, node, inputs):
     return unflatten(buf, inputs) if fused else [buf]
 
 
-@register_kernel("Broadcast")
+@register_kernel("Broadcast", alone_identity=True)
 def broadcast(group, node, inputs):
     root = int(node.attributes.get("root", 0))
     outs = []
@@ -63,7 +64,7 @@ def broadcast(group, node, inputs):
     return outs
 
 
-@register_kernel("AllGather")
+@register_kernel("AllGather", alone_identity=True)
 def allgather(group, node, inputs):
     (x,) = inputs
     x = np.ascontiguousarray(x)
@@ -72,7 +73,7 @@ def allgather(group, node, inputs):
     return [out]
 
 
-@register_kernel("ReduceScatter")
+@register_kernel("ReduceScatter", alone_identity=True)
 def reduce_scatter(group, node, inputs):
     (x,) = inputs
     x = np.ascontiguousarray(x)

@@ -198,4 +198,4 @@ def close(node: CommNode) -> None:
         g.pool.shutdown(wait=True)
 
 
-register_kernel("PushSum", drain=drain, close=close)(pushsum)
+register_kernel("PushSum", drain=drain, close=close, alone_identity=True)(pushsum)

@@ -140,7 +140,7 @@ def spy_env(ex: Executor) -> list[tuple[int, set[str]]]:
 # ---------------------------------------------------------------- one rank
 @pytest.mark.parametrize("overlap", [True, False])
 def test_comm_node_between_two_segments(overlap):
-    ex = Executor(step_model(), LocalGroup(timeout=5), overlap=overlap)
+    ex = Executor(step_model(), LocalGroup(timeout=5), inline_alone=False, overlap=overlap)
     assert [type(it).__name__ for it in ex.items] == ["Segment", "CommCall", "Segment"]
     times = StepTimes()
     out = ex.run(feeds(x=X, w=W), times)
@@ -168,7 +168,7 @@ def test_overlap_on_and_off_give_identical_results():
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_values_are_dropped_after_their_last_use(overlap):
-    ex = Executor(step_model(), LocalGroup(timeout=5), overlap=overlap)
+    ex = Executor(step_model(), LocalGroup(timeout=5), inline_alone=False, overlap=overlap)
     seen = spy_env(ex)
     given = feeds(x=X, w=W)
     for _ in range(3):
@@ -187,7 +187,7 @@ def test_step_outputs_are_kept_until_the_end():
                allreduce("g", "gr"),
                helper.make_node("Neg", ["gr"], ["y"], name="neg")],
               ["x", "w"], ["g", "y"])
-    out = Executor(m, LocalGroup(timeout=5), overlap=False).run(feeds(x=X, w=W))
+    out = Executor(m, LocalGroup(timeout=5), inline_alone=False, overlap=False).run(feeds(x=X, w=W))
     assert sorted(out) == ["g", "y"]
     np.testing.assert_array_equal(out["g"].numpy(), X * W)
     np.testing.assert_array_equal(out["y"].numpy(), -(X * W))
@@ -198,7 +198,7 @@ def test_a_segment_error_names_the_segment():
                allreduce("g", "gr"),
                helper.make_node("Add", ["gr", "z"], ["y"], name="add_z")],
               ["x", "w", "z"], ["y"])
-    ex = Executor(m, LocalGroup(timeout=5), overlap=False)
+    ex = Executor(m, LocalGroup(timeout=5), inline_alone=False, overlap=False)
     with pytest.raises(ExecutionError) as info:
         ex.run(feeds(x=X, w=W, z=np.ones((5, 7), np.float32)))  # does not broadcast with 2x3
     assert str(info.value).startswith("while executing segment 2 (1 nodes, add_z .. add_z): ")
@@ -208,7 +208,7 @@ def test_an_error_in_the_first_segment_names_its_nodes():
     m = model([helper.make_node("Mul", ["x", "w"], ["g"], name="grad"),
                helper.make_node("Neg", ["g"], ["h"], name="neg"),
                allreduce("h", "y")], ["x", "w"], ["y"])
-    ex = Executor(m, LocalGroup(timeout=5))
+    ex = Executor(m, LocalGroup(timeout=5), inline_alone=False)
     with pytest.raises(ExecutionError) as info:
         ex.run(feeds(x=X, w=np.ones(4, np.float32)))
     assert str(info.value).startswith("while executing segment 0 (2 nodes, grad .. neg): ")
@@ -298,13 +298,13 @@ def test_an_output_handed_back_keeps_its_ortvalue(overlap):
     m = model([helper.make_node("Mul", ["x", "w"], ["g"], name="grad"),
                allreduce("g", "gr"),
                helper.make_node("Identity", ["gr"], ["y"], name="id")], ["x", "w"], ["y"])
-    ex = Executor(m, LocalGroup(timeout=5), overlap=overlap)
+    ex = Executor(m, LocalGroup(timeout=5), inline_alone=False, overlap=overlap)
     seen = spy_comm(ex)
     given = feeds(x=X, w=W)
     ex.run(given)
     ((values, outs),) = seen
     assert outs[0] is values[0]
-    direct = Executor(model([allreduce("x", "y")], ["x"], ["y"]), LocalGroup(timeout=5),
+    direct = Executor(model([allreduce("x", "y")], ["x"], ["y"]), LocalGroup(timeout=5), inline_alone=False,
                       overlap=overlap)
     assert direct.run(given)["y"] is given["x"]
     ex.close()
@@ -314,7 +314,7 @@ def test_an_output_handed_back_keeps_its_ortvalue(overlap):
 def test_kernel_inputs_are_views_of_the_values():
     m = model([helper.make_node("Mul", ["x", "w"], ["g"], name="grad"),
                allreduce("g", "gr")], ["x", "w"], ["gr"])
-    ex = Executor(m, LocalGroup(timeout=5), overlap=False)
+    ex = Executor(m, LocalGroup(timeout=5), inline_alone=False, overlap=False)
     captured = []
     spec = ex.kernels[1]
     original = spec.fn
@@ -333,7 +333,7 @@ def test_kernel_inputs_are_views_of_the_values():
 
 
 def test_the_plan_the_executor_runs():
-    ex = Executor(step_model(), LocalGroup(timeout=5))
+    ex = Executor(step_model(), LocalGroup(timeout=5), inline_alone=False)
     seg0, call, seg2 = ex.items
     assert isinstance(seg0, Segment) and isinstance(call, CommCall) and isinstance(seg2, Segment)
     assert (seg0.inputs, seg0.outputs, seg2.inputs, seg2.outputs) == \
@@ -392,5 +392,20 @@ def test_a_comm_node_reading_a_constant():
     m = model([allreduce("c", "cr", reduction="sum"),
                helper.make_node("Add", ["cr", "x"], ["y"], name="add")], ["x"], ["y"])
     m.graph.initializer.append(helper.make_tensor("c", TensorProto.FLOAT, [2, 3], [1.0] * 6))
-    out = Executor(m, LocalGroup(timeout=5), overlap=False).run(feeds(x=X))
+    out = Executor(m, LocalGroup(timeout=5), inline_alone=False, overlap=False).run(feeds(x=X))
     np.testing.assert_array_equal(out["y"].numpy(), X + 1)
+
+
+def test_one_rank_runs_identity_comm_ops_inside_one_segment():
+    # on one rank an AllReduce is the identity: it runs as onnxruntime Identity nodes and the
+    # step is not cut into segments; the results are the same bits as through the kernel
+    m = step_model()
+    inlined = Executor(m, LocalGroup(timeout=5))
+    through_kernel = Executor(m, LocalGroup(timeout=5), inline_alone=False)
+    assert [type(i).__name__ for i in inlined.items] == ["Segment"]
+    assert not inlined.comm_nodes
+    assert any(type(i).__name__ == "CommCall" for i in through_kernel.items)
+    a = inlined.run(feeds(x=X, w=W))
+    b = through_kernel.run(feeds(x=X, w=W))
+    assert {k: v.numpy().tobytes() for k, v in a.items()} == \
+        {k: v.numpy().tobytes() for k, v in b.items()}
