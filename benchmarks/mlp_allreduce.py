@@ -61,8 +61,10 @@ def batches(bench: Bench, rank: int, size: int, steps: int
 def run_ngdist(bench: Bench, steps: int, warmup: int) -> dict:
     import ngdist
 
+    raw = os.environ.get("BENCH_OVERLAP")  # unset: ngdist's default; 0 / 1 to force it
+    overlap = None if raw is None else raw != "0"
     tr = ngdist.compile(bench.onnx_model(), optimizer=ngdist.optim.SGD(lr=0.01, momentum=0.9),
-                        intra_op_threads=1)
+                        intra_op_threads=1, overlap=overlap)
     times, comm, wait = [], 0.0, 0.0
     for i, (x, y) in enumerate(batches(bench, tr.rank, tr.size, steps + warmup)):
         t0 = time.perf_counter()

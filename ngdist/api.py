@@ -73,8 +73,11 @@ class RuntimeOptions(TypedOptions):
 
     ``timeout``: seconds before a stuck collective fails (default NGDIST_TIMEOUT);
     ``intra_op_threads``: onnxruntime threads (default cores / ranks on this host);
-    ``device``: ``cpu`` or ``cuda``; ``overlap``: communication overlaps computation (default
-    on; with ``pushsum`` it is also the gossip's overlap, off by default there);
+    ``device``: ``cpu``, ``cuda`` or ``auto``; ``overlap``: communication runs on a thread of
+    its own and overlaps computation (default: when the host has more than one core per rank;
+    a thread waiting on MPI spins, and on a rank's only core it halves the compute: CNN on 2
+    ranks of 2 cores, 9.1 vs 0.7 ms of comm per step); with ``pushsum`` it is also the gossip's
+    overlap, off by default there;
     ``devices_per_worker``: model replicas in this process (runtime/replicas.py);
     ``ps_serve``: with ``ps`` and dedicated servers, False makes a server rank serve round by
     round as its program calls ``step`` (``DistributedSGD``) instead of until the workers stop.
@@ -152,7 +155,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     step = run_passes(step, chosen)
     # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
     return Trainer(inference, step=step, group=group, intra_op_threads=runtime.intra_op_threads,
-                   device=runtime.device, overlap=runtime.overlap is not False,
+                   device=runtime.device, overlap=runtime.overlap,
                    devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
                    write_back=write_back)
 

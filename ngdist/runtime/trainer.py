@@ -47,6 +47,7 @@ class StepStats:
 
 
 def _default_threads(group: ProcessGroup) -> int:
+    """The cores of this host per rank of the job on it."""
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
 
 
@@ -56,7 +57,7 @@ class Trainer:
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
                  group: ProcessGroup | None = None, timeout: float | None = None,
                  intra_op_threads: int | None = None, device: str | Placement = "cpu",
-                 overlap: bool = True, devices_per_worker: int = 1,
+                 overlap: bool | None = None, devices_per_worker: int = 1,
                  ps_serve: bool = True, write_back: WriteBack | None = None) -> None:
         self.group = group or world_group(timeout)
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
@@ -72,6 +73,8 @@ class Trainer:
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
         proto = ir.to_proto(step)
         threads = intra_op_threads or _default_threads(self.group)
+        if overlap is None:  # a comm thread waiting on MPI spins: only beside a spare core
+            overlap = _default_threads(self.group) > 1
         self.micro_batch = micro_batch_size(proto)  # > 0: reproducible mode
         if self.micro_batch:  # the tower once per micro-batch (runtime/microbatch.py)
             self.executor = MicroBatchExecutor(
