@@ -368,6 +368,16 @@ def _cases() -> list[Case]:
     c("Clip-bounds-are-inputs", "Clip", lambda g: [g.distinct(4, 5), np.array(-0.3),
                                                    np.array(0.4)])
     c("LeakyRelu", "LeakyRelu", lambda g: [g.away(3, 4)])
+    # every piece of the hard activations, away from the kinks (alpha x + beta = 0 or 1)
+    hard = np.array([[-4.4, -3.4, -2.0, -0.7], [0.3, 1.1, 2.1, 3.6], [4.5, -1.4, 0.8, 2.7]])
+    c("HardSigmoid", "HardSigmoid", lambda g: [hard.copy()])
+    c("HardSigmoid-alpha-beta", "HardSigmoid", lambda g: [hard.copy()], alpha=0.3, beta=0.4)
+    c("HardSwish", "HardSwish", lambda g: [hard.copy()], opset=18)
+    # --- padding --------------------------------------------------------------------------
+    c("Pad-constant", "Pad", lambda g: [g.n(2, 3, 4), np.array([0, 1, 2, 1, 0, 3])])
+    c("Pad-crop-and-pad", "Pad", lambda g: [g.n(2, 5, 4), np.array([1, -1, 0, 0, -2, 2])])
+    c("Pad-value-axes", "Pad", lambda g: [g.n(3, 4), np.array([2, 1]), Const(np.array(0.5)),
+                                          np.array([1])])
     c("LeakyRelu-alpha", "LeakyRelu", lambda g: [g.away(3, 4)], alpha=0.2)
     # --- selection ------------------------------------------------------------------------
     c("Where-bcast", "Where", lambda g: [g.n(2, 3, 4) > 0, g.n(4), g.n()])
@@ -741,3 +751,23 @@ def test_missing_rules_are_listed_all_at_once() -> None:
         "Frobnicate (node 'frob0'), Det (node 'det0'). Ops without a rule: Det, "
         "com.example.Frobnicate. Mark the inputs that feed them as frozen, or register a rule "
         "with ngdist.passes.autodiff.register")
+
+
+def test_pad_without_constant_mode_names_the_mode_and_the_node() -> None:
+    nodes = [helper.make_node("Constant", [], ["pads"], name="pads0",
+                              value=numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64))),
+             helper.make_node("Pad", ["x", "pads"], ["p"], name="pad0", mode="reflect"),
+             helper.make_node("ReduceSum", ["p"], ["loss"], name="sum0", keepdims=0),
+             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
+                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, [2, 3])])
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
+    with pytest.raises(GradientError) as info:
+        AutodiffPass()(ir.from_proto(proto))
+    assert str(info.value) == (
+        "gradient rule of Pad failed on node 'pad0': Pad mode 'reflect' has no gradient rule "
+        "(only 'constant'); pad with zeros in the model, or mark the inputs that feed it as "
+        "frozen")

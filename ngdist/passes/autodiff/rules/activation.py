@@ -1,4 +1,5 @@
-"""Activations: Relu, Sigmoid, Tanh, Softmax, LogSoftmax, LeakyRelu, Gelu (exact and tanh)."""
+"""Activations: Relu, Sigmoid, Tanh, Softmax, LogSoftmax, LeakyRelu, Gelu (exact and tanh),
+HardSigmoid, HardSwish."""
 from __future__ import annotations
 
 import math
@@ -80,3 +81,30 @@ def gelu(ctx, node, gys):
             "Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.scalar(-0.5, x))))
         dy = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
     return [ctx.op("Mul", g, dy)]
+
+
+def _inside(ctx, x, alpha: float, beta: float):
+    """1 where 0 < alpha x + beta < 1 (the linear piece of a hard sigmoid), else 0, like x."""
+    z = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(alpha, x)), ctx.scalar(beta, x))
+    return ctx.op("CastLike", ctx.op("And", ctx.op("Greater", z, ctx.scalar(0.0, x)),
+                                     ctx.op("Less", z, ctx.scalar(1.0, x))), x), z
+
+
+@register("HardSigmoid")
+def hard_sigmoid(ctx, node, gys):
+    """y = max(0, min(1, alpha x + beta)): dy/dx = alpha on the linear piece, else 0."""
+    (x,), g = node.inputs, gys[0]
+    alpha = attr(node, "alpha", 0.2)
+    inside, _ = _inside(ctx, x, alpha, attr(node, "beta", 0.5))
+    return [ctx.op("Mul", g, ctx.op("Mul", inside, ctx.scalar(alpha, x)))]
+
+
+@register("HardSwish")
+def hard_swish(ctx, node, gys):
+    """y = x * hardsigmoid(x) with alpha 1/6, beta 1/2: dy/dx = 0 below -3, 1 above 3, and
+    x/3 + 1/2 between."""
+    (x,), g = node.inputs, gys[0]
+    inside, z = _inside(ctx, x, 1.0 / 6.0, 0.5)
+    above = ctx.op("CastLike", ctx.op("GreaterOrEqual", z, ctx.scalar(1.0, x)), x)
+    slope = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(1.0 / 3.0, x)), ctx.scalar(0.5, x))
+    return [ctx.op("Mul", g, ctx.op("Add", ctx.op("Mul", inside, slope), above))]

@@ -1,5 +1,5 @@
-"""Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split (the data
-inputs only; shape, axes and split-size inputs get no gradient)."""
+"""Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad (the
+data inputs only; shape, axes, pads and split-size inputs get no gradient)."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,3 +60,22 @@ def split(ctx, node, gys):
         raise ValueError("Split input of unknown rank")
     parts = [g if g is not None else ctx.zeros_like(y) for g, y in zip(gys, node.outputs)]
     return [ctx.op("Concat", *parts, axis=attr(node, "axis", 0) % rank), None]
+
+
+@register("Pad")
+def pad(ctx, node, gys):
+    """Constant padding: the gradient is the output gradient padded by the negated pads (a
+    positive pad is cut off, a negative one, which cropped, becomes zeros). The pads may be
+    computed at run time. Reflect, edge and wrap padding fold several outputs onto one input
+    element and have no rule here."""
+    mode = attr(node, "mode", "constant")
+    if mode != "constant":
+        raise ValueError(f"Pad mode {mode!r} has no gradient rule (only 'constant'); pad "
+                         "with zeros in the model, or mark the inputs that feed it as frozen")
+    if ctx.opset < 11:
+        pads = ctx.ints([-p for p in attr(node, "pads")])
+        return [ctx.op("Pad", gys[0], pads)]
+    neg = ctx.op("Neg", node.inputs[1])
+    axes = [node.inputs[3]] if len(node.inputs) > 3 and node.inputs[3] is not None else []
+    inputs = [gys[0], neg, None, *axes] if axes else [gys[0], neg]
+    return [ctx.op("Pad", *inputs), None, None, None]
