@@ -124,6 +124,23 @@ def _loss_nodes(kind: str | None, output: onnx.ValueInfoProto, labels: str
     return nodes, [lab], "ngdist.loss"
 
 
+def _refuse_softmax_output(graph: onnx.GraphProto, output: str, loss: str) -> None:
+    """A cross-entropy loss applies its own softmax: an output that already is a Softmax or
+    LogSoftmax (through Identity nodes) would be normalised twice and train something else."""
+    producers = {o: n for n in graph.node for o in n.output}
+    node = producers.get(output)
+    while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+        node = producers.get(node.input[0])
+    if node is None or node.op_type not in ("Softmax", "LogSoftmax") or \
+            node.domain not in ("", "ai.onnx"):
+        return
+    raise GraphError(f"the model's output {output!r} is already a {node.op_type} (node "
+                     f"{node.name!r}), and loss={loss!r} applies a softmax itself, so training "
+                     f"would apply it twice: remove the {node.op_type} from the model so that it "
+                     "outputs logits (or pass output= naming the logits), or pass loss=None with "
+                     "an explicit loss graph whose first output is the loss")
+
+
 def batchnorm_statistics(graph: onnx.GraphProto
                          ) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """Running mean/variance initializers of BatchNormalization nodes: for training mode,
@@ -212,6 +229,8 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     if out_name not in outputs:
         raise GraphError(f"output {out_name!r} is not an output of the model "
                          f"(outputs: {list(outputs)})")
+    if isinstance(loss, str) and LOSSES.get(loss) == "softmax_cross_entropy":
+        _refuse_softmax_output(g, out_name, loss)
     init_names = {t.name for t in g.initializer}
     data_inputs = [copy.deepcopy(i) for i in g.input if i.name not in init_names]
     if loss is not None and labels in {i.name for i in g.input} | init_names:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -58,8 +59,11 @@ class Trainer:
                  group: ProcessGroup | None = None, timeout: float | None = None,
                  intra_op_threads: int | None = None, device: str | Placement = "cpu",
                  overlap: bool | None = None, devices_per_worker: int = 1,
-                 ps_serve: bool = True, write_back: WriteBack | None = None) -> None:
+                 ps_serve: bool = True, write_back: WriteBack | None = None,
+                 nan_check: bool = True) -> None:
         self.group = group or world_group(timeout)
+        self.nan_check = nan_check  # a fetched loss that is NaN/Inf stops training
+        self._uneven_logged = False
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
         self.placement = device if isinstance(device, Placement) else \
             placement_for(device, self.group.local_rank)
@@ -93,6 +97,12 @@ class Trainer:
                                      intra_op_threads=threads, overlap=overlap)
         graph = proto.graph
         self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
+        model_inputs = {i.name for i in inference.graph.input}
+        # the model's own inputs (not labels), named when a batch size is baked into the model
+        self._model_inputs = [n for n in self.data_inputs if n in model_inputs] or \
+            list(self.data_inputs)
+        self._label_checks = _label_checks(graph, self.data_inputs, inference)
+        self._classes_by_shape: dict[tuple, dict[str, int | None]] = {}
         self.steps_done = 0
         self._predict_cache: tuple[int, ort.InferenceSession] | None = None
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
@@ -142,7 +152,37 @@ class Trainer:
         if self.role == "server":
             return
         for batch in batches:
+            self._check_global_batch(batch)
             yield self._slice(batch)
+
+    def _check_global_batch(self, batch: Any) -> None:
+        """Every array of a global batch holds the same number of samples, at least one per
+        training rank; uneven shards are allowed and logged once."""
+        sizes = _leaf_sizes(batch)
+        if not sizes:
+            return
+        _check_same_size(sizes, "the global batch")
+        n, w = next(iter(sizes.values())), self.num_workers
+        m = self.micro_batch
+        if m and n % m == 0:  # whole micro-batches to every rank
+            if n // m < w:
+                raise InputError(f"the global batch has {n // m} micro-batch(es) of {m} samples "
+                                 f"for {w} training ranks, so some rank's shard would be empty: "
+                                 f"the global batch must have at least as many micro-batches as "
+                                 f"ranks ({w * m} samples or more)")
+            uneven = (n // m) % w != 0
+        else:
+            if n < w:
+                raise InputError(f"the global batch has {n} sample(s) for {w} training ranks, so "
+                                 f"some rank's shard would be empty: the global batch must have "
+                                 f"at least as many samples as ranks ({w})")
+            uneven = n % w != 0
+        if uneven and not self._uneven_logged:
+            self._uneven_logged = True
+            logger.info("the global batch of %d samples does not divide evenly over %d ranks: "
+                        "shards differ by up to %d sample(s) (np.array_split), and the averaged "
+                        "gradient weighs a sample of a smaller shard slightly more (logged once)",
+                        n, w, m or 1)
 
     def _slice(self, batch: Any) -> Any:
         if isinstance(batch, Mapping):
@@ -154,6 +194,9 @@ class Trainer:
         if m and arr.ndim and arr.shape[0] % m == 0:  # whole micro-batches to every rank
             k, w, r = arr.shape[0] // m, self.num_workers, self.rank
             return arr[m * (k * r // w):m * (k * (r + 1) // w)]
+        if not arr.ndim:
+            raise InputError(f"a global batch holds a scalar ({arr!r}); trainer.shard() splits "
+                             "arrays along axis 0: give every input one row per sample")
         return np.array_split(arr, self.num_workers)[self.rank]
 
     def _feeds(self, batch: Mapping[str, Any]) -> tuple[dict[str, ort.OrtValue], int]:
@@ -168,23 +211,62 @@ class Trainer:
         if unknown:
             raise InputError(f"the batch has unknown input(s) {unknown}; the model's data inputs "
                              f"are {sorted(self.data_inputs)}")
-        feeds, samples = {}, 0
+        raw = {name: np.asarray(batch[name]) for name in self.data_inputs}
+        arrays: dict[str, np.ndarray] = {}
         for name, info in self.data_inputs.items():
             tt = info.type.tensor_type
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-            arr = np.ascontiguousarray(np.asarray(batch[name]), dtype=dtype)
+            if name in self._label_checks:  # before the cast hides 2.5 as 2
+                _check_label_values(name, raw[name], None, *self._label_checks[name])
+            arr = np.ascontiguousarray(raw[name], dtype=dtype)
             if tt.HasField("shape"):
                 dims = tt.shape.dim
                 if arr.ndim != len(dims):
                     raise InputError(f"input '{name}' has shape {arr.shape}, the model expects "
                                      f"rank {len(dims)} ({_shape_str(dims)})")
                 for axis, d in enumerate(dims):
-                    if d.HasField("dim_value") and arr.shape[axis] != d.dim_value:
+                    if axis and d.HasField("dim_value") and arr.shape[axis] != d.dim_value:
                         raise InputError(f"input '{name}' has shape {arr.shape}; the model "
                                          f"expects {_shape_str(dims)} (axis {axis})")
-            samples = samples or (arr.shape[0] if arr.ndim else 1)
-            feeds[name] = self.placement.value(arr)
+            arrays[name] = arr
+        sizes = {n: a.shape[0] for n, a in arrays.items() if a.ndim}
+        _check_same_size(sizes, "the batch")
+        samples = next(iter(sizes.values()), 1)
+        self._check_fixed_batch(arrays)
+        run_time = self._run_time_classes(arrays)
+        for name, (scores, ignore_index, classes) in self._label_checks.items():
+            _check_label_values(name, raw[name], arrays[name], scores, ignore_index,
+                                classes or run_time.get(name))
+        feeds = {name: self.placement.value(arr) for name, arr in arrays.items()}
         return feeds, samples
+
+    def _run_time_classes(self, arrays: Mapping[str, np.ndarray]) -> dict[str, int | None]:
+        """The classes that the graphs leave unknown (a dynamic last dimension), from shape
+        inference of the forward graph with this batch's input shapes (once per shape)."""
+        unknown = {n: c[0] for n, c in self._label_checks.items() if c[2] is None}
+        if not unknown:
+            return {}
+        key = tuple(arrays[n].shape for n in self._model_inputs)
+        if key not in self._classes_by_shape:
+            if len(self._classes_by_shape) >= 16:
+                self._classes_by_shape.clear()
+            self._classes_by_shape[key] = _infer_classes(
+                self.inference, {n: arrays[n].shape for n in self._model_inputs}, unknown)
+        return self._classes_by_shape[key]
+
+    def _check_fixed_batch(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """A batch size baked into the model (a static axis 0) that the shard does not have is
+        reported on the model's input, whichever value (often the labels) inherited it."""
+        for name, info in self.data_inputs.items():
+            tt, arr = info.type.tensor_type, arrays[name]
+            if not (tt.HasField("shape") and tt.shape.dim and arr.ndim):
+                continue
+            d = tt.shape.dim[0]
+            if d.HasField("dim_value") and arr.shape[0] != d.dim_value:
+                shown = name if name in self._model_inputs else self._model_inputs[0]
+                raise InputError(f"input '{shown}' has a fixed batch size of {d.dim_value} in "
+                                 f"the model; this rank's shard has {arr.shape[0]} samples: "
+                                 "export the model with a dynamic batch axis")
 
     # ------------------------------------------------------------------ training
     def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats | None:
@@ -206,6 +288,12 @@ class Trainer:
         if not fetch_stats:
             return None
         loss = float(outputs[self.meta.loss].numpy())
+        if self.nan_check and not math.isfinite(loss):
+            raise NgdistError(
+                f"the loss is {loss} at step {self.steps_done} (rank {self.rank}); the "
+                "parameters of this step are not usable: check the batch for NaN/Inf values "
+                "and lower the learning rate, or pass nan_check=False to ngdist.compile to "
+                "train on regardless")
         return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
                          samples, self.group.bytes_sent - sent0)
 
@@ -333,3 +421,132 @@ class Trainer:
 def _shape_str(dims) -> str:
     return "[" + ", ".join(d.dim_param or str(d.dim_value) if (d.dim_param or d.HasField("dim_value"))
                            else "?" for d in dims) + "]"
+
+
+def _leaf_sizes(batch: Any, prefix: str = "") -> dict[str, int]:
+    """Axis-0 size of every array of a (nested) batch, by a readable name ('x', '[1]')."""
+    if isinstance(batch, Mapping):
+        out: dict[str, int] = {}
+        for k, v in batch.items():
+            out.update(_leaf_sizes(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(batch, (tuple, list)):
+        out = {}
+        for i, v in enumerate(batch):
+            out.update(_leaf_sizes(v, f"{prefix}[{i}]"))
+        return out
+    shape = np.shape(batch)
+    return {prefix or "batch": shape[0]} if shape else {}
+
+
+def _check_same_size(sizes: Mapping[str, int], what: str) -> None:
+    items = list(sizes.items())
+    for name, n in items[1:]:
+        if n != items[0][1]:
+            first, n0 = items[0]
+            raise InputError(f"{what}'s inputs differ in size along axis 0: '{first}' has {n0} "
+                             f"samples, '{name}' has {n}; every input of a batch needs one row "
+                             "per sample")
+
+
+def _label_checks(graph: onnx.GraphProto, data_inputs: Mapping[str, Any],
+                  inference: onnx.ModelProto) -> dict[str, tuple[str, int | None, int | None]]:
+    """Data input holding the labels of a SoftmaxCrossEntropyLoss -> (its scores, its
+    ignore_index, the number of classes when the step graph or the model knows it: axis 1 of
+    the scores, the last dimension of an (N, C) output)."""
+    producers = {o: n for n in graph.node for o in n.output}
+    shapes = {v.name: v.type.tensor_type for v in
+              [*graph.value_info, *graph.output, *graph.input, *inference.graph.output,
+               *inference.graph.value_info]}
+    checks: dict[str, tuple[str, int | None, int | None]] = {}
+    for node in graph.node:
+        if node.op_type != "SoftmaxCrossEntropyLoss" or len(node.input) < 2:
+            continue
+        name = node.input[1]
+        while name not in data_inputs and name in producers and \
+                producers[name].op_type in ("Identity", "Cast", "Reshape", "Squeeze", "Flatten"):
+            name = producers[name].input[0]
+        if name not in data_inputs:
+            continue
+        ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
+        tt = shapes.get(node.input[0])
+        dims = tt.shape.dim if tt is not None and tt.HasField("shape") else []
+        classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
+        checks[name] = (node.input[0], ignore, classes or None)
+    return checks
+
+
+def _check_label_values(name: str, raw: np.ndarray, arr: np.ndarray | None, scores: str,
+                        ignore_index: int | None, classes: int | None) -> None:
+    """Labels of softmax_cross_entropy are class ids: integers in [0, classes), or the loss's
+    ignore_index. ``arr is None``: only the values before the cast (integer-valued)."""
+    what = f"labels '{name}' of softmax_cross_entropy"
+    if arr is None:
+        if raw.dtype.kind in "fc" and raw.size:
+            bad = ~np.isfinite(raw) | (raw != np.round(raw))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise InputError(f"{what} must be integer class ids; value {raw.flat[i].item()} "
+                                 f"(flat index {i}) is not: pass the class index of each "
+                                 "sample (e.g. y.astype(np.int64)), not one-hot vectors or "
+                                 "probabilities")
+        return
+    if not arr.size:
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo >= 0 and (classes is None or hi < classes):
+        return
+    valid = arr >= 0 if classes is None else (arr >= 0) & (arr < classes)
+    if ignore_index is not None:
+        valid |= arr == ignore_index
+    if valid.all():
+        return
+    i = int(np.flatnonzero(~valid)[0])
+    v = int(arr.flat[i])
+    allowed = f"in [0, {classes})" if classes is not None else "0 or more"
+    ignore = (f"the loss ignores only {ignore_index}" if ignore_index is not None
+              else "the loss has no ignore_index")
+    if v < 0:
+        raise InputError(f"{what} hold {v} (flat index {i}); class ids must be {allowed} and "
+                         f"{ignore}: fix the labels, or give the loss an ignore_index for "
+                         "samples to skip")
+    raise InputError(f"{what} hold {v} (flat index {i}), but the model's output '{scores}' has "
+                     f"{classes} classes: class ids must be {allowed}; fix the labels or give "
+                     f"the model {v + 1} or more outputs")
+
+
+def _infer_classes(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]],
+                   scores: Mapping[str, str]) -> dict[str, int | None]:
+    """labels -> axis 1 of their scores, by shape inference of ``model``'s graph with concrete
+    input shapes; float initializers become shaped inputs (their values are not needed)."""
+    g = model.graph
+    graph = onnx.GraphProto(name=g.name)
+    graph.node.extend(g.node)
+    inits = {t.name for t in g.initializer}
+    for inp in g.input:
+        if inp.name in inits:
+            continue
+        shape = shapes.get(inp.name)
+        graph.input.append(onnx.helper.make_tensor_value_info(
+            inp.name, inp.type.tensor_type.elem_type, list(shape) if shape is not None else None))
+    for t in g.initializer:
+        if t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):  # shapes, axes
+            graph.initializer.append(t)
+        else:
+            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
+    graph.output.extend(g.output)
+    probe = onnx.helper.make_model(graph, opset_imports=model.opset_import,
+                                   ir_version=model.ir_version)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
+    except Exception as exc:  # the check is a help: without the classes it checks less
+        logger.debug("shape inference for the label check failed: %s", exc)
+        return {}
+    known = {v.name: v.type.tensor_type for v in [*inferred.value_info, *inferred.output]}
+    out: dict[str, int | None] = {}
+    for labels, name in scores.items():
+        tt = known.get(name)
+        dims = tt.shape.dim if tt is not None and tt.HasField("shape") else []
+        out[labels] = (dims[1].dim_value or None) if len(dims) > 1 and \
+            dims[1].HasField("dim_value") else None
+    return out
