@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from ngdist import optim
-from ngdist.api import barrier, compile, rank, size, to_training_model  # noqa: A004
+from ngdist.api import allreduce_mean, barrier, compile, rank, size, to_training_model  # noqa: A004
 from ngdist.errors import (CommError, CommTimeoutError, ExecutionError, GradientError,
                            GraphError, InputError, ModelLoadError, NgdistError, OptionError)
 from ngdist.runtime.trainer import StepStats, Trainer
@@ -23,4 +23,4 @@ __version__ = "0.1.0"
 
 __all__ = ["CommError", "CommTimeoutError", "DistributedSGD", "ExecutionError",
            "GradientError", "GraphError", "InputError", "ModelLoadError", "NgdistError", "OptionError",
-           "StepStats", "Trainer", "backend", "barrier", "compile", "kvstore", "optim", "rank", "size", "to_training_model"]
+           "StepStats", "Trainer", "allreduce_mean", "backend", "barrier", "compile", "kvstore", "optim", "rank", "size", "to_training_model"]

@@ -39,6 +39,53 @@ def barrier(timeout: float | None = None) -> None:
     world_group(timeout).barrier("ngdist.barrier()").wait()
 
 
+def allreduce_mean(value: Any, timeout: float | None = None) -> Any:
+    """The mean of ``value`` over every rank, the same on every rank (e.g. an evaluation metric).
+
+    ``value``: a number (a float comes back) or a numpy array of real numbers (an array of the
+    same shape comes back, in the array's dtype when it is a floating one, else float64). Every
+    rank must call it with a value of the same shape. The sum is taken in float64 and rank 0's
+    result goes to every rank, so all ranks get the same bits. On one rank the value comes back
+    unchanged (a float, or a new array). Bounded by ``timeout``/NGDIST_TIMEOUT like ``barrier``.
+    """
+    import hashlib
+
+    import numpy as np
+
+    from ngdist.errors import CommError
+
+    what = "ngdist.allreduce_mean()"
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
+        array = None
+    else:
+        raise TypeError(f"{what} takes a number or a numpy array, not {type(value).__name__}")
+    if array is not None and array.dtype.kind not in "biuf":
+        raise TypeError(f"{what} takes an array of real numbers, not of dtype {array.dtype}")
+    dtype = array.dtype if array is not None and array.dtype.kind == "f" else np.dtype(np.float64)
+    group = world_group(timeout)
+    if group.size == 1:
+        return float(value) if array is None else array.astype(dtype, copy=True)
+    buf = np.array(value, dtype=np.float64).reshape(-1)  # a copy: the caller's value is left as is
+    shape = () if array is None else array.shape
+    digest = hashlib.sha256(repr(shape).encode()).digest()[:8]
+    mine = np.frombuffer(digest, dtype=np.int64).copy()
+    table = np.empty(group.size, np.int64)
+    group.allgather(mine, table, f"{what} shape check").wait()
+    differ = [r for r in range(group.size) if table[r] != table[0]]
+    if differ:
+        raise CommError(
+            f"{what}: ranks {differ} passed a value of another shape than rank 0 (this is "
+            f"rank {group.rank}, shape {shape}); every rank must pass the same shape")
+    group.allreduce(buf, what).wait()
+    group.broadcast(buf, 0, what).wait()
+    buf /= group.size
+    if array is None:
+        return float(buf[0])
+    return buf.reshape(array.shape).astype(dtype)
+
+
 def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any = _UNSET,
                       labels: str = "y", optimizer: Any = _UNSET, params: list[str] | None = None,
                       frozen: list[str] | None = None, output: str | None = None

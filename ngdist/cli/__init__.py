@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from ngdist.errors import NgdistError
@@ -27,8 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ngdist", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Compile single-process ONNX training graphs into data-parallel ones, "
                     "and run them on N MPI ranks.", epilog=EPILOG)
+    from ngdist import __version__
+
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more logging (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"ngdist {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error (also NGDIST_DEBUG=1)")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
     for module in (rewrite, inspect, run, demo, train):
         module.add_parser(sub)
@@ -43,14 +49,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    debug = args.debug or os.environ.get("NGDIST_DEBUG", "").strip() not in ("", "0")
     try:
+        if getattr(args, "timeout", None) is None:
+            # a malformed NGDIST_TIMEOUT fails here, before any work or launch, not on the ranks
+            from ngdist.comm.group import default_timeout
+            default_timeout()
         return args.func(args)
-    except NgdistError as exc:
-        print(f"ngdist: error: {exc}", file=sys.stderr)
+    except (NgdistError, ValueError, KeyError, OSError) as exc:
+        if debug:
+            raise
+        print(f"ngdist: error: {_one_line(exc)}", file=sys.stderr)
         return 1
-    except (ValueError, KeyError) as exc:
-        print(f"ngdist: error: {exc}", file=sys.stderr)
-        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error as the message line: an OSError names its path (``out.onnx: Is a directory``)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+        return f"{' -> '.join(names)}: {exc.strerror}" if names else exc.strerror
+    return str(exc)
 
 
 if __name__ == "__main__":
