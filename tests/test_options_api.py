@@ -186,10 +186,11 @@ def test_kvstore_create_valid_options_still_work():
 @pytest.mark.parametrize("spec, message", [
     ("sgd:learning_rate=0.1",
      "unknown key 'learning_rate' for optimizer 'sgd' in 'sgd:learning_rate=0.1'; did you mean "
-     "'lr'? Valid keys of sgd: lr, momentum, nesterov, weight_decay"),
+     "'lr'? Valid keys of sgd: dampening, lr, momentum, nesterov, weight_decay"),
     ("sgd:lr=0.1,momentun=0.9",
      "unknown key 'momentun' for optimizer 'sgd' in 'sgd:lr=0.1,momentun=0.9'; did you mean "
-     "'momentum'? Valid keys of sgd: lr, momentum, nesterov, weight_decay"),
+     "'momentum'? Valid keys of sgd: dampening, lr, momentum, nesterov, "
+     "weight_decay"),
     ("adam:gamma=2",
      "unknown key 'gamma' for optimizer 'adam' in 'adam:gamma=2'. Valid keys of adam: betas, "
      "eps, lr, weight_decay"),
@@ -201,7 +202,7 @@ def test_kvstore_create_valid_options_still_work():
                        "BETA1/BETA2"),
     ("rmsprop:lr=0.1",
      "unknown optimizer 'rmsprop' in 'rmsprop:lr=0.1'; choose one of ['adagrad', 'adam', "
-     "'sgd']"),
+     "'adamw', 'sgd', 'torch_adam']"),
 ])
 def test_optimizer_spec_errors_name_the_valid_keys(spec, message):
     with pytest.raises(OptionError) as exc:

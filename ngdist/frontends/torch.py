@@ -19,14 +19,15 @@ Semantic adjustments: ONNX's BatchNormalization updates the running variance wit
 running-variance output by n / (n - 1) so that running statistics match PyTorch's.
 ``BatchNorm(momentum=None)`` (cumulative average) has no ONNX counterpart and is refused.
 
-Optimizers: ``torch.optim.SGD`` (momentum, dampening 0, Nesterov, weight decay) maps exactly
-onto ONNX Momentum. ``torch.optim.Adam`` maps onto ONNX Adam with the same lr, betas, eps and
-(L2) weight decay; the one difference is where epsilon goes. ONNX adds it to sqrt(v) and folds
-the bias correction into the learning rate, so in torch's terms its epsilon is
-eps / sqrt(1 - beta2^t) (31.6 x eps at t = 1 for beta2 = 0.999, tending to eps): updates agree
-wherever a gradient's RMS is far above eps (relative difference ~ eps_eff / RMS) and differ
-where it is not (e.g. weights whose only gradient is a weight decay of ~1e-6). AdamW, AMSGrad,
-``maximize`` and per-group hyper-parameters are refused with a clear error.
+Optimizers follow PyTorch's formulas exactly (``docs/ARCHITECTURE.md``, "Optimizer formulas"):
+``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) maps onto ONNX Momentum
+(beta = 1 - dampening); ``torch.optim.Adam`` and ``torch.optim.AdamW`` become
+``ngdist.optim.TorchAdam`` / ``ngdist.optim.AdamW``, ONNX Adam nodes marked with PyTorch's
+formula (ONNX's own Adam adds epsilon before the bias correction, which differs wherever a
+gradient's RMS is not far above eps, e.g. bias gradients of ~1e-7 at initialization). AMSGrad,
+``maximize`` and per-group hyper-parameters are refused with a clear error; ``foreach``,
+``fused``, ``capturable`` and ``differentiable`` only choose torch's implementation and are
+ignored.
 """
 from __future__ import annotations
 
@@ -268,31 +269,34 @@ def _group_hyper(opt: Any, keys: Sequence[str]) -> dict[str, Any]:
 
 
 def translate_optimizer(opt: Any) -> optim.Optimizer:
-    """``torch.optim.SGD`` / ``torch.optim.Adam`` -> the ngdist optimizer with the same math."""
+    """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` -> the ngdist optimizer with the same math."""
     torch = _torch()
     if isinstance(opt, torch.optim.SGD):
         h = _group_hyper(opt, ["lr", "momentum", "dampening", "nesterov", "weight_decay",
                                "maximize"])
-        if h["dampening"]:
-            raise GraphError("torch.optim.SGD with dampening != 0 has no ONNX Momentum "
-                             "counterpart")
         if h["maximize"]:
             raise GraphError("torch.optim.SGD(maximize=True) is not supported")
         return optim.SGD(lr=float(h["lr"]), momentum=float(h["momentum"]),
-                         nesterov=bool(h["nesterov"]), weight_decay=float(h["weight_decay"]))
-    if isinstance(opt, torch.optim.Adam):
+                         nesterov=bool(h["nesterov"]), weight_decay=float(h["weight_decay"]),
+                         dampening=float(h["dampening"] or 0.0))
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
         h = _group_hyper(opt, ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
                                "decoupled_weight_decay"])
-        if h.get("decoupled_weight_decay") or isinstance(opt, torch.optim.AdamW):
-            raise GraphError("AdamW (decoupled weight decay) has no exact ONNX Adam "
-                             "counterpart; use torch.optim.Adam (L2 weight_decay)")
-        if h["amsgrad"] or h["maximize"]:
-            raise GraphError("torch.optim.Adam with amsgrad or maximize is not supported")
+        decoupled = bool(h.get("decoupled_weight_decay")) or \
+            isinstance(opt, torch.optim.AdamW)
+        name = "AdamW" if decoupled else "Adam"
+        if h["amsgrad"]:
+            raise GraphError(f"torch.optim.{name}(amsgrad=True) is not supported: ngdist "
+                             f"implements {name} without AMSGrad; use amsgrad=False")
+        if h["maximize"]:
+            raise GraphError(f"torch.optim.{name}(maximize=True) is not supported")
         b1, b2 = (float(b) for b in h["betas"])
-        return optim.Adam(lr=float(h["lr"]), betas=(b1, b2), eps=float(h["eps"]),
-                          weight_decay=float(h["weight_decay"]))
+        cls = optim.AdamW if decoupled else optim.TorchAdam
+        return cls(lr=float(h["lr"]), betas=(b1, b2), eps=float(h["eps"]),
+                   weight_decay=float(h["weight_decay"]))
     raise GraphError(f"optimizer {type(opt).__name__} has no ngdist counterpart; use "
-                     "torch.optim.SGD, torch.optim.Adam or an ngdist.optim optimizer")
+                     "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW or an ngdist.optim "
+                     "optimizer")
 
 
 def _optimizer_params(module: Any, opt: Any) -> list[str]:
@@ -314,7 +318,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     if optimizer is _UNSET or optimizer is None:
         opt, trained = optim.SGD(lr=0.01), [n for n, p in module.named_parameters()
                                             if p.requires_grad]
-    elif isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad)):
+    elif isinstance(optimizer, (str, *optim.OPTIMIZERS)):
         opt = optim.from_spec(optimizer)
         trained = [n for n, p in module.named_parameters() if p.requires_grad]
     else:
@@ -381,7 +385,8 @@ def _write_optimizer_state(values: Mapping[str, np.ndarray], steps_done: int, mo
         if isinstance(opt, torch.optim.SGD) and f"{onnx_name}.momentum" in values:
             if opt.param_groups[0]["momentum"]:
                 state["momentum_buffer"] = torch.from_numpy(values[f"{onnx_name}.momentum"].copy())
-        elif isinstance(opt, torch.optim.Adam) and f"{onnx_name}.adam_m" in values:
+        elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and \
+                f"{onnx_name}.adam_m" in values:
             state["step"] = torch.tensor(float(steps))
             state["exp_avg"] = torch.from_numpy(values[f"{onnx_name}.adam_m"].copy())
             state["exp_avg_sq"] = torch.from_numpy(values[f"{onnx_name}.adam_v"].copy())
@@ -402,7 +407,7 @@ def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entrop
     tracked = {k: int(v) for k, v in module.state_dict().items()
                if k.endswith("num_batches_tracked")}
     native = optimizer is _UNSET or optimizer is None or \
-        isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad))
+        isinstance(optimizer, (str, *optim.OPTIMIZERS))
     default_opt = None if native else optimizer
 
     def write(values: Mapping[str, np.ndarray], steps_done: int, /, target: Any = None,

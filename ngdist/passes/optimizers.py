@@ -1,4 +1,11 @@
-"""Lowering of ONNX's ``ai.onnx.preview.training`` optimizer ops to ordinary ops."""
+"""Lowering of ONNX's ``ai.onnx.preview.training`` optimizer ops to ordinary ops.
+
+An ``Adam`` node with the attribute ``ngdist_formula`` (``ngdist.optim.FORMULA_ATTR``) is lowered
+with PyTorch's formula instead of ONNX's: ``"torch_adam"`` is ``torch.optim.Adam`` (epsilon
+added after the second-moment bias correction), ``"torch_adamw"`` is ``torch.optim.AdamW``
+(``norm_coefficient`` is then the decoupled weight decay, x <- x * (1 - R * norm_coefficient)
+before the update). T is the 1-based step count there; T <= 0 applies no bias correction.
+"""
 from __future__ import annotations
 
 import logging
@@ -15,6 +22,10 @@ from ngdist.passes.autodiff.registry import GradContext, attr
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_OPS = {"Momentum": 1, "Adagrad": 1, "Adam": 2}  # op -> number of state tensors per x
+# the Adam attribute that selects PyTorch's formula, and its values (ngdist.optim.TorchAdam,
+# ngdist.optim.AdamW)
+FORMULA_ATTR = "ngdist_formula"
+TORCH_ADAM, TORCH_ADAMW = "torch_adam", "torch_adamw"
 
 
 def _attrs(node: ir.Node) -> dict[str, object]:
@@ -102,14 +113,77 @@ def _adam_lr(ctx: GradContext, k: _Scalars, tpos: ir.Value, lr: ir.Value, t: ir.
     return ctx.op("Where", tpos, ctx.op("Mul", lr, corr), lr)
 
 
+def _torch_adam_scalars(ctx: GradContext, tpos: ir.Value, r: ir.Value, t: ir.Value,
+                        al: float, be: float, decay: float) -> dict[str, ir.Value]:
+    """PyTorch's per-step Adam scalars, rank 0 and computed in float64 as torch computes them
+    in Python: lr / (1 - beta1^T), sqrt(1 - beta2^T) (lr and 1 for T <= 0) and the decoupled
+    decay factor 1 - lr * ``decay`` (only when ``decay`` is not 0)."""
+    double = int(ir.DataType.DOUBLE)
+
+    def f64(v: float) -> ir.Value:
+        return ctx.op("Constant", value=ir.tensor(np.array(v, np.float64)))
+
+    one, td, rd = f64(1.0), ctx.op("Cast", t, to=double), ctx.op("Cast", r, to=double)
+    bc1 = ctx.op("Where", tpos, ctx.op("Sub", one, ctx.op("Pow", f64(al), td)), one)
+    bc2_sqrt = ctx.op("Where", tpos,
+                      ctx.op("Sqrt", ctx.op("Sub", one, ctx.op("Pow", f64(be), td))), one)
+    out = {"step_size": ctx.op("Div", rd, bc1), "bc2_sqrt": bc2_sqrt}
+    if decay:
+        out["decay"] = ctx.op("Sub", one, ctx.op("Mul", rd, f64(decay)))
+    return out
+
+
+def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
+                    a: dict[str, object], decoupled: bool, x: ir.Value, g: ir.Value,
+                    m: ir.Value, v: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """torch.optim.Adam / AdamW (single-tensor path, amsgrad=False) on one parameter."""
+
+    def scalar(name: str) -> ir.Value:
+        return k.memo(("torch_adam", name), x,
+                      lambda: k._shape(ctx.op("CastLike", scalars[name], x), x))
+
+    al, be = float(a["alpha"]), float(a["beta"])  # type: ignore[arg-type]
+    wd = float(a.get("norm_coefficient") or 0.0)  # type: ignore[arg-type]
+    if wd and decoupled:  # param.mul_(1 - lr * weight_decay)
+        x = ctx.op("Mul", x, scalar("decay"))
+    elif wd:  # grad = grad.add(param, alpha=weight_decay)
+        g = ctx.op("Add", g, ctx.op("Mul", k.const(wd, x), x))
+    m_new = ctx.op("Add", m, ctx.op("Mul", k.const(1 - al, x), ctx.op("Sub", g, m)))  # lerp
+    v_new = ctx.op("Add", ctx.op("Mul", k.const(be, x), v),
+                   ctx.op("Mul", k.const(1 - be, x), ctx.op("Mul", g, g)))
+    denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", v_new), scalar("bc2_sqrt")),
+                   k.const(float(a["epsilon"]), x))  # type: ignore[arg-type]
+    x_new = ctx.op("Sub", x, ctx.op("Mul", scalar("step_size"), ctx.op("Div", m_new, denom)))
+    return x_new, m_new, v_new
+
+
 def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
     a = _attrs(node)
+    formula = attr(node, FORMULA_ATTR, None)
+    if formula is not None and (node.op_type != "Adam" or
+                                formula not in (TORCH_ADAM, TORCH_ADAMW)):
+        raise ValueError(f"optimizer node {node.name!r}: {FORMULA_ATTR}={formula!r} is not "
+                         f"one of {TORCH_ADAM!r}, {TORCH_ADAMW!r} on an Adam node")
     r, t, groups = split_optimizer_inputs(node)
     xs, gs, states = groups[0], groups[1], groups[2:]
     tpos = ctx.op("Greater", t, ctx.const(0, dtype=np.int64))
     k = _Scalars(ctx)
     new_x, new_s = [], [[] for _ in states]
+    torch_scalars = None if formula is None else _torch_adam_scalars(
+        ctx, tpos, r, t, a["alpha"], a["beta"],
+        (a.get("norm_coefficient") or 0.0) if formula == TORCH_ADAMW else 0.0)
     for i, (x, g) in enumerate(zip(xs, gs)):
+        if torch_scalars is not None:
+            v, h = (s[i] for s in states)
+            x_new, v_new, h_new = _torch_adam_one(ctx, k, torch_scalars, a,
+                                                  formula == TORCH_ADAMW, x, g, v, h)
+            post = a.get("norm_coefficient_post") or 0.0
+            if post:
+                x_new = ctx.op("Mul", k.const(1 - post, x), x_new)
+            new_x.append(x_new)
+            new_s[0].append(v_new)
+            new_s[1].append(h_new)
+            continue
         lr = k.cast(r, x)
         nc = a.get("norm_coefficient") or 0.0
         greg = g if nc == 0 else ctx.op("Add", ctx.op("Mul", k.const(nc, x), x), g)
@@ -155,7 +229,8 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
 class OptimizerLoweringPass(ir.passes.InPlacePass):
     """Rewrites ``Momentum``, ``Adagrad`` and ``Adam`` (ai.onnx.preview.training) as ordinary ops.
 
-    The numerics are those of the ONNX operator specification (and ``onnx.reference``). Output
+    The numerics are those of the ONNX operator specification (and ``onnx.reference``), or
+    PyTorch's for an Adam node marked with ``ngdist_formula`` (see the module docstring). Output
     names are kept, so ``update_binding`` still points at the new parameters and states.
     """
 

@@ -74,8 +74,8 @@ def test_misspelt_flag_suggests_the_closest(files, capsys, command):
 def test_optimizer_spec_with_an_unknown_key(files, capsys):
     assert _error(capsys, *REWRITE, "--optimizer", "sgd:learning_rate=0.1") == (
         "ngdist: error: unknown key 'learning_rate' for optimizer 'sgd' in "
-        "'sgd:learning_rate=0.1'; did you mean 'lr'? Valid keys of sgd: lr, momentum, nesterov, "
-        "weight_decay")
+        "'sgd:learning_rate=0.1'; did you mean 'lr'? Valid keys of sgd: dampening, lr, momentum, "
+        "nesterov, weight_decay")
 
 
 def test_rewrite_of_a_forward_only_model_needs_an_optimizer(files, capsys):
