@@ -10,8 +10,8 @@ PyTorch's ``torch.optim.SGD`` (ONNX Momentum with beta = 1 - dampening); ``Adam`
 ``TorchAdam`` and ``AdamW`` are PyTorch's ``torch.optim.Adam`` and ``torch.optim.AdamW``
 (epsilon added after the second-moment bias correction; AdamW's decay decoupled from the
 gradient). They are ONNX ``Adam`` nodes carrying the attribute ``ngdist_formula``
-(``"torch_adam"`` / ``"torch_adamw"``), which the lowering pass reads; the attribute survives
-saving and loading the training model.
+(``"torch_adam"`` / ``"torch_adamw"``; AMSGrad adds ``ngdist_amsgrad=1`` and a third state),
+which the lowering pass reads; the attributes survive saving and loading the training model.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 
 # the Adam attribute that selects PyTorch's formula, and its values
-from ngdist.passes.optimizers import FORMULA_ATTR, TORCH_ADAM, TORCH_ADAMW
+from ngdist.passes.optimizers import AMSGRAD_ATTR, FORMULA_ATTR, TORCH_ADAM, TORCH_ADAMW
 
 
 
@@ -94,30 +94,39 @@ class Adagrad:
 
 @dataclass(frozen=True)
 class TorchAdam:
-    """PyTorch's ``torch.optim.Adam`` (amsgrad=False): g' = g + weight_decay * x;
+    """PyTorch's ``torch.optim.Adam``: g' = g + weight_decay * x;
     m <- b1 m + (1 - b1) g'; v <- b2 v + (1 - b2) g'^2; with t the 1-based step,
-    x <- x - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)."""
+    x <- x - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). AMSGrad: v_max <-
+    max(v_max, v) (a third state, ``adam_vmax``) replaces v in the update."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    amsgrad: bool = False
 
     op_type = "Adam"
-    state_suffixes = ("adam_m", "adam_v")
     formula = TORCH_ADAM
 
+    @property
+    def state_suffixes(self) -> tuple[str, ...]:
+        return ("adam_m", "adam_v", "adam_vmax") if self.amsgrad else ("adam_m", "adam_v")
+
     def attributes(self) -> dict[str, object]:
-        return {"alpha": float(self.betas[0]), "beta": float(self.betas[1]),
-                "epsilon": float(self.eps), "norm_coefficient": float(self.weight_decay),
-                "norm_coefficient_post": 0.0, FORMULA_ATTR: self.formula}
+        out: dict[str, object] = {
+            "alpha": float(self.betas[0]), "beta": float(self.betas[1]),
+            "epsilon": float(self.eps), "norm_coefficient": float(self.weight_decay),
+            "norm_coefficient_post": 0.0, FORMULA_ATTR: self.formula}
+        if self.amsgrad:
+            out[AMSGRAD_ATTR] = 1
+        return out
 
     step_offset = 1  # T is torch's step count: 1 on the first step
 
 
 @dataclass(frozen=True)
 class AdamW(TorchAdam):
-    """PyTorch's ``torch.optim.AdamW`` (amsgrad=False): x <- x * (1 - lr * weight_decay) first
+    """PyTorch's ``torch.optim.AdamW``: x <- x * (1 - lr * weight_decay) first
     (decoupled decay, with the current learning rate), then TorchAdam's update without L2.
     In the graph, ``norm_coefficient`` of the marked Adam node holds the decoupled decay."""
 
@@ -160,7 +169,7 @@ def from_spec(spec: str | Optimizer) -> Optimizer:
             raise OptionError(f"optimizer spec {spec!r}: {key!r} has no value; write "
                               f"{key}=VALUE")
         try:
-            if key == "nesterov":
+            if key in ("nesterov", "amsgrad"):
                 if value.lower() not in _BOOLS:
                     raise ValueError(value)
                 kwargs[key] = _BOOLS[value.lower()]
@@ -171,7 +180,7 @@ def from_spec(spec: str | Optimizer) -> Optimizer:
             else:
                 kwargs[key] = float(value)
         except ValueError:
-            expected = {"nesterov": "1, 0, true or false",
+            expected = {"nesterov": "1, 0, true or false", "amsgrad": "1, 0, true or false",
                         "betas": "two numbers as BETA1/BETA2"}.get(key, "a number")
             raise OptionError(f"optimizer spec {spec!r}: {key}={value!r} is not "
                               f"{expected}") from None

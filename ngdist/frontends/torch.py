@@ -22,12 +22,12 @@ running-variance output by n / (n - 1) so that running statistics match PyTorch'
 Optimizers follow PyTorch's formulas exactly (``docs/ARCHITECTURE.md``, "Optimizer formulas"):
 ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) maps onto ONNX Momentum
 (beta = 1 - dampening); ``torch.optim.Adam`` and ``torch.optim.AdamW`` become
-``ngdist.optim.TorchAdam`` / ``ngdist.optim.AdamW``, ONNX Adam nodes marked with PyTorch's
-formula (ONNX's own Adam adds epsilon before the bias correction, which differs wherever a
-gradient's RMS is not far above eps, e.g. bias gradients of ~1e-7 at initialization). AMSGrad,
-``maximize`` and per-group hyper-parameters are refused with a clear error; ``foreach``,
-``fused``, ``capturable`` and ``differentiable`` only choose torch's implementation and are
-ignored.
+``ngdist.optim.TorchAdam`` / ``ngdist.optim.AdamW`` (AMSGrad included), ONNX Adam nodes marked
+with PyTorch's formula (ONNX's own Adam adds epsilon before the bias correction, which differs
+wherever a gradient's RMS is not far above eps, e.g. bias gradients of ~1e-7 at
+initialization). ``maximize`` and per-group hyper-parameters are refused with a clear error;
+``foreach``, ``fused``, ``capturable`` and ``differentiable`` only choose torch's
+implementation and are ignored.
 """
 from __future__ import annotations
 
@@ -285,15 +285,12 @@ def translate_optimizer(opt: Any) -> optim.Optimizer:
         decoupled = bool(h.get("decoupled_weight_decay")) or \
             isinstance(opt, torch.optim.AdamW)
         name = "AdamW" if decoupled else "Adam"
-        if h["amsgrad"]:
-            raise GraphError(f"torch.optim.{name}(amsgrad=True) is not supported: ngdist "
-                             f"implements {name} without AMSGrad; use amsgrad=False")
         if h["maximize"]:
             raise GraphError(f"torch.optim.{name}(maximize=True) is not supported")
         b1, b2 = (float(b) for b in h["betas"])
         cls = optim.AdamW if decoupled else optim.TorchAdam
         return cls(lr=float(h["lr"]), betas=(b1, b2), eps=float(h["eps"]),
-                   weight_decay=float(h["weight_decay"]))
+                   weight_decay=float(h["weight_decay"]), amsgrad=bool(h["amsgrad"]))
     raise GraphError(f"optimizer {type(opt).__name__} has no ngdist counterpart; use "
                      "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW or an ngdist.optim "
                      "optimizer")
@@ -390,6 +387,9 @@ def _write_optimizer_state(values: Mapping[str, np.ndarray], steps_done: int, mo
             state["step"] = torch.tensor(float(steps))
             state["exp_avg"] = torch.from_numpy(values[f"{onnx_name}.adam_m"].copy())
             state["exp_avg_sq"] = torch.from_numpy(values[f"{onnx_name}.adam_v"].copy())
+            if f"{onnx_name}.adam_vmax" in values:  # AMSGrad
+                state["max_exp_avg_sq"] = torch.from_numpy(
+                    values[f"{onnx_name}.adam_vmax"].copy())
 
 
 def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",

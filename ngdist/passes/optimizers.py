@@ -5,6 +5,8 @@ with PyTorch's formula instead of ONNX's: ``"torch_adam"`` is ``torch.optim.Adam
 added after the second-moment bias correction), ``"torch_adamw"`` is ``torch.optim.AdamW``
 (``norm_coefficient`` is then the decoupled weight decay, x <- x * (1 - R * norm_coefficient)
 before the update). T is the 1-based step count there; T <= 0 applies no bias correction.
+``ngdist_amsgrad=1`` (PyTorch formula only) adds a third state group after V and H, the running
+maximum of H, which then replaces H in the denominator (``amsgrad=True``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ OPTIMIZER_OPS = {"Momentum": 1, "Adagrad": 1, "Adam": 2}  # op -> number of stat
 # ngdist.optim.AdamW)
 FORMULA_ATTR = "ngdist_formula"
 TORCH_ADAM, TORCH_ADAMW = "torch_adam", "torch_adamw"
+# with the PyTorch formula, AMSGrad (1): a third state per parameter, the running maximum of v
+AMSGRAD_ATTR = "ngdist_amsgrad"
 
 
 def _attrs(node: ir.Node) -> dict[str, object]:
@@ -44,10 +48,15 @@ def onnx_default(a: defs.OpSchema.Attribute) -> object:
     return onnx.helper.get_attribute_value(d)
 
 
+def num_states(node: ir.Node) -> int:
+    """State tensors per parameter of an optimizer node (AMSGrad adds one to Adam's two)."""
+    return OPTIMIZER_OPS[node.op_type] + (1 if attr(node, AMSGRAD_ATTR, 0) else 0)
+
+
 def split_optimizer_inputs(node: ir.Node) -> tuple[ir.Value, ir.Value, list[list[ir.Value]]]:
     """(R, T, [xs, gs, state_1s, ...]) of an optimizer node."""
     r, t, rest = node.inputs[0], node.inputs[1], list(node.inputs[2:])
-    groups = 2 + OPTIMIZER_OPS[node.op_type]
+    groups = 2 + num_states(node)
     n = len(rest) // groups
     return r, t, [rest[i * n:(i + 1) * n] for i in range(groups)]
 
@@ -135,8 +144,10 @@ def _torch_adam_scalars(ctx: GradContext, tpos: ir.Value, r: ir.Value, t: ir.Val
 
 def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
                     a: dict[str, object], decoupled: bool, x: ir.Value, g: ir.Value,
-                    m: ir.Value, v: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """torch.optim.Adam / AdamW (single-tensor path, amsgrad=False) on one parameter."""
+                    m: ir.Value, v: ir.Value, v_max: ir.Value | None
+                    ) -> tuple[ir.Value, ...]:
+    """torch.optim.Adam / AdamW (single-tensor path) on one parameter: new x, m, v (and v_max
+    with AMSGrad)."""
 
     def scalar(name: str) -> ir.Value:
         return k.memo(("torch_adam", name), x,
@@ -151,10 +162,12 @@ def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
     m_new = ctx.op("Add", m, ctx.op("Mul", k.const(1 - al, x), ctx.op("Sub", g, m)))  # lerp
     v_new = ctx.op("Add", ctx.op("Mul", k.const(be, x), v),
                    ctx.op("Mul", k.const(1 - be, x), ctx.op("Mul", g, g)))
-    denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", v_new), scalar("bc2_sqrt")),
+    v_max_new = None if v_max is None else ctx.op("Max", v_max, v_new)
+    second = v_new if v_max_new is None else v_max_new
+    denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", second), scalar("bc2_sqrt")),
                    k.const(float(a["epsilon"]), x))  # type: ignore[arg-type]
     x_new = ctx.op("Sub", x, ctx.op("Mul", scalar("step_size"), ctx.op("Div", m_new, denom)))
-    return x_new, m_new, v_new
+    return (x_new, m_new, v_new) if v_max_new is None else (x_new, m_new, v_new, v_max_new)
 
 
 def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
@@ -164,6 +177,9 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
                                 formula not in (TORCH_ADAM, TORCH_ADAMW)):
         raise ValueError(f"optimizer node {node.name!r}: {FORMULA_ATTR}={formula!r} is not "
                          f"one of {TORCH_ADAM!r}, {TORCH_ADAMW!r} on an Adam node")
+    if attr(node, AMSGRAD_ATTR, 0) and formula is None:
+        raise ValueError(f"optimizer node {node.name!r}: {AMSGRAD_ATTR} needs "
+                         f"{FORMULA_ATTR} (AMSGrad is implemented with PyTorch's formula)")
     r, t, groups = split_optimizer_inputs(node)
     xs, gs, states = groups[0], groups[1], groups[2:]
     tpos = ctx.op("Greater", t, ctx.const(0, dtype=np.int64))
@@ -174,15 +190,16 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
         (a.get("norm_coefficient") or 0.0) if formula == TORCH_ADAMW else 0.0)
     for i, (x, g) in enumerate(zip(xs, gs)):
         if torch_scalars is not None:
-            v, h = (s[i] for s in states)
-            x_new, v_new, h_new = _torch_adam_one(ctx, k, torch_scalars, a,
-                                                  formula == TORCH_ADAMW, x, g, v, h)
+            v, h, *h_max = (s[i] for s in states)
+            x_new, *state_new = _torch_adam_one(ctx, k, torch_scalars, a,
+                                                formula == TORCH_ADAMW, x, g, v, h,
+                                                h_max[0] if h_max else None)
             post = a.get("norm_coefficient_post") or 0.0
             if post:
                 x_new = ctx.op("Mul", k.const(1 - post, x), x_new)
             new_x.append(x_new)
-            new_s[0].append(v_new)
-            new_s[1].append(h_new)
+            for j, value in enumerate(state_new):
+                new_s[j].append(value)
             continue
         lr = k.cast(r, x)
         nc = a.get("norm_coefficient") or 0.0

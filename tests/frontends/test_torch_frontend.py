@@ -124,8 +124,8 @@ def test_optimizer_translation_follows_torch_and_state_is_written_back(make_opt,
 
 def test_unsupported_inputs_fail_clearly():
     mlp = make_mlp()
-    with pytest.raises(GraphError, match=r"torch.optim.Adam\(amsgrad=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.Adam(mlp.parameters(), amsgrad=True))
+    with pytest.raises(GraphError, match=r"torch.optim.Adam\(maximize=True\) is not supported"):
+        tfront.translate_optimizer(torch.optim.Adam(mlp.parameters(), maximize=True))
     groups = [{"params": mlp[0].parameters(), "lr": 0.1}, {"params": mlp[2].parameters()}]
     with pytest.raises(GraphError, match=r"parameter groups that differ in \['lr'\]"):
         tfront.translate_optimizer(torch.optim.SGD(groups, lr=0.01))

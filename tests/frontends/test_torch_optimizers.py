@@ -70,6 +70,10 @@ TORCH_OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=1e-3),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    # a small beta2 lets v fall below its running maximum within 3 steps
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.5, 0.1), amsgrad=True),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.2),
+                                                  weight_decay=0.01, amsgrad=True),
     "sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1,
                                                 weight_decay=1e-4),
 }
@@ -87,6 +91,9 @@ def test_scaled_bias_gradients_are_tiny_at_init():
 def test_torch_optimizer_is_followed_exactly_and_state_written_back(name):
     make_opt = TORCH_OPTIMIZERS[name]
     ref, ref_opt = train_torch(make_opt)
+    if "amsgrad" in name:  # the maximum is in effect somewhere
+        assert any(not torch.equal(st["max_exp_avg_sq"], st["exp_avg_sq"])
+                   for st in ref_opt.state.values())
     module, trainer = train_ngdist(lambda m: make_opt(m.parameters()))
     user_opt = make_opt(module.parameters())
     trainer.to_torch(optimizer=user_opt)
@@ -97,9 +104,10 @@ def test_torch_optimizer_is_followed_exactly_and_state_written_back(name):
         assert max_rel_err(mine - before, theirs - before) <= 1e-4, pname  # the updates too
     for mine, theirs in zip(module.parameters(), ref.parameters()):
         state, ref_state = user_opt.state[mine], ref_opt.state[theirs]
-        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq"):
+        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if key in ref_state:
                 assert max_rel_err(state[key].numpy(), ref_state[key].numpy()) <= 1e-4, key
+        assert set(state) == set(ref_state)
         if "step" in ref_state:
             assert float(state["step"]) == float(ref_state["step"]) == 3.0
     # the written-back state continues training as torch's own would
@@ -121,6 +129,8 @@ def test_translation_picks_the_torch_formulas():
     assert tfront.translate_optimizer(torch.optim.SGD(ps, lr=0.1, momentum=0.9,
                                                       dampening=0.1)) == \
         ngdist.optim.SGD(lr=0.1, momentum=0.9, dampening=0.1)
+    assert tfront.translate_optimizer(torch.optim.AdamW(ps, amsgrad=True)) == \
+        ngdist.optim.AdamW(amsgrad=True)
 
 
 def test_onnx_adam_differs_on_tiny_bias_gradients():
@@ -139,10 +149,8 @@ def test_onnx_adam_differs_on_tiny_bias_gradients():
 
 def test_unsupported_torch_optimizer_options_are_refused():
     ps = list(make_model().parameters())
-    with pytest.raises(GraphError, match=r"torch.optim.Adam\(amsgrad=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.Adam(ps, amsgrad=True))
-    with pytest.raises(GraphError, match=r"torch.optim.AdamW\(amsgrad=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.AdamW(ps, amsgrad=True))
+    with pytest.raises(GraphError, match=r"torch.optim.Adam\(maximize=True\) is not supported"):
+        tfront.translate_optimizer(torch.optim.Adam(ps, maximize=True))
     with pytest.raises(GraphError, match=r"torch.optim.AdamW\(maximize=True\) is not supported"):
         tfront.translate_optimizer(torch.optim.AdamW(ps, maximize=True))
     with pytest.raises(GraphError, match=r"torch.optim.SGD\(maximize=True\) is not supported"):
@@ -232,6 +240,8 @@ def test_optimizer_specs_name_the_torch_formulas():
         ngdist.optim.AdamW(lr=1e-3, weight_decay=0.05)
     assert ngdist.optim.from_spec("torch_adam:lr=1e-3,betas=0.8/0.9") == \
         ngdist.optim.TorchAdam(lr=1e-3, betas=(0.8, 0.9))
+    assert ngdist.optim.from_spec("adamw:amsgrad=true").state_suffixes == \
+        ("adam_m", "adam_v", "adam_vmax")
     assert ngdist.optim.from_spec("sgd:lr=0.1,momentum=0.9,dampening=0.5") == \
         ngdist.optim.SGD(lr=0.1, momentum=0.9, dampening=0.5)
     with pytest.raises(ValueError, match="dampening 0"):
