@@ -349,7 +349,7 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
     exp = export(model, example_inputs, input_names=input_names)
     proto = exp.model
     kind, target = translate_loss(loss, proto, exp.output_names[0])
-    if isinstance(optimizer, (str, optim.SGD, optim.Adam, optim.Adagrad)):
+    if isinstance(optimizer, (str, *optim.OPTIMIZERS)):
         opt = optim.from_spec(optimizer)
     else:
         opt = translate_optimizer(optimizer)
