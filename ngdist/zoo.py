@@ -38,6 +38,16 @@ def mlp(sizes: tuple[int, ...] = (64, 128, 10), seed: int = 0, activation: str =
                              ir_version=IR_VERSION, producer_name="ngdist.zoo")
 
 
+def _torch_uniform(rng: np.random.Generator, dtype: type):
+    """``uniform(name, shape, fan_in)``: an initializer drawn as PyTorch's default layers do,
+    uniform in +-1/sqrt(fan_in)."""
+    def uniform(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
+        bound = 1.0 / np.sqrt(fan_in)
+        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(dtype), name)
+
+    return uniform
+
+
 def cnn(channels: tuple[int, int] = (32, 32), classes: int = 10, image: int = 8, seed: int = 0,
         dtype: type = np.float32) -> onnx.ModelProto:
     """Forward-only LeNet-style CNN for ``N x 1 x image x image`` inputs ``x`` -> ``logits``:
@@ -52,9 +62,7 @@ def cnn(channels: tuple[int, int] = (32, 32), classes: int = 10, image: int = 8,
     c1, c2 = channels
     flat = c2 * (image // 2) ** 2
 
-    def uniform(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
-        bound = 1.0 / np.sqrt(fan_in)
-        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(dtype), name)
+    uniform = _torch_uniform(rng, dtype)
 
     inits = [uniform("conv1.weight", (c1, 1, 3, 3), 9), uniform("conv1.bias", (c1,), 9),
              numpy_helper.from_array(np.ones(c1, dtype), "bn1.weight"),
@@ -102,9 +110,7 @@ def digits_cnn(channels: tuple[int, int] = (32, 64), hidden: int = 128, classes:
     c1, c2 = channels
     flat = c2 * (image // 2) ** 2
 
-    def uniform(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
-        bound = 1.0 / np.sqrt(fan_in)
-        return numpy_helper.from_array(rng.uniform(-bound, bound, shape).astype(dtype), name)
+    uniform = _torch_uniform(rng, dtype)
 
     inits = [uniform("conv1.weight", (c1, 1, 3, 3), 9), uniform("conv1.bias", (c1,), 9),
              uniform("conv2.weight", (c2, c1, 3, 3), 9 * c1), uniform("conv2.bias", (c2,), 9 * c1),
