@@ -58,6 +58,27 @@ def _attr_dict(node: onnx.NodeProto) -> dict:
     return out
 
 
+def _live_only(graph: onnx.GraphProto) -> onnx.GraphProto:
+    """``graph`` without the nodes no step output depends on (a second head, a metric nobody
+    returns): they would only cost time in a segment. Every rank holds the same graph, so every
+    rank drops the same nodes, comm nodes included."""
+    needed = {o.name for o in graph.output}
+    live: list[onnx.NodeProto] = []
+    for n in reversed(graph.node):
+        if any(o in needed for o in n.output):
+            live.append(n)
+            needed.update(i for i in n.input if i)
+    if len(live) == len(graph.node):
+        return graph
+    logger.info("%d node(s) of the step graph feed no step output; left out",
+                len(graph.node) - len(live))
+    out = onnx.GraphProto()
+    out.CopyFrom(graph)
+    del out.node[:]
+    out.node.extend(reversed(live))
+    return out
+
+
 def _inline_identities(graph: onnx.GraphProto) -> onnx.GraphProto:
     """A copy of ``graph`` whose comm nodes that are the identity on one rank are onnxruntime
     ``Identity`` nodes (one per output), so that a one-rank step is not cut into segments."""
@@ -95,6 +116,7 @@ class Executor:
         if any(n.domain == PREVIEW_TRAINING for n in graph.node):
             raise NgdistError("the step graph still holds ai.onnx.preview.training ops; run the "
                               "pass pipeline (ngdist.passes.pipeline.run_passes) first")
+        graph = _live_only(graph)
         if group.size == 1 and inline_alone:  # identities on one rank stay inside a segment
             graph = _inline_identities(graph)
         self.items = plan(graph, defer_comm=not overlap)
