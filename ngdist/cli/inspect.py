@@ -135,11 +135,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show parameters, gradients, comm nodes and buckets",
                        description="Summarize an ONNX model or training model.")
     p.add_argument("file")
+    p.add_argument("--dot", metavar="FILE",
+                   help="also write the step graph as Graphviz DOT to FILE, comm nodes filled "
+                        "orange and each flat bucket boxed; rendered to FILE.svg when Graphviz's "
+                        "dot is installed (Netron opens the .onnx files themselves)")
     p.set_defaults(func=run)
 
 def run(args: argparse.Namespace) -> int:
     from ngdist.ir.model import load_proto
 
-    for line in summarize(load_proto(args.file)).lines():
+    model = load_proto(args.file)
+    for line in summarize(model).lines():
         print(line)
+    if args.dot:
+        from ngdist.cli.dot import write_dot
+
+        for path in write_dot(model, args.dot):
+            print(f"wrote {path}")
     return 0

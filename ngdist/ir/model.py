@@ -161,7 +161,12 @@ def _remove_stale_temps(path: Path, host: str) -> None:
 
 
 def save_proto(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write atomically: a temporary file in the same folder, then rename over the target.
+    """Write ``model`` atomically (see :func:`write_atomic`)."""
+    write_atomic(path, model.SerializeToString())
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` atomically: a temporary file in the same folder, then rename over it.
 
     A save killed at any point leaves the target as it was (or absent); the temporary file it
     leaves (``.<name>.ngdist-tmp-<pid>-<host>-<random>``) is removed by the next save of the
@@ -187,7 +192,7 @@ def save_proto(model: onnx.ModelProto, path: str | os.PathLike) -> None:
             with os.fdopen(fd, "wb") as fh:
                 if mode is not None:
                     os.fchmod(fh.fileno(), mode)
-                fh.write(model.SerializeToString())
+                fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
