@@ -1,4 +1,4 @@
-"""Stochastic Gradient Push vs AllReduce: throughput with a straggler, and accuracy (issue 5).
+"""Stochastic Gradient Push vs AllReduce: throughput with a straggler, and accuracy.
 
 ``--mode speed`` (default): 4 ranks train the same MLP with ``allreduce``, ``pushsum`` and
 ``pushsum`` with overlap, side by side in one mpiexec run. At every step one rank, drawn at

@@ -1,4 +1,4 @@
-"""Bad input ends with a clear error (and a non-zero CLI exit), never a hang (issue 2)."""
+"""Bad input ends with a clear error (and a non-zero CLI exit),, never a hang."""
 from __future__ import annotations
 
 from pathlib import Path

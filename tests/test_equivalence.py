@@ -1,4 +1,4 @@
-"""N ranks with batch B each == one process with the concatenated batch N*B (issue 2)."""
+"""N ranks with batch B each == one process with the concatenated batch N*B."""
 from __future__ import annotations
 
 import numpy as np

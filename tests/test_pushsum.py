@@ -1,4 +1,4 @@
-"""The ``pushsum`` strategy (Stochastic Gradient Push, issue 5): pass, schedule, gossip, save."""
+"""The ``pushsum`` strategy (Stochastic Gradient Push): pass, schedule, gossip, save."""
 from __future__ import annotations
 
 import json
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # --------------------------------------------------------------------------- schedule (pure)
 
 def formula_out(i: int, n: int, k: int) -> int:
-    """The issue's formula, written independently: i + 2^(k mod (floor(log2(n-1)) + 1))."""
+    """The SGP paper's formula, written independently: i + 2^(k mod (floor(log2(n-1)) + 1))."""
     import math
     phases = int(math.floor(math.log2(n - 1))) + 1
     return (i + 2 ** (k % phases)) % n

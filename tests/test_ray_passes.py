@@ -1,4 +1,4 @@
-"""Ray SGD's strategies and knobs (issue 6), the single-process part: the ``ps`` and ``simple``
+"""Ray SGD's strategies and knobs, the single-process part: the ``ps`` and ``simple``
 rewrites, the shard-update graph against onnx.reference, devices_per_worker, stats, the
 DistributedSGD checkpoint file, the CLI options and the error messages."""
 from __future__ import annotations

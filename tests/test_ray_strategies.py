@@ -1,4 +1,4 @@
-"""Ray SGD's strategies under real mpiexec (issue 6): every all_reduce_alg, ``simple`` and ``ps``
+"""Ray SGD's strategies under real mpiexec: every all_reduce_alg, ``simple`` and ``ps``
 (co-located and dedicated servers) train the digits MLP exactly like allreduce/mpi on 2, 3 and
 4 ranks; the algorithms sum awkward buffers exactly and identically on every rank; a frozen
 or killed parameter server ends the job with an error, never a hang."""

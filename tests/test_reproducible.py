@@ -1,4 +1,4 @@
-"""Reproducible mode of the allreduce strategy (issue 6), the single-process part: the exact
+"""Reproducible mode of the allreduce strategy, the single-process part: the exact
 AllReduce kernel against exact sums (``math.fsum``) of awkward values and its independence of
 order and grouping; the reduced gradients against ordinary allreduce and a float64 numpy
 oracle of the digits MLP; a micro-batch's gradient bits in separate sessions, threads and

@@ -1,4 +1,4 @@
-"""`ngdist rewrite` / `ngdist inspect`, and the training-model file round trip (issue 2)."""
+"""`ngdist rewrite` / `ngdist inspect`, and the training-model file round trip."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""Whole-model gradients of ngdist's autodiff against PyTorch autograd (issue 3 acceptance).
+"""Whole-model gradients of ngdist's autodiff against PyTorch autograd.
 
 Each model is exported by ``torch.onnx.export`` in training mode (through
 ``ngdist.frontends.torch``), differentiated by ngdist's autodiff pass and run once in

@@ -1,6 +1,6 @@
 """ngdist.backend under ONNX's own backend test runner (onnx.backend.test.BackendTest).
 
-What ngdist.backend *claims to support* (issue 4): every op of ONNX's node tests that
+What ngdist.backend *claims to support*: every op of ONNX's node tests that
 onnxruntime 1.31's CPU provider runs (inference is delegated to it), every op with a gradient
 rule (``registry.registered_ops()``) and the four ``ai.onnx.preview.training`` ops that ngdist
 lowers itself (Gradient, Momentum, Adagrad, Adam). The runner's whole CPU suite is run once
@@ -167,14 +167,14 @@ def suite_run(tmp_path_factory):
 
 
 def test_gradient_cases_from_the_wheel_pass(suite_run):
-    """issue 3: test_gradient_of_add(_and_mul), shipped among the "simple" model tests."""
+    """Gradient: test_gradient_of_add(_and_mul), shipped among the "simple" model tests."""
     outcome, _ = suite_run
     assert {n: outcome.get(n) for n in GRADIENT_CASES} == \
         {n: ("pass", "") for n in GRADIENT_CASES}
 
 
 def test_optimizer_node_cases_pass(suite_run):
-    """issue 3: Momentum, Nesterov, Adagrad, Adam node cases and their _multiple variants."""
+    """Optimizers: Momentum, Nesterov, Adagrad, Adam node cases and their _multiple variants."""
     outcome, nodes = suite_run
     assert all(n in nodes for n in OPTIMIZER_CASES)
     assert {n: outcome.get(n) for n in OPTIMIZER_CASES} == \
@@ -182,7 +182,7 @@ def test_optimizer_node_cases_pass(suite_run):
 
 
 def test_the_whole_suite_passes_except_listed_exclusions(suite_run):
-    """issue 4: every case passes but the excluded ones, and every excluded one still fails."""
+    """Node cases: every case passes but the excluded ones, and every excluded one still fails."""
     outcome, nodes = suite_run
     assert len(outcome) > 2000 and len(nodes) > 1800
     assert set(nodes) <= set(outcome)  # every node case from collect_testcases() was run

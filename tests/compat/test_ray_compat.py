@@ -1,4 +1,4 @@
-"""``ngdist.DistributedSGD`` under real mpiexec (issue 6): checkpoints continue bit-for-bit
+"""``ngdist.DistributedSGD`` under real mpiexec: checkpoints continue bit-for-bit
 (also with sharded ps optimizer state and dedicated servers), a 2-rank checkpoint restores
 exactly on 3 ranks and trains on like the uninterrupted run (within 1e-5 in ordinary mode;
 bit-for-bit on 1, 2, 3 and 4 ranks in reproducible mode, through DistributedSGD and through
