@@ -13,20 +13,12 @@ from ngdist.kernels.base import divide, donated, flatten, register_kernel, unfla
 from ngdist.kernels.exact import exact_allreduce
 
 
-def _own_buffer(node, inputs) -> tuple[np.ndarray, bool]:
-    """(one contiguous buffer to reduce in place, whether it holds several inputs)."""
-    if len(inputs) == 1:
-        x = inputs[0]
-        if donated(node, 0) and x.flags.c_contiguous and x.flags.writeable:
-            return x, False
-        buf = node.state.get("buffer") if node.state.get("reuse_buffer") else None
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = np.empty(x.shape, x.dtype)
-            if node.state.get("reuse_buffer"):
-                node.state["buffer"] = buf
-        np.copyto(buf, x)  # never reduce into a value someone else still reads
-        return buf, False
-    return flatten(inputs, node), True
+def _in_place(node, inputs) -> bool:
+    """Whether the one input may be reduced where it is (made for this node alone)."""
+    if len(inputs) != 1:
+        return False
+    x = inputs[0]
+    return donated(node, 0) and x.flags.c_contiguous and x.flags.writeable
 
 
 @register_kernel("AllReduce",
@@ -39,7 +31,9 @@ def allreduce(group, node, inputs):
         return exact_allreduce(group, node, inputs)
     if group.size == 1:
         return list(inputs)
-    buf, fused = _own_buffer(node, inputs)
+    in_place = _in_place(node, inputs)
+    # else a copy (in the node's reused buffer): never reduce into a value others still read
+    buf = inputs[0] if in_place else flatten(inputs, node)
     flat = buf.reshape(-1)  # a view: the buffer is contiguous
     if algorithm == "mpi":
         group.allreduce(flat, node).wait()
@@ -47,7 +41,7 @@ def allreduce(group, node, inputs):
         sum_inplace(algorithm, group, node, flat)
     if node.attributes.get("reduction", "mean") == "mean":
         divide(flat, group.size)
-    return unflatten(buf, inputs) if fused else [buf]
+    return [buf] if in_place else unflatten(buf, inputs)
 
 
 @register_kernel("Broadcast", alone_identity=True)
