@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,11 +73,7 @@ def _live_only(graph: onnx.GraphProto) -> onnx.GraphProto:
         return graph
     logger.info("%d node(s) of the step graph feed no step output; left out",
                 len(graph.node) - len(live))
-    out = onnx.GraphProto()
-    out.CopyFrom(graph)
-    del out.node[:]
-    out.node.extend(reversed(live))
-    return out
+    return _with_nodes(graph, reversed(live))
 
 
 def _inline_identities(graph: onnx.GraphProto) -> onnx.GraphProto:
@@ -90,8 +87,11 @@ def _inline_identities(graph: onnx.GraphProto) -> onnx.GraphProto:
             changed = True
         else:
             nodes.append(n)
-    if not changed:
-        return graph
+    return _with_nodes(graph, nodes) if changed else graph
+
+
+def _with_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> onnx.GraphProto:
+    """A copy of ``graph`` (inputs, outputs, initializers) with ``nodes`` as its nodes."""
     out = onnx.GraphProto()
     out.CopyFrom(graph)
     del out.node[:]
@@ -128,12 +128,14 @@ class Executor:
         self.bindings: dict[int, Any] = {}
         self.kernels: dict[int, KernelSpec] = {}
         self.comm_nodes: dict[int, CommNode] = {}
-        uses: dict[str, int] = {}
+        uses: dict[str, int] = {}  # how many items read a value
+        last: dict[str, int] = {}  # the last item that reads it
         produced_by_segment: set[str] = set()
         for item in self.items:
             names = item.inputs if isinstance(item, Segment) else list(item.node.input)
             for name in names:
                 uses[name] = uses.get(name, 0) + 1
+                last[name] = item.index
             if isinstance(item, Segment):
                 produced_by_segment.update(item.outputs)
         step_outputs = set(self.outputs)
@@ -154,15 +156,9 @@ class Executor:
             for node in self.comm_nodes.values() for name in node.inputs
             if name in self.constants}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
-        last: dict[str, int] = {}
-        for item in self.items:
-            names = item.inputs if isinstance(item, Segment) else list(item.node.input)
-            for name in names:
-                last[name] = item.index
-        keep = set(self.outputs)
         self.free_after: dict[int, list[str]] = {}
         for name, idx in last.items():
-            if name not in keep:
+            if name not in step_outputs:
                 self.free_after.setdefault(idx, []).append(name)
 
     # ------------------------------------------------------------------ sessions
