@@ -50,7 +50,7 @@ def broadcast(group, node, inputs):
     outs = []
     for i, x in enumerate(inputs):
         buf = x if donated(node, i) and x.flags.writeable and x.flags.c_contiguous \
-            else np.ascontiguousarray(x).copy()
+            else np.array(x, order="C")  # one copy, contiguous
         outs.append(buf)
     works = [group.broadcast(b, root, node) for b in outs]
     for w in works:
