@@ -81,14 +81,18 @@ class Work(abc.ABC):
         """
         if self.test():
             return
+        timeline = self.group.timeline
+        t0 = time.perf_counter() if timeline is not None else 0.0
         if gentle or os.environ.get("NGDIST_WAIT", "watchdog") == "poll":
             self._poll(0.001 if gentle else 0.0002)
-            return
-        token = WATCHDOG.arm(self)
-        try:
-            self._block()
-        finally:
-            WATCHDOG.disarm(token)
+        else:
+            token = WATCHDOG.arm(self)
+            try:
+                self._block()
+            finally:
+                WATCHDOG.disarm(token)
+        if timeline is not None:
+            timeline.record("wait", f"wait {describe(self.what)}", t0, time.perf_counter())
 
     def _poll(self, sleep_s: float) -> None:
         start = time.monotonic()
@@ -134,6 +138,9 @@ class ProcessGroup(abc.ABC):
         self.local_rank = 0  # this rank's place among them (its GPU on a multi-GPU host)
         # groups derived from this one for a kernel's own messages (kernels.base.private_group)
         self.derived: dict[Any, Any] = {}
+        # where waits that block are recorded when the job writes a timeline: any object with
+        # record(cat, name, t0, t1) (runtime/timeline.py); groups derived later inherit it
+        self.timeline: Any = None
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
