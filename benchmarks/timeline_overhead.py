@@ -145,20 +145,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     p.add_argument("--overlap", type=int, choices=[0, 1],
                    help="force the comm thread off/on (default: ngdist's choice)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)  # given: this is a rank of the run
     args = p.parse_args()
-    if args.worker:
-        worker(args)
-        return
+    if args.out is not None:
+        return worker(args)
     from ngdist.comm.launch import mpiexec_cmd
 
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--out", out,
-               "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--batch", str(args.batch), "--sizes", *map(str, args.sizes)]
-        if args.overlap is not None:
-            cmd += ["--overlap", str(args.overlap)]
+    with tempfile.TemporaryDirectory() as out:  # the ranks get these very options
+        cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, *sys.argv[1:], "--out", out]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         env.pop("NGDIST_TIMELINE", None)
         subprocess.run(cmd, check=True, env=env, timeout=3600)
