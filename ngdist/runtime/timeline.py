@@ -152,17 +152,15 @@ class Timeline:
             group.gather(row, table, 0, "timeline: events").wait()
             if table is not None:
                 parts = [table[r, :sizes[r]] for r in range(group.size)]
-        if group.rank == 0:
-            events: list[dict[str, Any]] = []
-            for part in parts:
-                events += json.loads(part.tobytes())
-            trace = {"traceEvents": events, "displayTimeUnit": "ms",
-                     "otherData": {"ranks": group.size, "start_unix_ns": self.start_unix_ns,
-                                   "clock": "perf_counter of each rank from a common start "
-                                            "barrier, in microseconds"}}
-            write_atomic(self.path, json.dumps(trace).encode())
-            logger.info("timeline of %d rank(s), %d events: %s", group.size,
-                        len(events), self.path)
+        if group.rank == 0:  # the ranks' JSON lists spliced into one, not parsed again
+            events = b",".join(p.tobytes()[1:-1] for p in parts if p.size > 2)
+            other = json.dumps({"ranks": group.size, "start_unix_ns": self.start_unix_ns,
+                                "clock": "perf_counter of each rank from a common start "
+                                         "barrier, in microseconds"})
+            write_atomic(self.path, b'{"traceEvents": [' + events +
+                         b'], "displayTimeUnit": "ms", "otherData": ' + other.encode() + b"}")
+            logger.info("timeline of %d rank(s), %d bytes: %s", group.size, len(events),
+                        self.path)
         return self.path
 
     def close(self) -> None:
