@@ -159,7 +159,7 @@ class Executor:
         # spans of compute, comm and waits go here when the job records a timeline
         # (runtime/timeline.py: any object with record(cat, name, t0, t1, args))
         self.timeline: Any = None
-        self.labels = {item.index: self._describe(item, with_count=False) for item in self.items
+        self.labels = {item.index: self._ends(item) for item in self.items
                        if isinstance(item, Segment)}
         self.free_after: dict[int, list[str]] = {}
         for name, idx in last.items():
@@ -195,11 +195,14 @@ class Executor:
         return sess
 
     @staticmethod
-    def _describe(seg: Segment, with_count: bool = True) -> str:
-        """``first .. last`` node of the segment (its name in errors and the timeline)."""
-        names = [n.name or n.op_type for n in seg.nodes]
-        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-        return f"{len(names)} nodes, {span}" if with_count else span
+    def _ends(seg: Segment) -> str:
+        """``first .. last`` node of the segment: its name in errors and the timeline."""
+        return f"{seg.nodes[0].name or seg.nodes[0].op_type} .. " \
+            f"{seg.nodes[-1].name or seg.nodes[-1].op_type}"
+
+    @classmethod
+    def _describe(cls, seg: Segment) -> str:
+        return f"{len(seg.nodes)} nodes, {cls._ends(seg)}"
 
     def _run_segment(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[ort.OrtValue]:
         self._session(seg, env)

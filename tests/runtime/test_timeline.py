@@ -86,8 +86,8 @@ def test_two_ranks_write_one_trace_whose_comm_bytes_add_up_to_the_step_stats(ran
         feeds = _spans(trace, pid, "feed")
         assert {f["name"] for f in feeds} == {"shard batch", "feed batch"}
         for c in compute:  # named by the first and last node of its segment
-            first, _, last = c["name"].partition(" .. ")
-            assert first in report["nodes"] and (not last or last in report["nodes"]), c
+            first, last = c["name"].split(" .. ")
+            assert first in report["nodes"] and last in report["nodes"], c
             assert c["tid"] == tids["main"]
         assert all(c["tid"] == tids["comm"] for c in comm)  # overlap: comm on its own thread
         assert {c["name"] for c in comm} == set(report["comm_nodes"])
