@@ -82,17 +82,22 @@ class Work(abc.ABC):
         if self.test():
             return
         timeline = self.group.timeline
-        t0 = time.perf_counter() if timeline is not None else 0.0
+        if timeline is None:
+            self._wait(gentle)
+            return
+        t0 = time.perf_counter()
+        self._wait(gentle)
+        timeline.record("wait", f"wait {describe(self.what)}", t0, time.perf_counter())
+
+    def _wait(self, gentle: bool) -> None:
         if gentle or os.environ.get("NGDIST_WAIT", "watchdog") == "poll":
             self._poll(0.001 if gentle else 0.0002)
-        else:
-            token = WATCHDOG.arm(self)
-            try:
-                self._block()
-            finally:
-                WATCHDOG.disarm(token)
-        if timeline is not None:
-            timeline.record("wait", f"wait {describe(self.what)}", t0, time.perf_counter())
+            return
+        token = WATCHDOG.arm(self)
+        try:
+            self._block()
+        finally:
+            WATCHDOG.disarm(token)
 
     def _poll(self, sleep_s: float) -> None:
         start = time.monotonic()

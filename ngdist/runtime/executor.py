@@ -161,6 +161,8 @@ class Executor:
         self.timeline: Any = None
         self.labels = {item.index: self._ends(item) for item in self.items
                        if isinstance(item, Segment)}
+        self.label_args = {item.index: {"segment": item.index, "nodes": len(item.nodes)}
+                           for item in self.items if isinstance(item, Segment)}
         self.free_after: dict[int, list[str]] = {}
         for name, idx in last.items():
             if name not in step_outputs:
@@ -302,7 +304,7 @@ class Executor:
                 times.compute += t1 - t0
                 if timeline is not None:
                     timeline.record("compute", self.labels[item.index], t0, t1,
-                                    {"segment": item.index, "nodes": len(item.nodes)})
+                                    self.label_args[item.index])
                 env.update(zip(item.outputs, outs))
             else:
                 names = list(item.node.input)

@@ -16,15 +16,18 @@ executor's communication thread under ``overlap``), and the spans are
 * ``wait``: the main thread waiting for a comm op's result (``StepStats.wait_time``), and a
   thread blocked in ``Work.wait`` (the backend's own wait).
 
-Recording is an append of a tuple to a list (no JSON, no dict for most spans); the hooks that
-record are ``if timeline is not None`` checks, so a job without a timeline builds nothing.
+Recording is an append of a tuple to a list (a comm op's, a step's and a wait's args dict is
+built with it; a segment's is made once; nothing is serialised per event); every hook is one
+``if timeline is not None`` check, so a job without a timeline builds nothing.
 
-Clock: each rank's ``time.perf_counter()``, counted from the moment a start barrier of the
-timeline returned on that rank. Every rank leaves the barrier at the same instant up to the
-latency of its last message (microseconds on one host, one network latency across hosts), so
-the ranks share one time base to that precision without comparing wall clocks; the monotonic
-clock never jumps with NTP corrections. Rank 0's wall-clock time at that moment is in the
-file (``otherData.start_unix_ns``).
+Clock: rank 0's ``time.perf_counter()``, from its start of the timeline. Every other rank
+measures the offset of its own ``perf_counter`` against rank 0's at the start, as Cristian's
+algorithm does: ``CLOCK_ROUNDS`` ping-pongs with rank 0 through the ProcessGroup, each giving
+bounds on the offset from the send and receive times; the round with the shortest round trip
+gives the offset (its midpoint, wrong by at most half that round trip: microseconds on one
+host). A rank descheduled in some round (a busy host) costs that round only. The monotonic
+clock never jumps with NTP corrections; rank 0's wall-clock time at the start is in the file
+(``otherData.start_unix_ns``).
 
 Writing is collective: ``write()`` (``trainer.write_timeline()``, ``trainer.close()``, or at
 interpreter exit on every rank whose trainer was not closed) serialises each rank's events,
@@ -51,6 +54,8 @@ from ngdist.ir.model import write_atomic
 logger = logging.getLogger(__name__)
 
 ENV = "NGDIST_TIMELINE"
+CLOCK_ROUNDS = 10  # ping-pongs with rank 0 per rank; the shortest round trip counts
+_CLOCK_TAG = 7_301
 _THREAD_NAMES = {"MainThread": "main"}  # recorded thread name -> shown name (prefix match below)
 _THREAD_PREFIXES = (("ngdist-comm", "comm"), ("ngdist-replica", "replica"))
 
@@ -87,6 +92,40 @@ def _thread_label(name: str) -> str:
     return name
 
 
+def _job_origin(group: ProcessGroup) -> float:
+    """Collective: the value of this rank's ``perf_counter`` when rank 0's read its time 0
+    (module docstring: best round of ``CLOCK_ROUNDS`` ping-pongs with rank 0)."""
+    what = "timeline: clock offsets"
+    if group.size == 1:
+        return time.perf_counter()
+    times = np.zeros(2, np.float64)
+    table = np.zeros(group.size + 1, np.float64)  # rank 0's time 0, then each rank's offset
+    if group.rank == 0:
+        ping = np.zeros(1, np.float64)
+        for r in range(1, group.size):
+            best = (float("inf"), 0.0)
+            for _ in range(CLOCK_ROUNDS):
+                sent = time.perf_counter()
+                group.exchange([(ping, r)], [], _CLOCK_TAG, what).wait()
+                group.exchange([], [(times, r)], _CLOCK_TAG, what).wait()
+                back = time.perf_counter()
+                got, replied = times
+                # r's clock minus rank 0's lies in [replied - back, got - sent]
+                trip = (back - sent) - (replied - got)
+                best = min(best, (trip, ((replied - back) + (got - sent)) / 2))
+            table[r + 1] = best[1]
+        table[0] = time.perf_counter()
+    else:
+        ping = np.zeros(1, np.float64)
+        for _ in range(CLOCK_ROUNDS):
+            group.exchange([], [(ping, 0)], _CLOCK_TAG, what).wait()
+            times[0] = time.perf_counter()
+            times[1] = time.perf_counter()
+            group.exchange([(times, 0)], [], _CLOCK_TAG, what).wait()
+    group.broadcast(table, 0, what).wait()
+    return float(table[0] + table[group.rank + 1])
+
+
 class Timeline:
     """Spans of this rank, and the collective write of the job's file (module docstring).
 
@@ -99,8 +138,7 @@ class Timeline:
         self.events: list[tuple[str, str, int, float, float, Any]] = []
         self.threads: dict[int, str] = {}
         self.closed = False
-        group.barrier("timeline clock start").wait()
-        self.origin = time.perf_counter()  # time 0 of this rank: the barrier returned
+        self.origin = _job_origin(group)  # this rank's perf_counter at rank 0's time 0
         self.start_unix_ns = time.time_ns()
         atexit.register(self._at_exit)
 

@@ -22,7 +22,7 @@ from ngdist.runtime import timeline as timeline_module
 
 SIZES = (64, 32, 16, 10)
 STEPS = 3
-CLOCK_SLACK_US = 2000  # the start barrier's exit skew on a loaded machine, generously
+CLOCK_SLACK_US = 2000  # the clock offset's error (half a round trip), generously
 
 SCRIPT = r"""
 import json, sys
