@@ -101,12 +101,42 @@ def test_two_ranks_write_one_trace_whose_comm_bytes_add_up_to_the_step_stats(ran
             assert sum(1 for c in compute if _within(c, step)) >= 2  # cut at the comm nodes
             assert any(_within(w, step) for w in waits)
         assert len(comm) == STEPS * len(report["comm_nodes"])  # none outside the steps
+        for w in _spans(trace, pid, "wait"):  # Work.wait on the comm thread: inside its op
+            if w["tid"] == tids["comm"]:
+                node = w["name"].split("'")[1]
+                assert any(c["name"] == node and _within(w, c) for c in comm), w
         comm_by_rank[pid] = comm
     # one time base: the two ranks' spans of one collective overlap
     for a, b in zip(comm_by_rank[0], comm_by_rank[1]):
         assert a["name"] == b["name"]
         assert a["ts"] <= b["ts"] + b["dur"] + CLOCK_SLACK_US, (a, b)
         assert b["ts"] <= a["ts"] + a["dur"] + CLOCK_SLACK_US, (a, b)
+
+
+PS_SCRIPT = r"""
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+
+x, y, _, _ = load_digits()
+tr = ngdist.compile(zoo.mlp((64, 16, 10), seed=0), strategy="ps", servers=1,
+                    intra_op_threads=1, timeline="trace.json")
+batches = ({"x": x[i * 32:(i + 1) * 32], "y": y[i * 32:(i + 1) * 32]} for i in range(3))
+for b in tr.shard(batches):  # nothing on the server rank, which served in compile()
+    tr.step(b)
+tr.close()
+"""
+
+
+@pytest.mark.mpi
+def test_a_dedicated_parameter_server_rank_is_in_the_trace(ranks, tmp_path):
+    # the timeline starts before the server rank serves: no rank waits for the other
+    ranks(3, PS_SCRIPT, timeout=180, env={"NGDIST_TIMEOUT": "60"})
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    for pid in (0, 1):
+        assert [s["name"] for s in _spans(trace, pid, "step")] == ["step 1", "step 2", "step 3"]
+        assert _spans(trace, pid, "comm")
+    assert _spans(trace, 2, "step") == [] and _spans(trace, 2, "wait")  # it served
 
 
 def _digits_trainer(**kw):
