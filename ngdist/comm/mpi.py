@@ -225,6 +225,7 @@ class MpiGroup(ProcessGroup):
         group = MpiGroup(self.timeout, comm=sub, job=self._job,
                          world_ranks=[self._world_ranks[r] for r in ranks])
         group.local_size, group.local_rank = self.local_size, self.local_rank
+        group.timeline = self.timeline
         return group
 
     # ------------------------------------------------------------------ failures
