@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+import rank_workers  # benchmarks/rank_workers.py, beside this file
+
 MODELS = {"digits MLP 64-128-10": (64, 128, 10), "MLP 64-1024-1024-10": (64, 1024, 1024, 10)}
 
 
@@ -89,28 +86,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per block")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = rank_workers.parser(__doc__).parse_args()
     if args.worker:
         worker(args)
         return
-    from ngdist.comm.launch import mpiexec_cmd
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--out", out,
-               "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds)]
-        subprocess.run(cmd, check=True, env=env, timeout=3600)
-        results = json.loads(Path(out).read_text())
+    results = rank_workers.run_workers(__file__, args)
     for model_name, rows in results.items():
         base = rows["allreduce"]["steps_per_s"]
         print(f"\n**{model_name}**, {args.ranks} ranks, batch {args.batch}/rank, "
