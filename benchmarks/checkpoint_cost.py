@@ -18,7 +18,6 @@ checkpoint (constructor with the folder next to one without, median of 3).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -31,9 +30,8 @@ MODELS = {"digits MLP 64-128-10": (64, 128, 10), "MLP 64-1024-1024-10": (64, 102
 EVERY = {"none": None, "every 50": 50, "every 10": 10, "every 1": 1}
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace) -> dict:
     from mpi4py import MPI
-    from tqdm import tqdm
 
     import ngdist
     from ngdist import zoo
@@ -57,18 +55,8 @@ def worker(args: argparse.Namespace) -> None:
                    for name in EVERY}
         trainers = {name: build(folders[name] if every else None, every)
                     for name, every in EVERY.items()}
-        times: dict[str, list[float]] = {name: [] for name in trainers}
-        for tr in trainers.values():  # warm-up: sessions, buffers
-            for b in batches[:3]:
-                tr.step(b, fetch_stats=False)
-        todo = [(r, name) for r in range(args.rounds) for name in trainers]
-        for _, name in tqdm(todo, disable=rank != 0, desc=f"{model_name} on {size} ranks"):
-            tr = trainers[name]
-            world.Barrier()
-            t0 = time.perf_counter()
-            for b in batches:
-                tr.step(b, fetch_stats=False)
-            times[name].append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        times, _ = rank_workers.time_rounds(trainers, batches, args.rounds,
+                                            f"{model_name} on {size} ranks")
         for tr in trainers.values():
             tr.close()
         base = statistics.median(times["none"])
@@ -89,16 +77,13 @@ def worker(args: argparse.Namespace) -> None:
                 out.append(world.allreduce(time.perf_counter() - t0, op=MPI.MAX))
         row["resume_ms"] = (statistics.median(resume) - statistics.median(fresh)) * 1e3
         results[model_name] = row
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results))
+    return results
 
 
 def main() -> None:
-    args = rank_workers.parser(__doc__).parse_args()
-    if args.worker:
-        worker(args)
+    results, args = rank_workers.main(__doc__, worker, __file__)
+    if results is None:  # a worker
         return
-    results = rank_workers.run_workers(__file__, args)
     print(f"checkpoint cost on {args.ranks} ranks, batch {args.batch} per rank, "
           f"{args.steps} steps per block, median of {args.rounds} rounds\n")
     for model_name, row in results.items():

@@ -19,9 +19,7 @@ Printed: a markdown table per model with steps/s (median over rounds), the ratio
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +37,8 @@ def configs(batch: int) -> dict[str, dict]:
     return out
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace) -> dict:
     from mpi4py import MPI
-    from tqdm import tqdm
 
     import ngdist
     from ngdist import zoo
@@ -61,36 +58,20 @@ def worker(args: argparse.Namespace) -> None:
                                          optimizer=ngdist.optim.SGD(lr=0.01, momentum=0.9),
                                          **opts)
                     for name, opts in configs(args.batch).items()}
-        times: dict[str, list[float]] = {name: [] for name in trainers}
-        sent: dict[str, float] = {}
-        for tr in trainers.values():  # warm-up: sessions, buffers
-            for b in batches[:3]:
-                tr.step(b, fetch_stats=False)
-        todo = [(r, name) for r in range(args.rounds) for name in trainers]
-        for _, name in tqdm(todo, disable=rank != 0, desc=f"{model_name} on {size} ranks"):
-            tr = trainers[name]
-            world.Barrier()
-            sent0, t0 = tr.group.bytes_sent, time.perf_counter()
-            for b in batches:
-                tr.step(b, fetch_stats=False)
-            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            times[name].append(dt)
-            sent[name] = (tr.group.bytes_sent - sent0) / len(batches)
+        times, sent = rank_workers.time_rounds(trainers, batches, args.rounds,
+                                               f"{model_name} on {size} ranks")
         for tr in trainers.values():
             tr.close()
         results[model_name] = {name: {"steps_per_s": args.steps / statistics.median(t),
                                       "bytes_per_step": sent[name]}
                                for name, t in times.items()}
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results))
+    return results
 
 
 def main() -> None:
-    args = rank_workers.parser(__doc__).parse_args()
-    if args.worker:
-        worker(args)
+    results, args = rank_workers.main(__doc__, worker, __file__)
+    if results is None:  # a worker
         return
-    results = rank_workers.run_workers(__file__, args)
     for model_name, rows in results.items():
         base = rows["allreduce"]["steps_per_s"]
         print(f"\n**{model_name}**, {args.ranks} ranks, batch {args.batch}/rank, "
