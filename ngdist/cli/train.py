@@ -213,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
         raise InputError("-n, --epochs and --batch-size must be at least 1")
     given_options(args)  # a flag the strategy does not take: refused before anything runs
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or
+                                                  os.environ.get("NGDIST_CHECKPOINT_DIR")):
+        raise InputError(f"--checkpoint-every {args.checkpoint_every} needs a folder: give "
+                         "--checkpoint-dir DIR too")
     if (args.n > 1 or args.max_restarts) and world_rank_size()[1] == 1:  # supervised
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ngdist.errors import NgdistError
+from ngdist.errors import CheckpointError
 from ngdist.ir.model import remove_stale_temps_in, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,6 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 DEFAULT_KEEP = 3
 _NAME = re.compile(r"step-(\d{8,})\.npz")
-
-
-class CheckpointError(NgdistError):
-    """A checkpoint folder that cannot be resumed from (another model, an unreadable file)."""
 
 
 @dataclass
@@ -187,5 +183,5 @@ def clean(folder: str | os.PathLike) -> None:
         _remove_unlisted(folder, {str(e.get("file")) for e in read_manifest(folder)})
 
 
-__all__ = ["Checkpoint", "CheckpointError", "DEFAULT_KEEP", "MANIFEST", "check_model", "clean",
+__all__ = ["Checkpoint", "DEFAULT_KEEP", "MANIFEST", "check_model", "clean",
            "file_name", "latest", "write"]

@@ -18,7 +18,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ngdist.comm import ProcessGroup, world_group
-from ngdist.errors import InputError, NgdistError
+from ngdist.errors import CheckpointError, InputError, NgdistError
 from ngdist.ir.domain import DOMAIN, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save_proto,
@@ -151,7 +151,7 @@ class Trainer:
         elif not comm and self.group.size > 1:
             why = "without communication (strategy local) every rank trains its own model"
         if why:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"checkpoint_dir: {why}, and a checkpoint holds one copy of the state written "
                 "by rank 0; use the allreduce or simple strategy, or save per rank yourself "
                 "(trainer.save(path, all_ranks=True); under ps trainer.sync_state() first)")
@@ -172,9 +172,14 @@ class Trainer:
                     for name, arr in ckpt.values.items():
                         host[name][...] = arr.reshape(host[name].shape)
                     status, steps = 1, ckpt.steps_done
+                    if ckpt.micro_batch != self.micro_batch:
+                        logger.warning(
+                            "%s was written with reproducible_micro_batch=%d, this trainer "
+                            "runs with %d: training goes on, but not bit-for-bit as without "
+                            "the interruption", ckpt.path, ckpt.micro_batch, self.micro_batch)
                     logger.info("resuming from %s (step %d, written by %d rank(s)) on %d "
                                 "rank(s)", ckpt.path, steps, ckpt.ranks, self.group.size)
-            except checkpoint.CheckpointError as exc:
+            except CheckpointError as exc:
                 status, message = 2, str(exc).encode()
         header = np.array([status, steps, len(message)], np.int64)
         if self.group.size > 1:
@@ -184,7 +189,7 @@ class Trainer:
                 self.group.broadcast(text, 0, "checkpoint resume").wait()
                 message = text.tobytes()
         if header[0] == 2:
-            raise checkpoint.CheckpointError(message.decode(errors="replace"))
+            raise CheckpointError(message.decode(errors="replace"))
         return int(header[1])
 
     def checkpoint(self) -> Path | None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ngdist.comm.supervisor import JobResult, RankStatus, next_ranks
+from ngdist import CheckpointError
 from ngdist.runtime import checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -196,6 +197,9 @@ def test_the_flags_are_checked_before_anything_runs(cli, tmp_path):
             (("--checkpoint-every", "0"), "--checkpoint-every must be at least 1, got 0")]:
         proc = cli("run", "-n", "2", *flags, "--", "true", cwd=tmp_path)
         assert (proc.returncode, proc.stderr) == (1, f"ngdist: error: {message}\n")
+    proc = cli("train", "mlp.onnx", "--data", "d.npz", "--checkpoint-every", "2", cwd=tmp_path)
+    assert (proc.returncode, proc.stderr) == (1, "ngdist: error: --checkpoint-every 2 needs a "
+                                                 "folder: give --checkpoint-dir DIR too\n")
     proc = cli("run", "--help", cwd=tmp_path)
     for flag in ("--max-restarts K", "--min-ranks M", "--checkpoint-dir DIR",
                  "--checkpoint-every N", "NGDIST_RESTART_COUNT"):
@@ -286,7 +290,7 @@ def test_only_the_newest_checkpoints_are_kept_and_a_resume_continues_exactly(tmp
 def test_another_models_checkpoint_is_refused_with_the_differences(tmp_path):
     folder = tmp_path / "ckpt"
     _steps(_trainer(folder, checkpoint_every=1), 0, 1)
-    with pytest.raises(checkpoint.CheckpointError) as err:
+    with pytest.raises(CheckpointError) as err:
         _trainer(folder, sizes=(64, 12, 10))
     assert str(err.value) == (
         f"checkpoint {folder / 'step-00000001.npz'} belongs to another model: 'fc0.bias' is "
@@ -301,7 +305,7 @@ def test_another_models_checkpoint_is_refused_with_the_differences(tmp_path):
 REFUSED_ON_EVERY_RANK = """
 import os, sys
 sys.path.insert(0, {tests!r})
-from ngdist.runtime.checkpoint import CheckpointError
+from ngdist import CheckpointError
 from test_restarts import _trainer
 try:
     _trainer({folder!r}, sizes=(64, 12, 10), timeout=30)
@@ -317,7 +321,7 @@ def test_every_rank_gets_the_refusal_of_another_models_checkpoint(tmp_path, rank
     _steps(_trainer(folder, checkpoint_every=1), 0, 1)
     proc = ranks(2, REFUSED_ON_EVERY_RANK.format(tests=str(Path(__file__).parent),
                                                  folder=str(folder)), timeout=LIMIT)
-    with pytest.raises(checkpoint.CheckpointError) as err:  # the message on one rank
+    with pytest.raises(CheckpointError) as err:  # the message on one rank
         _trainer(folder, sizes=(64, 12, 10))
     for rank in (0, 1):
         assert (tmp_path / f"refused.{rank}").read_text() == str(err.value)
@@ -335,7 +339,7 @@ def test_checkpoint_options_are_checked(tmp_path, monkeypatch):
     tr = ngdist.compile(zoo.mlp((64, 16, 10)))
     _steps(tr, 0, 2)
     assert sorted(os.listdir(tmp_path / "env")) == ["manifest.json", "step-00000002.npz"]
-    with pytest.raises(checkpoint.CheckpointError, match="under pushsum every rank holds its "
+    with pytest.raises(CheckpointError, match="under pushsum every rank holds its "
                        "own parameters"):
         ngdist.compile(zoo.mlp((64, 16, 10)), strategy="pushsum")
 
