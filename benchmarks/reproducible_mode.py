@@ -19,18 +19,13 @@ Printed: a markdown table per model with steps/s (median over rounds), the ratio
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+import rank_workers  # benchmarks/rank_workers.py, beside this file
+
 MODELS = {"digits MLP 64-128-10": (64, 128, 10), "MLP 64-1024-1024-10": (64, 1024, 1024, 10)}
 
 
@@ -42,9 +37,8 @@ def configs(batch: int) -> dict[str, dict]:
     return out
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace) -> dict:
     from mpi4py import MPI
-    from tqdm import tqdm
 
     import ngdist
     from ngdist import zoo
@@ -64,53 +58,20 @@ def worker(args: argparse.Namespace) -> None:
                                          optimizer=ngdist.optim.SGD(lr=0.01, momentum=0.9),
                                          **opts)
                     for name, opts in configs(args.batch).items()}
-        times: dict[str, list[float]] = {name: [] for name in trainers}
-        sent: dict[str, float] = {}
-        for tr in trainers.values():  # warm-up: sessions, buffers
-            for b in batches[:3]:
-                tr.step(b, fetch_stats=False)
-        todo = [(r, name) for r in range(args.rounds) for name in trainers]
-        for _, name in tqdm(todo, disable=rank != 0, desc=f"{model_name} on {size} ranks"):
-            tr = trainers[name]
-            world.Barrier()
-            sent0, t0 = tr.group.bytes_sent, time.perf_counter()
-            for b in batches:
-                tr.step(b, fetch_stats=False)
-            dt = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            times[name].append(dt)
-            sent[name] = (tr.group.bytes_sent - sent0) / len(batches)
+        times, sent = rank_workers.time_rounds(trainers, batches, args.rounds,
+                                               f"{model_name} on {size} ranks")
         for tr in trainers.values():
             tr.close()
         results[model_name] = {name: {"steps_per_s": args.steps / statistics.median(t),
                                       "bytes_per_step": sent[name]}
                                for name, t in times.items()}
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(results))
+    return results
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per block")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        worker(args)
+    results, args = rank_workers.main(__doc__, worker, __file__)
+    if results is None:  # a worker
         return
-    from ngdist.comm.launch import mpiexec_cmd
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "results.json")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--out", out,
-               "--batch", str(args.batch), "--steps", str(args.steps),
-               "--rounds", str(args.rounds)]
-        subprocess.run(cmd, check=True, env=env, timeout=3600)
-        results = json.loads(Path(out).read_text())
     for model_name, rows in results.items():
         base = rows["allreduce"]["steps_per_s"]
         print(f"\n**{model_name}**, {args.ranks} ranks, batch {args.batch}/rank, "

@@ -9,8 +9,9 @@ import sys
 
 from ngdist import optim
 from ngdist.api import allreduce_mean, barrier, compile, rank, size, to_training_model  # noqa: A004
-from ngdist.errors import (CommError, CommTimeoutError, ExecutionError, GradientError,
-                           GraphError, InputError, ModelLoadError, NgdistError, OptionError)
+from ngdist.errors import (CheckpointError, CommError, CommTimeoutError, ExecutionError,
+                           GradientError, GraphError, InputError, ModelLoadError, NgdistError,
+                           OptionError)
 from ngdist.runtime.trainer import StepStats, Trainer
 from ngdist.compat import backend, kvstore
 from ngdist.compat.ray import DistributedSGD  # Ray SGD's entry point
@@ -21,6 +22,6 @@ sys.modules[__name__ + ".backend"] = backend
 
 __version__ = "0.1.0"
 
-__all__ = ["CommError", "CommTimeoutError", "DistributedSGD", "ExecutionError",
+__all__ = ["CheckpointError", "CommError", "CommTimeoutError", "DistributedSGD", "ExecutionError",
            "GradientError", "GraphError", "InputError", "ModelLoadError", "NgdistError", "OptionError",
            "StepStats", "Trainer", "allreduce_mean", "backend", "barrier", "compile", "kvstore", "optim", "rank", "size", "to_training_model"]

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import onnx
 
 from ngdist import optim
-from ngdist.errors import GraphError
+from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.onnx import build_training_model
 from ngdist.ir.model import load_proto, split_training_model
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
@@ -134,6 +134,10 @@ class RuntimeOptions(TypedOptions):
     steps) to this file, opened by Perfetto or chrome://tracing (default ``NGDIST_TIMELINE``;
     ``False``: off); rank 0 writes it at ``trainer.close()``, ``trainer.write_timeline()`` or
     the end of the program (runtime/timeline.py).
+    ``checkpoint_every``, ``checkpoint_dir``, ``checkpoint_keep``: a checkpoint every N steps
+    in the folder (default NGDIST_CHECKPOINT_EVERY, NGDIST_CHECKPOINT_DIR), keeping the newest
+    ``checkpoint_keep`` (default 3); with a folder, the trainer resumes from its newest
+    complete checkpoint (runtime/checkpoint.py).
     """
 
     owner: ClassVar[str] = "ngdist.compile"
@@ -145,6 +149,28 @@ class RuntimeOptions(TypedOptions):
     ps_serve: bool = True
     nan_check: bool = True
     timeline: str | os.PathLike | bool | None = None
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_keep: int = 3
+
+
+def _checkpoint_options(every: int | None, folder: str | os.PathLike | None
+                        ) -> tuple[int | None, str | None]:
+    """``checkpoint_every`` and ``checkpoint_dir``, from NGDIST_CHECKPOINT_EVERY and
+    NGDIST_CHECKPOINT_DIR where not given."""
+    if folder is None:
+        folder = os.environ.get("NGDIST_CHECKPOINT_DIR") or None
+    if every is None and os.environ.get("NGDIST_CHECKPOINT_EVERY", "").strip():
+        text = os.environ["NGDIST_CHECKPOINT_EVERY"]
+        try:
+            every = int(text)
+        except ValueError:
+            raise OptionError(f"NGDIST_CHECKPOINT_EVERY={text!r} is not a whole number of "
+                              "steps; set it to e.g. 100") from None
+    if every is not None and folder is None:
+        raise OptionError(f"checkpoint_every={every} needs a folder: pass checkpoint_dir= or "
+                          "set NGDIST_CHECKPOINT_DIR (ngdist run --checkpoint-dir DIR)")
+    return every, (os.fspath(folder) if folder is not None else None)
 
 
 def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
@@ -157,6 +183,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             device: str = "cpu", overlap: bool | None = None, devices_per_worker: int = 1,
             ps_serve: bool = True, nan_check: bool = True,
             timeline: str | os.PathLike | bool | None = None,
+            checkpoint_every: int | None = None,
+            checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int = 3,
             **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
@@ -170,7 +198,11 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
-    ``timeout`` ... ``timeline``: how this process runs the step (:class:`RuntimeOptions`).
+    ``timeout`` ... ``checkpoint_keep``: how this process runs the step
+    (:class:`RuntimeOptions`). ``checkpoint_every=N`` with ``checkpoint_dir=DIR`` (or
+    NGDIST_CHECKPOINT_DIR): rank 0 writes a checkpoint every N steps; with a folder, the trainer
+    starts from the newest complete checkpoint there and ``trainer.resumed_from`` says from
+    which step (skip the batches before it).
     ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
     ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``; ``pushsum``:
     ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
@@ -181,9 +213,15 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     exactly (``all_reduce_alg="exact"``), so training gives the same bits on any number of
     ranks that are fed the same global batches (passes/reproducible.py).
     """
+    checkpoint_every, folder = _checkpoint_options(checkpoint_every, checkpoint_dir)
     runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
                              overlap=overlap, devices_per_worker=devices_per_worker,
-                             ps_serve=ps_serve, nan_check=nan_check, timeline=timeline)
+                             ps_serve=ps_serve, nan_check=nan_check, timeline=timeline,
+                             checkpoint_every=checkpoint_every, checkpoint_dir=folder,
+                             checkpoint_keep=checkpoint_keep)
+    if checkpoint_every is not None and checkpoint_every < 1 or checkpoint_keep < 1:
+        raise OptionError(f"checkpoint_every and checkpoint_keep must be at least 1, got "
+                          f"{checkpoint_every} and {checkpoint_keep}")
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
@@ -215,7 +253,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
                    device=runtime.device, overlap=runtime.overlap,
                    devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
                    nan_check=runtime.nan_check, write_back=write_back,
-                   timeline=runtime.timeline)
+                   timeline=runtime.timeline, checkpoint_every=runtime.checkpoint_every,
+                   checkpoint_dir=runtime.checkpoint_dir, checkpoint_keep=runtime.checkpoint_keep)
 
 
 # every keyword compile takes, for the "did you mean" of a misspelt one

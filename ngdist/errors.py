@@ -34,5 +34,10 @@ class CommTimeoutError(CommError):
     """A collective did not complete within the configured timeout."""
 
 
+class CheckpointError(NgdistError):
+    """A checkpoint folder cannot be resumed from (another model's checkpoint, an unreadable
+    manifest), or the strategy keeps per-rank state that one checkpoint cannot hold."""
+
+
 class ExecutionError(NgdistError):
     """onnxruntime failed while running a compute segment (the message names the segment)."""

@@ -17,6 +17,8 @@ EPILOG = """examples:
   ngdist run -n 4 -- python train.py            launch 4 ranks with the bundled mpiexec
   ngdist train mlp.onnx --data digits.npz --optimizer sgd:lr=0.1 -n 2 --epochs 5 --save out.onnx
   ngdist run -n 6 --servers 2 -- python train.py   strategy ps: ranks 4, 5 are parameter servers
+  ngdist run -n 4 --max-restarts 3 --checkpoint-dir ckpt -- python train.py
+                                                relaunch a failed job, resume from checkpoints
 """
 
 

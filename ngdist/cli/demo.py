@@ -78,6 +78,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     argv = ["--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
             "--lr", str(args.lr)] + (["--save", args.save] if args.save else [])
-    if args.n > 1 and world_rank_size()[1] == 1:
+    if (args.n > 1 or args.max_restarts) and world_rank_size()[1] == 1:  # supervised
         return launch([sys.executable, "-m", "ngdist.cli.demo", *argv], args.n, args)
     return main(argv)

@@ -6,6 +6,11 @@ outcome on stderr: nothing when every rank exited 0; one line when the job was s
 signal; else a headline (the rank that failed first) and a table of the ranks (status, first
 error line; in a job of more than 16 ranks only those that did not exit 0).
 
+``--max-restarts K`` relaunches a failed job (K times at most; one line on stderr each time,
+the table only for the last attempt), ``--min-ranks M`` lets a relaunch run on fewer ranks
+(see comm/supervisor.py ``supervise``), ``--checkpoint-dir`` / ``--checkpoint-every`` set
+NGDIST_CHECKPOINT_DIR / NGDIST_CHECKPOINT_EVERY for ``ngdist.compile`` on the ranks.
+
 ``--log-dir DIR`` writes DIR/rank.N.log on the launcher's host (every rank's output, from every
 host, reaches it through mpiexec), unprefixed, in addition to the terminal (as ``tee`` does:
 rank 0's progress bar stays in view).
@@ -19,7 +24,7 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 
-from ngdist.comm.supervisor import JobResult, Supervisor
+from ngdist.comm.supervisor import JobResult, supervise
 from ngdist.errors import NgdistError
 
 logger = logging.getLogger(__name__)
@@ -35,7 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "supervise them: each line of output says its rank, a failed rank stops "
                        "the job after --grace seconds with a table of the ranks' exit statuses "
                        "and first error lines, and Ctrl-C / SIGTERM / SIGHUP stop every rank "
-                       "(exit status 130 / 143 / 129). Across machines pass --hostfile (one host "
+                       "(exit status 130 / 143 / 129). With --max-restarts K a failed job is "
+                       "launched again, K times at most (never after a signal); each attempt's "
+                       "ranks see NGDIST_RESTART_COUNT=0, 1, ..., and with --checkpoint-dir a "
+                       "program built on ngdist.compile resumes from its newest complete "
+                       "checkpoint. Across machines pass --hostfile (one host "
                        "per line, optionally host:slots) and make sure every host has the same "
                        "Python environment.")
     p.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
@@ -48,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds before a stuck collective fails (sets NGDIST_TIMEOUT)")
     add_timeline_argument(p, "sets NGDIST_TIMELINE for every rank")
     add_launch_arguments(p)
+    add_checkpoint_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(func=run)
 
@@ -60,6 +70,27 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write each rank's output to DIR/rank.N.log")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds the other ranks may still run after one failed (default 3)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="when the job fails (a rank exits non-zero or is killed), stop what is "
+                        "left and launch the whole job again, at most K times (default 0); "
+                        "Ctrl-C/SIGTERM/SIGHUP never restart. The ranks see "
+                        "NGDIST_RESTART_COUNT (0 on the first attempt); the exit status is the "
+                        "last attempt's")
+    p.add_argument("--min-ranks", type=int, metavar="M",
+                   help="a restart may run on fewer ranks: the failed attempt's count less the "
+                        "rank that failed first and any other killed by a signal, never fewer "
+                        "than M (default: every attempt runs on -n ranks). Train with "
+                        "reproducible_micro_batch= to end bit-for-bit as on -n ranks")
+
+
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    """Where ``ngdist.compile`` on the ranks checkpoints (``ngdist run`` and ``train``)."""
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="sets NGDIST_CHECKPOINT_DIR: ngdist.compile on the ranks resumes from "
+                        "the newest complete checkpoint in DIR and writes its checkpoints there")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="sets NGDIST_CHECKPOINT_EVERY: a checkpoint every N steps (needs "
+                        "--checkpoint-dir, or checkpoint_dir= in the program)")
 
 
 def add_timeline_argument(p: argparse.ArgumentParser, how: str) -> None:
@@ -110,8 +141,35 @@ def launch(command: Sequence[str], n: int, args: argparse.Namespace | None = Non
         args = argparse.Namespace(prefix=True, log_dir=None, grace=3.0)
     if args.grace < 0:
         raise NgdistError(f"--grace must be at least 0, got {args.grace}")
-    result = Supervisor(command, n, hostfile=hostfile, hosts=hosts, env=env,
-                        prefix=args.prefix, log_dir=args.log_dir, grace=args.grace).run()
+    max_restarts = getattr(args, "max_restarts", 0)
+    min_ranks = getattr(args, "min_ranks", None)
+    if max_restarts < 0:
+        raise NgdistError(f"--max-restarts must be at least 0, got {max_restarts}")
+    if min_ranks is not None and not 1 <= min_ranks <= n:
+        raise NgdistError(f"--min-ranks must be between 1 and the number of ranks (-n {n}), "
+                          f"got {min_ranks}")
+    env = dict(os.environ if env is None else env)
+    servers = int(env.get("NGDIST_PS_SERVERS") or 0)
+    if min_ranks is not None and min_ranks <= servers:
+        raise NgdistError(f"--min-ranks {min_ranks} leaves no worker beside the {servers} "
+                          f"parameter server(s); give --min-ranks {servers + 1} or more")
+    for flag, var in (("checkpoint_dir", "NGDIST_CHECKPOINT_DIR"),
+                      ("checkpoint_every", "NGDIST_CHECKPOINT_EVERY")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            env[var] = os.path.abspath(value) if flag == "checkpoint_dir" else str(value)
+    if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
+        raise NgdistError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    total = max_restarts + 1
+
+    def restarting(failed: JobResult, ranks: int) -> None:
+        print(f"ngdist: attempt {failed.attempt + 1} of {total} failed: {headline(failed)}; "
+              f"restarting on {_ranks(ranks)} (NGDIST_RESTART_COUNT={failed.attempt + 1})",
+              file=sys.stderr, flush=True)
+
+    result = supervise(command, n, max_restarts=max_restarts, min_ranks=min_ranks,
+                       on_restart=restarting, hostfile=hostfile, hosts=hosts, env=env,
+                       prefix=args.prefix, log_dir=args.log_dir, grace=args.grace)
     for line in report(result):
         print(line, file=sys.stderr)
     return result.status
@@ -126,15 +184,9 @@ def report(result: JobResult) -> list[str]:
         return [f"ngdist: {what}; stopped {_ranks(result.stopped)}{killed}"]
     if result.status == 0:
         return []
-    if result.first_failed is not None:
-        first = result.ranks[result.first_failed]
-        head = f"ngdist: rank {first.rank} failed ({first.describe()})"
-        if result.stopped:
-            head += f"; stopped the other {_ranks(result.stopped)}"
-    else:
-        launcher = result.launcher_status
-        head = (f"ngdist: the job failed (mpiexec exit status {launcher})" if launcher >= 0
-                else f"ngdist: the job failed (mpiexec killed by signal {-launcher})")
+    head = f"ngdist: {headline(result)}"
+    if result.attempt:
+        head += f" (attempt {result.attempt + 1} of {result.attempt + 1})"
     shown = [s for s in result.ranks
              if len(result.ranks) <= ALL_RANKS_UP_TO or s.failed or not s.known]
     rows = [("rank", "status", "first error line")]
@@ -144,6 +196,19 @@ def report(result: JobResult) -> list[str]:
     if result.log_dir is not None:
         lines.append(f"each rank's output: {result.log_dir}/rank.N.log")
     return lines
+
+
+def headline(result: JobResult) -> str:
+    """Why a job failed, in one line: the rank that failed first, else mpiexec's status."""
+    if result.first_failed is not None:
+        first = result.ranks[result.first_failed]
+        head = f"rank {first.rank} failed ({first.describe()})"
+        if result.stopped:
+            head += f"; stopped the other {_ranks(result.stopped)}"
+        return head
+    launcher = result.launcher_status
+    return (f"the job failed (mpiexec exit status {launcher})" if launcher >= 0
+            else f"the job failed (mpiexec killed by signal {-launcher})")
 
 
 def _ranks(k: int) -> str:

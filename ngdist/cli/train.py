@@ -7,6 +7,11 @@ the model's input is an error that names both. With ``-n N > 1`` the command rel
 under the bundled mpiexec; every rank trains on its slice of each global batch
 (``--batch-size`` per rank, as ``ngdist demo``), rank 0 shows a tqdm progress bar and writes
 ``--save`` (a standard ONNX training model whose graph is the trained, deployable model).
+With ``--checkpoint-dir DIR`` (and ``--checkpoint-every N``) training resumes from the newest
+complete checkpoint in DIR and skips the steps it already holds (the shuffle of each epoch is
+seeded, so the data order continues where it stopped); combined with ``--max-restarts K`` a
+failed job picks up from its last checkpoint. ``--batch-size`` is per rank: a restart on fewer
+ranks (``--min-ranks``) trains on smaller global batches from the checkpoint's step on.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import numpy as np
 import onnx
 
 from ngdist.cli.rewrite import OptionParser, add_strategy_arguments, chosen_options
-from ngdist.cli.run import add_launch_arguments, add_timeline_argument, timeline_env
+from ngdist.cli.run import (add_checkpoint_arguments, add_launch_arguments,
+                            add_timeline_argument, timeline_env)
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
 from ngdist.passes.options import cli_flag
@@ -152,7 +158,9 @@ def train(args: argparse.Namespace) -> int:
     model = training_model(args)
     data = load_data(args.data, data_inputs(model), args.labels)
     trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout,
-                             timeline=args.timeline, **options)
+                             timeline=args.timeline,
+                             checkpoint_every=getattr(args, "checkpoint_every", None),
+                             checkpoint_dir=getattr(args, "checkpoint_dir", None), **options)
     rank, size = trainer.rank, trainer.num_workers  # ps: dedicated servers get no batches
     samples = next(iter(data.values())).shape[0]
     global_batch = args.batch_size * size
@@ -164,10 +172,13 @@ def train(args: argparse.Namespace) -> int:
     bar = tqdm(total=args.epochs * steps, disable=rank != 0, unit="step",
                desc=f"train {Path(args.model).name} on {size} rank(s)")
     start, loss = time.perf_counter(), float("nan")
-    for epoch in range(args.epochs):
+    done = min(trainer.resumed_from, args.epochs * steps)  # steps a checkpoint already holds
+    bar.update(done)
+    for epoch in range(done // steps, args.epochs):
+        first = done - epoch * steps if epoch == done // steps else 0
         perm = np.random.default_rng(args.seed + epoch).permutation(samples)  # same everywhere
         batches = ({k: v[perm[i:i + global_batch]] for k, v in data.items()}
-                   for i in range(0, steps * global_batch, global_batch))
+                   for i in range(first * global_batch, steps * global_batch, global_batch))
         for batch in trainer.shard(batches):
             loss = trainer.step(batch).loss
             bar.update(1)
@@ -179,6 +190,8 @@ def train(args: argparse.Namespace) -> int:
         print(f"trained {args.epochs} epoch(s), {args.epochs * steps} steps of {global_batch} "
               f"samples on {size} rank(s) in {time.perf_counter() - start:.1f} s; "
               f"final loss (rank 0 shard) {loss:.4f}")
+        if trainer.resumed_from:
+            print(f"resumed from the checkpoint of step {trainer.resumed_from}")
         if args.save:
             print(f"saved the trained model to {args.save}")
     trainer.close()
@@ -192,6 +205,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.__class__ = OptionParser  # unknown flags reach the command (cli/rewrite.py)
     add_arguments(p)
     add_launch_arguments(p)
+    add_checkpoint_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -205,7 +219,11 @@ def run(args: argparse.Namespace) -> int:
     given_options(args)  # a flag the strategy does not take: refused before anything runs
     # a timeline that cannot be written: refused here too; absolute for the ranks
     args.timeline = timeline_env(args.timeline, {})
-    if args.n > 1 and world_rank_size()[1] == 1:
+    if args.checkpoint_every is not None and not (args.checkpoint_dir or
+                                                  os.environ.get("NGDIST_CHECKPOINT_DIR")):
+        raise InputError(f"--checkpoint-every {args.checkpoint_every} needs a folder: give "
+                         "--checkpoint-dir DIR too")
+    if (args.n > 1 or args.max_restarts) and world_rank_size()[1] == 1:  # supervised
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)
         env = dict(os.environ)

@@ -86,8 +86,10 @@ class OutputRouter:
     ``outputs`` maps a stream name ("stdout", "stderr") to the binary stream to write."""
 
     def __init__(self, outputs: dict[str, BinaryIO], *, prefix: bool = True,
-                 log_dir: Path | None = None, on_marker: MarkerCallback | None = None) -> None:
+                 log_dir: Path | None = None, on_marker: MarkerCallback | None = None,
+                 append: bool = False) -> None:
         self.outputs = outputs
+        self.append = append  # add to the per-rank logs (a restarted job) instead of replacing
         self.prefix = prefix
         self.log_dir = log_dir
         self.on_marker = on_marker
@@ -218,7 +220,7 @@ class OutputRouter:
         if fh is None:
             assert self.log_dir is not None
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            fh = self._logs[rank] = open(self.log_dir / f"rank.{rank}.log", "wb")  # noqa: SIM115
+            fh = self._logs[rank] = open(self.log_dir / f"rank.{rank}.log", "ab" if self.append else "wb")  # noqa: SIM115
         return fh
 
     # ------------------------------------------------------------------ output

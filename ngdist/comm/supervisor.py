@@ -20,6 +20,17 @@ process of it is left:
   gone peer, and their messages say why), then the job is stopped as above. mpiexec runs with
   ``-disable-auto-cleanup``, so it would otherwise let them wait for their collective timeout.
 
+Restarts (``supervise``, torchrun's ``--max-restarts``): when a job fails (a rank exits
+non-zero or is killed, or mpiexec fails) and it was not stopped by a signal, the whole job is
+launched again, at most ``max_restarts`` times; each attempt's ranks see
+``NGDIST_RESTART_COUNT`` (0, 1, ...). SIGINT, SIGTERM and SIGHUP never lead to a restart, also
+when they arrive between two attempts (the handlers stay installed across attempts). The rank
+count of the next attempt: the same ``n`` by default; with ``min_ranks`` the failed attempt's
+count less its failed ranks, never fewer than ``min_ranks``. The failed ranks are the one that
+failed first and any other killed by a signal the supervisor did not send (the OOM killer, a
+crash); a rank that merely exited non-zero after the first failure most likely reported the
+gone peer, and the ranks the supervisor stopped count as healthy.
+
 The result (``JobResult``) holds every rank's exit status, its first error line and the
 launcher's own exit status; the CLI (cli/run.py) prints it. The supervisor logs, it never
 prints: what it writes to stdout/stderr is the ranks' output.
@@ -101,6 +112,10 @@ class JobResult:
     killed: int = 0                   # processes that needed SIGKILL
     kill_after: float = 5.0           # seconds between SIGTERM and SIGKILL
     log_dir: Path | None = None
+    attempt: int = 0                  # NGDIST_RESTART_COUNT of the job this result is of
+
+
+RESTART_COUNT = "NGDIST_RESTART_COUNT"
 
 
 class Supervisor:
@@ -110,7 +125,8 @@ class Supervisor:
                  hosts: str | None = None, env: Mapping[str, str] | None = None,
                  prefix: bool = True, log_dir: str | os.PathLike[str] | None = None,
                  grace: float = 3.0, kill_after: float = 5.0,
-                 stdout: BinaryIO | None = None, stderr: BinaryIO | None = None) -> None:
+                 stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
+                 received: list[int] | None = None, append_logs: bool = False) -> None:
         self.cmd = [*mpiexec_cmd(n, hostfile, hosts, flags=["-prepend-pattern", LABEL_PATTERN]),
                     sys.executable, "-I", rankwrap.__file__, "--", *command]
         self.n = n
@@ -121,10 +137,12 @@ class Supervisor:
         self.ranks = [RankStatus(r) for r in range(n)]
         self.router = OutputRouter({"stdout": stdout or sys.stdout.buffer,
                                     "stderr": stderr or sys.stderr.buffer},
-                                   prefix=prefix, log_dir=self.log_dir, on_marker=self._marker)
+                                   prefix=prefix, log_dir=self.log_dir, on_marker=self._marker,
+                                   append=append_logs)
         self._proc: subprocess.Popen[bytes] | None = None
         self._local: dict[int, int] = {}   # wrapper pid (its process group) -> start time
-        self._received: list[int] = []
+        # the stop signals received; shared across the attempts of ``supervise``
+        self._received: list[int] = [] if received is None else received
         self._first_failed: int | None = None
         self._stop_at: float | None = None   # when to stop the others after a failure
         self._kill_at: float | None = None   # set once the job is being stopped
@@ -262,6 +280,47 @@ class Supervisor:
         return 0
 
 
+def supervise(command: Sequence[str], n: int, *, max_restarts: int = 0,
+              min_ranks: int | None = None, env: Mapping[str, str] | None = None,
+              on_restart: Callable[[JobResult, int], Any] | None = None,
+              **options: Any) -> JobResult:
+    """Run ``command`` on ``n`` ranks, relaunching the whole job after a failure at most
+    ``max_restarts`` times (see the module docstring); the result of the last attempt.
+    ``on_restart(result, ranks)`` is called before each relaunch with the failed attempt's
+    result and the next attempt's rank count. ``options``: those of :class:`Supervisor`."""
+    base = dict(os.environ if env is None else env)
+    received: list[int] = []
+    with _handling(STOP_SIGNALS, received.append):
+        attempt = 0
+        while True:
+            result = Supervisor(command, n, env={**base, RESTART_COUNT: str(attempt)},
+                                received=received, append_logs=attempt > 0, **options).run()
+            result.attempt = attempt
+            if received and result.received is None:  # arrived as the job ended
+                result.received, result.status = received[0], 128 + received[0]
+            if result.status == 0 or result.received is not None or attempt >= max_restarts:
+                return result
+            n = next_ranks(result, min_ranks)
+            if on_restart is not None:
+                on_restart(result, n)
+            attempt += 1
+            if received:  # a stop signal while the failed job's outcome was handled
+                result.received, result.status = received[0], 128 + received[0]
+                return result
+
+
+def next_ranks(result: JobResult, min_ranks: int | None) -> int:
+    """The rank count after ``result`` failed: the same without ``min_ranks``; else less the
+    failed ranks (see the module docstring), at least ``min_ranks``."""
+    n = len(result.ranks)
+    if min_ranks is None:
+        return n
+    failed = {s.rank for s in result.ranks if s.signal is not None and not s.stopped}
+    if result.first_failed is not None:
+        failed.add(result.first_failed)
+    return max(min_ranks, n - len(failed))
+
+
 # ---------------------------------------------------------------------- processes and signals
 
 def _signal(pid: int, sig: int) -> int:
@@ -341,4 +400,5 @@ def _processes() -> Iterator[tuple[int, int, int]]:
                 yield int(name), int(fields[2]), int(fields[19])
 
 
-__all__ = ["JobResult", "RankStatus", "STOP_SIGNALS", "Supervisor"]
+__all__ = ["JobResult", "RESTART_COUNT", "RankStatus", "STOP_SIGNALS", "Supervisor",
+           "next_ranks", "supervise"]

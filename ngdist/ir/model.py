@@ -142,6 +142,11 @@ def _process_runs(pid: int) -> bool:
     return True
 
 
+def _host() -> str:
+    """This host's name as temporary file names carry it."""
+    return socket.gethostname().split(".")[0].replace("/", "_")[:32] or "localhost"
+
+
 def _remove_stale_temps(path: Path, host: str) -> None:
     """Delete the temporary files that saves of ``path`` killed on this host left behind
     (their process no longer runs); those of other hosts sharing the folder are left alone."""
@@ -160,6 +165,20 @@ def _remove_stale_temps(path: Path, host: str) -> None:
                 pass
 
 
+def remove_stale_temps_in(folder: str | os.PathLike) -> None:
+    """:func:`_remove_stale_temps` for every target in ``folder`` that has a temporary file
+    (saves killed on this host whose target was never saved again)."""
+    folder = Path(folder)
+    host = _host()
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for target in {e[1:e.index(_TMP_MARK)] for e in entries
+                   if e.startswith(".") and _TMP_MARK in e}:
+        _remove_stale_temps(folder / target, host)
+
+
 def save_proto(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``model`` atomically (see :func:`write_atomic`)."""
     write_atomic(path, model.SerializeToString())
@@ -174,7 +193,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     gives: those of the file it replaces, else 0o666 less the umask. An OSError names ``path``.
     """
     path = Path(path)
-    host = socket.gethostname().split(".")[0].replace("/", "_")[:32] or "localhost"
+    host = _host()
     tmp = path.parent / f".{path.name}{_TMP_MARK}{os.getpid()}-{host}-{secrets.token_hex(4)}"
     try:
         try:

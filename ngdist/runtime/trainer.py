@@ -18,12 +18,12 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ngdist.comm import ProcessGroup, world_group
-from ngdist.errors import InputError, NgdistError
-from ngdist.ir.domain import GRAD_SCALE
+from ngdist.errors import CheckpointError, InputError, NgdistError
+from ngdist.ir.domain import DOMAIN, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save_proto,
                              split_training_model)
-from ngdist.runtime import ps_server
+from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, make_session, placement_for
@@ -62,10 +62,13 @@ class Trainer:
                  intra_op_threads: int | None = None, device: str | Placement = "cpu",
                  overlap: bool | None = None, devices_per_worker: int = 1,
                  ps_serve: bool = True, write_back: WriteBack | None = None,
-                 nan_check: bool = True, timeline: str | os.PathLike | bool | None = None
-                 ) -> None:
+                 nan_check: bool = True, timeline: str | os.PathLike | bool | None = None,
+                 checkpoint_every: int | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None,
+                 checkpoint_keep: int = checkpoint.DEFAULT_KEEP) -> None:
         """``timeline``: write a Chrome trace of the job to this file (default
-        ``NGDIST_TIMELINE``; ``False``: off); see runtime/timeline.py."""
+        ``NGDIST_TIMELINE``; ``False``: off); see runtime/timeline.py. ``checkpoint_*``: see
+        runtime/checkpoint.py."""
         self.group = group or world_group(timeout)
         self.timeline: Timeline | None = None
         trace = timeline_path(timeline)
@@ -115,6 +118,11 @@ class Trainer:
         self.steps_done = 0
         self._predict_cache: tuple[int, ort.InferenceSession] | None = None
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
+        if self.checkpoint_dir is not None:
+            self._check_checkpointable(graph)
         # every rank: same graph (structure and constants), then rank 0's values, broadcast
         # in host memory before they are placed
         self.group.check_same(self._graph_fingerprint(proto), "step graph")
@@ -124,6 +132,9 @@ class Trainer:
         inits = {t.name: t for t in graph.initializer}
         host = {name: numpy_helper.to_array(inits[name]).copy()
                 for name, role in self.meta.roles.items() if role != "data"}
+        self.resumed_from = 0  # the step the newest checkpoint of checkpoint_dir ended
+        if self.checkpoint_dir is not None:
+            self.resumed_from = self.steps_done = self._resume(host)
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
         # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
@@ -138,6 +149,76 @@ class Trainer:
                     self.group.rank, self.group.size, self.group.backend,
                     sum(1 for i in self.executor.items if hasattr(i, "nodes")),
                     len(self.executor.comm_nodes))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _check_checkpointable(self, graph: onnx.GraphProto) -> None:
+        """Checkpoints are written by rank 0 alone: only where every rank holds the same
+        state (allreduce, simple; any strategy on one rank)."""
+        comm = {n.op_type for n in graph.node if n.domain == DOMAIN}
+        why = None
+        if "PushSum" in comm:
+            why = "under pushsum every rank holds its own parameters and push-sum weights"
+        elif "PSPushPull" in comm:
+            why = "under ps the optimizer state lives with the shard owners"
+        elif not comm and self.group.size > 1:
+            why = "without communication (strategy local) every rank trains its own model"
+        if why:
+            raise CheckpointError(
+                f"checkpoint_dir: {why}, and a checkpoint holds one copy of the state written "
+                "by rank 0; use the allreduce or simple strategy, or save per rank yourself "
+                "(trainer.save(path, all_ranks=True); under ps trainer.sync_state() first)")
+
+    def _resume(self, host: dict[str, np.ndarray]) -> int:
+        """Collective: rank 0 loads the newest complete checkpoint of ``checkpoint_dir`` into
+        ``host`` (which the caller broadcasts); every rank gets its step count, or the same
+        CheckpointError."""
+        assert self.checkpoint_dir is not None
+        status, steps, message = 0, 0, b""
+        if self.rank == 0:
+            try:
+                checkpoint.clean(self.checkpoint_dir)
+                ckpt = checkpoint.latest(self.checkpoint_dir)
+                if ckpt is not None:
+                    checkpoint.check_model(ckpt, {n: a for n, a in host.items()
+                                                  if n != GRAD_SCALE})
+                    for name, arr in ckpt.values.items():
+                        host[name][...] = arr.reshape(host[name].shape)
+                    status, steps = 1, ckpt.steps_done
+                    if ckpt.micro_batch != self.micro_batch:
+                        logger.warning(
+                            "%s was written with reproducible_micro_batch=%d, this trainer "
+                            "runs with %d: training goes on, but not bit-for-bit as without "
+                            "the interruption", ckpt.path, ckpt.micro_batch, self.micro_batch)
+                    logger.info("resuming from %s (step %d, written by %d rank(s)) on %d "
+                                "rank(s)", ckpt.path, steps, ckpt.ranks, self.group.size)
+            except CheckpointError as exc:
+                status, message = 2, str(exc).encode()
+        header = np.array([status, steps, len(message)], np.int64)
+        if self.group.size > 1:
+            self.group.broadcast(header, 0, "checkpoint resume").wait()
+            if header[0] == 2:
+                text = np.frombuffer(message.ljust(int(header[2]), b"\0"), np.uint8).copy()
+                self.group.broadcast(text, 0, "checkpoint resume").wait()
+                message = text.tobytes()
+        if header[0] == 2:
+            raise CheckpointError(message.decode(errors="replace"))
+        return int(header[1])
+
+    def checkpoint(self) -> Path | None:
+        """Collective: rank 0 writes a checkpoint of the current state to ``checkpoint_dir``
+        while the others wait on a barrier; the file's path on rank 0, else None. ``step()``
+        calls it every ``checkpoint_every`` steps."""
+        if self.checkpoint_dir is None:
+            raise NgdistError("this trainer has no checkpoint folder: pass checkpoint_dir= to "
+                              "ngdist.compile or set NGDIST_CHECKPOINT_DIR")
+        path = None
+        if self.rank == 0:
+            path = checkpoint.write(self.checkpoint_dir, self.state_dict(), self.steps_done,
+                                    ranks=self.num_workers, micro_batch=self.micro_batch,
+                                    keep=self.checkpoint_keep)
+        if self.group.size > 1:
+            self.group.barrier(f"checkpoint of step {self.steps_done}").wait()
+        return path
 
     # ------------------------------------------------------------------ identity
     @property
@@ -320,19 +401,19 @@ class Trainer:
         for name, out in self.meta.binding.items():
             self.values[name] = outputs[out]
         self.steps_done += 1
-        if not fetch_stats:
-            if timeline is not None:
-                self._record_step(start, samples, sent0, None)
-            return None
-        loss = float(outputs[self.meta.loss].numpy())
+        loss = float(outputs[self.meta.loss].numpy()) if fetch_stats else math.nan
         if timeline is not None:
-            self._record_step(start, samples, sent0, loss)
-        if self.nan_check and not math.isfinite(loss):
+            self._record_step(start, samples, sent0, loss if fetch_stats else None)
+        if fetch_stats and self.nan_check and not math.isfinite(loss):
             raise NgdistError(
                 f"the loss is {loss} at step {self.steps_done} (rank {self.rank}); the "
                 "parameters of this step are not usable: check the batch for NaN/Inf values "
                 "and lower the learning rate, or pass nan_check=False to ngdist.compile to "
                 "train on regardless")
+        if self.checkpoint_every and self.steps_done % self.checkpoint_every == 0:
+            self.checkpoint()  # after the NaN check: a diverged step is never checkpointed
+        if not fetch_stats:
+            return None
         return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
                          samples, self.group.bytes_sent - sent0)
 
