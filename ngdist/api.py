@@ -17,6 +17,7 @@ from ngdist.ir.model import load_proto, split_training_model
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
 from ngdist.comm import world_group, world_rank_size
+from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,12 @@ class RuntimeOptions(TypedOptions):
     ``ps_serve``: with ``ps`` and dedicated servers, False makes a server rank serve round by
     round as its program calls ``step`` (``DistributedSGD``) instead of until the workers stop;
     ``nan_check``: a step that fetches its loss (``fetch_stats=True``) raises when the loss is
-    NaN or infinite, naming the step (default True; it reads nothing more than the loss).
+    NaN or infinite, naming the step (default True; it reads nothing more than the loss);
+    ``log_dir``: write training metrics there (``metrics.csv`` by rank 0, TensorBoard events
+    and ``metrics.png`` with the ``metrics`` extra; runtime/metrics.py): every step that
+    fetches its stats, with the loss averaged over the ranks, and every ``trainer.evaluate``;
+    ``log_every``: steps recorded between two reductions of the metrics over the ranks (one
+    small allreduce each, default 10).
     """
 
     owner: ClassVar[str] = "ngdist.compile"
@@ -140,6 +146,8 @@ class RuntimeOptions(TypedOptions):
     devices_per_worker: int = 1
     ps_serve: bool = True
     nan_check: bool = True
+    log_dir: str | os.PathLike | None = None
+    log_every: int = DEFAULT_EVERY
 
 
 def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
@@ -151,6 +159,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             timeout: float | None = None, intra_op_threads: int | None = None,
             device: str = "cpu", overlap: bool | None = None, devices_per_worker: int = 1,
             ps_serve: bool = True, nan_check: bool = True,
+            log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
             **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
@@ -164,7 +173,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
-    ``timeout`` ... ``nan_check``: how this process runs the step (:class:`RuntimeOptions`).
+    ``timeout`` ... ``log_every``: how this process runs the step and logs its metrics
+    (:class:`RuntimeOptions`).
     ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
     ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``; ``pushsum``:
     ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
@@ -177,7 +187,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     """
     runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
                              overlap=overlap, devices_per_worker=devices_per_worker,
-                             ps_serve=ps_serve, nan_check=nan_check)
+                             ps_serve=ps_serve, nan_check=nan_check, log_dir=log_dir,
+                             log_every=log_every)
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
@@ -208,7 +219,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     return Trainer(inference, step=step, group=group, intra_op_threads=runtime.intra_op_threads,
                    device=runtime.device, overlap=runtime.overlap,
                    devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
-                   nan_check=runtime.nan_check, write_back=write_back)
+                   nan_check=runtime.nan_check, write_back=write_back,
+                   log_dir=runtime.log_dir, log_every=runtime.log_every)
 
 
 # every keyword compile takes, for the "did you mean" of a misspelt one

@@ -24,6 +24,7 @@ from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save
                              split_training_model)
 from ngdist.runtime import ps_server
 from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.metrics import DEFAULT_EVERY, Evaluation, MetricsLog
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, make_session, placement_for
 
@@ -60,7 +61,8 @@ class Trainer:
                  intra_op_threads: int | None = None, device: str | Placement = "cpu",
                  overlap: bool | None = None, devices_per_worker: int = 1,
                  ps_serve: bool = True, write_back: WriteBack | None = None,
-                 nan_check: bool = True) -> None:
+                 nan_check: bool = True, log_dir: str | os.PathLike | None = None,
+                 log_every: int = DEFAULT_EVERY) -> None:
         self.group = group or world_group(timeout)
         self.nan_check = nan_check  # a fetched loss that is NaN/Inf stops training
         self._uneven_logged = False
@@ -114,6 +116,15 @@ class Trainer:
                 for name, role in self.meta.roles.items() if role != "data"}
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
+        # the training ranks' own group for metrics and evaluation (collective; made before a
+        # dedicated server rank goes off to serve)
+        workers = ps_server.planned_workers(self)
+        self.stats_group = self.group.split(0 if self.rank < workers else None, self.rank,
+                                            "metrics and evaluation")
+        self.epoch: int | None = None  # what the metrics rows say (set_epoch)
+        self._eval_cache: tuple[int, ort.InferenceSession, str] | None = None
+        self.metrics = MetricsLog(log_dir, self.stats_group, log_every) \
+            if log_dir is not None and self.stats_group is not None else None
         # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
         # serves the workers until they stop (runtime/ps_server.py)
         self.ps = ps_server.attach(self, ps_serve)
@@ -294,8 +305,70 @@ class Trainer:
                 "parameters of this step are not usable: check the batch for NaN/Inf values "
                 "and lower the learning rate, or pass nan_check=False to ngdist.compile to "
                 "train on regardless")
-        return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
-                         samples, self.group.bytes_sent - sent0)
+        stats = StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
+                          samples, self.group.bytes_sent - sent0)
+        if self.metrics is not None:
+            self.metrics.record(self.steps_done, self.epoch, stats)
+        return stats
+
+    def set_epoch(self, epoch: int | None) -> None:
+        """The epoch that the metrics rows logged from now on carry (``log_dir``)."""
+        self.epoch = epoch
+
+    def evaluate(self, data: Mapping[str, Any], batch_size: int = 1024) -> Evaluation:
+        """Validation loss and accuracy of the current parameters on ``data`` (the whole
+        set, the same on every rank: input arrays and the labels). Collective over the training
+        ranks: each evaluates its ``np.array_split`` shard with the inference graph, and the
+        sums of per-sample losses and of correct predictions over the ranks are divided by the
+        total count, so the result is the whole set's (on every rank). The loss is the
+        training loss's formula (softmax_cross_entropy: mean over the samples that are not
+        ``ignore_index``; mse: mean over all elements); accuracy (arg-max over axis 1 equal
+        to the label) only for softmax_cross_entropy. With ``log_dir`` the result is logged
+        as a ``val`` row. A dedicated parameter-server rank evaluates the whole set alone."""
+        kind, scores, labels, ignore = _eval_loss(self.step_model, self.meta.loss,
+                                                  self.data_inputs, self._label_checks)
+        needed = [*self._model_inputs, labels]
+        missing = [n for n in needed if n not in data]
+        if missing:
+            raise InputError(f"evaluate() needs arrays {needed}; {missing} missing")
+        sizes = _leaf_sizes({n: data[n] for n in needed})
+        _check_same_size(sizes, "the validation data")
+        group = self.stats_group
+        shard = {n: np.array_split(np.asarray(data[n]), group.size)[group.rank] if group else
+                 np.asarray(data[n]) for n in needed}
+        sess, out = self._eval_session(scores)
+        totals = np.zeros(3, np.float64)  # loss sum, correct, counted (samples or elements)
+        count = next(iter(sizes.values()), 0)
+        local = len(shard[labels])
+        for i in range(0, local, batch_size):
+            feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=_np_type(
+                self.data_inputs[n])) for n in self._model_inputs}
+            logits = np.asarray(sess.run([out], feeds)[0], np.float64)
+            y = shard[labels][i:i + batch_size]
+            totals += _loss_terms(kind, logits, y, ignore)
+        if group is not None and group.size > 1:
+            group.allreduce(totals, "evaluate(): loss and correct counts").wait()
+        loss_sum, correct, counted = totals
+        loss_sum, correct, counted = float(loss_sum), float(correct), float(counted)
+        result = Evaluation(loss=loss_sum / counted if counted else float("nan"),
+                            accuracy=(correct / counted if counted else float("nan"))
+                            if kind == "softmax_cross_entropy" else None, samples=count)
+        if self.metrics is not None:
+            self.metrics.validation(self.steps_done, self.epoch, result)
+        return result
+
+    def _eval_session(self, scores: str) -> tuple[ort.InferenceSession, str]:
+        """A session of the inference graph with the current values that outputs ``scores``
+        (added as an output when the model does not have it)."""
+        if self._eval_cache is None or self._eval_cache[0] != self.steps_done:
+            model = self.inference_model()
+            if scores not in {o.name for o in model.graph.output}:
+                dtype = next((o.dtype for n in self.step_model.graph for o in n.outputs
+                              if o.name == scores and o.dtype is not None), None)
+                model.graph.output.append(onnx.helper.make_tensor_value_info(
+                    scores, int(dtype) if dtype is not None else onnx.TensorProto.FLOAT, None))
+            self._eval_cache = (self.steps_done, make_session(model, self.placement), scores)
+        return self._eval_cache[1], scores
 
     def set_lr(self, lr: float) -> None:
         if "ngdist.lr" not in self.values:
@@ -413,6 +486,10 @@ class Trainer:
         return self._write_back(self.state_dict(), self.steps_done, model)
 
     def close(self) -> None:
+        """Ends training on this rank (collective with ``log_dir``: the last metrics rows,
+        the PNG)."""
+        if self.metrics is not None:
+            self.metrics.close()
         if self.ps is not None:
             self.ps.close()
         self.executor.close()
@@ -550,3 +627,51 @@ def _infer_classes(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]
         out[labels] = (dims[1].dim_value or None) if len(dims) > 1 and \
             dims[1].HasField("dim_value") else None
     return out
+
+
+def _np_type(info: onnx.ValueInfoProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
+
+
+def _eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
+               label_checks: Mapping[str, tuple[str, int | None, int | None]]
+               ) -> tuple[str, str, str, int | None]:
+    """(kind, scores, labels, ignore_index) of the step's loss, for ``evaluate``: a
+    SoftmaxCrossEntropyLoss of model scores against labels (``softmax_cross_entropy``), or the
+    mean of the squared difference of an output and the labels (``mse``, as the ONNX frontend
+    builds it)."""
+    producers = {o.name: n for n in step.graph for o in n.outputs}
+    node = producers.get(loss)
+    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
+        for labels, (scores, ignore, _) in label_checks.items():
+            if scores == node.inputs[0].name:
+                return "softmax_cross_entropy", scores, labels, ignore
+    if node is not None and node.op_type == "ReduceMean":
+        square = node.inputs[0].producer() if node.inputs[0] is not None else None
+        sub = square.inputs[0].producer() if square is not None and square.op_type == "Mul" \
+            else None
+        if sub is not None and sub.op_type == "Sub" and sub.inputs[1].name in data_inputs:
+            return "mse", sub.inputs[0].name, sub.inputs[1].name, None
+    what = f"a {node.op_type} node" if node is not None else "no node of the step graph"
+    raise NgdistError(f"evaluate() computes the validation loss of softmax_cross_entropy and mse "
+                      f"losses against a labels input; this model's loss '{loss}' comes from "
+                      f"{what}: evaluate with trainer.predict() and your own metric instead")
+
+
+def _loss_terms(kind: str, scores: np.ndarray, labels: np.ndarray, ignore: int | None
+                ) -> np.ndarray:
+    """[sum of losses, correct predictions, samples (or elements) counted], in float64."""
+    if kind == "mse":
+        diff = scores - np.asarray(labels, np.float64)
+        return np.array([float(np.sum(diff * diff)), 0.0, float(diff.size)])
+    # scores [N, C, d1...] as SoftmaxCrossEntropyLoss takes them (classes on axis 1), labels
+    # [N, d1...]: one row per labelled element
+    scores = np.moveaxis(scores, 1, -1).reshape(-1, scores.shape[1])
+    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    if ignore is not None:
+        scores, y = scores[y != ignore], y[y != ignore]
+    top = scores.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(scores - top).sum(axis=1)) + top.squeeze(1)
+    picked = np.take_along_axis(scores, y[:, None], axis=1).squeeze(1)
+    correct = float(np.sum(scores.argmax(axis=1) == y))
+    return np.array([float(np.sum(log_z - picked)), correct, float(y.size)])
