@@ -7,6 +7,13 @@ the model's input is an error that names both. With ``-n N > 1`` the command rel
 under the bundled mpiexec; every rank trains on its slice of each global batch
 (``--batch-size`` per rank, as ``ngdist demo``), rank 0 shows a tqdm progress bar and writes
 ``--save`` (a standard ONNX training model whose graph is the trained, deployable model).
+
+Validation: ``--val-split F`` holds out round(F x samples) of the data (the first ones of a
+fixed permutation, ``np.random.default_rng(0).permutation``, whatever ``--seed``), or
+``--val-data FILE`` (an .npz like ``--data``) is used; after every epoch the validation loss
+and accuracy of the whole set are computed on all ranks' shards and shown. ``--log-dir DIR``
+writes the metrics there (``metrics.csv``; TensorBoard events and ``metrics.png`` with
+``pip install 'ngdist[metrics]'``) beside each rank's output (``rank.N.log``).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from ngdist.cli.run import add_launch_arguments
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
 from ngdist.passes.options import cli_flag
+from ngdist.runtime.metrics import CSV_NAME, DEFAULT_EVERY, existing_log
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +60,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch shuffle")
     p.add_argument("--timeout", type=float, help="seconds before a stuck collective fails")
     p.add_argument("--save", help="write the trained training model here")
+    p.add_argument("--val-split", type=float, metavar="FRACTION", help="hold out this "
+                   "fraction of --data (0 < FRACTION < 1, the same samples on every run) and "
+                   "report its loss and accuracy after every epoch")
+    p.add_argument("--val-data", metavar="FILE", help=".npz file of validation data (the "
+                   "arrays of --data); its loss and accuracy are reported after every epoch")
+    p.add_argument("--log-every", type=int, default=DEFAULT_EVERY, metavar="STEPS",
+                   help="with --log-dir: steps between two reductions of the metrics over "
+                   f"the ranks (default {DEFAULT_EVERY})")
     add_strategy_arguments(p)
+
+
+LOG_DIR_HELP = ("write each rank's output to DIR/rank.N.log and the training metrics to "
+                f"DIR/{CSV_NAME} (per step, and per epoch the validation; TensorBoard events "
+                "and metrics.png with the metrics extra); DIR must not hold a metrics.csv")
 
 
 def relaunch_argv(args: argparse.Namespace) -> list[str]:
     """The options again, for the ranks started by mpiexec."""
     argv = [args.model, "--data", args.data, "--labels", args.labels, "-n", str(args.n),
             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-            "--strategy", args.strategy, "--seed", str(args.seed)]
+            "--strategy", args.strategy, "--seed", str(args.seed),
+            "--log-every", str(args.log_every)]
     for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
-                        ("--timeout", args.timeout), ("--save", args.save)):
+                        ("--timeout", args.timeout), ("--save", args.save),
+                        ("--val-split", args.val_split), ("--val-data", args.val_data),
+                        ("--log-dir", args.log_dir)):
         if value is not None:
             argv += [flag, str(value)]
     for name, value in given_options(args).items():  # the strategy's flags, as given
@@ -139,6 +163,48 @@ def load_data(path: str | os.PathLike, inputs: list[onnx.ValueInfoProto], labels
     return out
 
 
+def check_validation(args: argparse.Namespace) -> None:
+    """Bad validation and logging options, refused before anything is loaded or run."""
+    if args.val_split is not None and args.val_data is not None:
+        raise InputError("--val-split and --val-data are both given: hold out a fraction of "
+                         "--data with --val-split, or validate on another file with "
+                         "--val-data, not both")
+    if args.val_split is not None and not 0 < args.val_split < 1:
+        raise InputError(f"--val-split {args.val_split:g} is not a fraction strictly between 0 "
+                         "and 1; e.g. --val-split 0.2 holds out a fifth of the data")
+    if args.log_every < 1:
+        raise InputError(f"--log-every {args.log_every} must be at least 1 (steps)")
+
+
+def split_validation(args: argparse.Namespace, data: dict[str, np.ndarray],
+                     inputs: list[onnx.ValueInfoProto]
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """(training data, validation data or None) from --val-split / --val-data."""
+    if args.val_data is not None:
+        return data, load_data(args.val_data, inputs, args.labels)
+    if args.val_split is None:
+        return data, None
+    samples = next(iter(data.values())).shape[0]
+    held = int(round(args.val_split * samples))
+    name = Path(args.data).name
+    if held < 1:
+        raise InputError(f"--val-split {args.val_split:g} of the {samples} samples of {name} "
+                         "holds out no sample; give a larger fraction")
+    if held >= samples:
+        raise InputError(f"--val-split {args.val_split:g} of the {samples} samples of {name} "
+                         "leaves no training data; give a smaller fraction")
+    perm = np.random.default_rng(0).permutation(samples)
+    val, train = np.sort(perm[:held]), np.sort(perm[held:])
+    return ({k: v[train] for k, v in data.items()}, {k: v[val] for k, v in data.items()})
+
+
+def prepare_data(args: argparse.Namespace, model: onnx.ModelProto
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """The checked training and validation arrays."""
+    inputs = data_inputs(model)
+    return split_validation(args, load_data(args.data, inputs, args.labels), inputs)
+
+
 # ----------------------------------------------------------------------------- training
 
 def train(args: argparse.Namespace) -> int:
@@ -147,9 +213,11 @@ def train(args: argparse.Namespace) -> int:
     import ngdist
 
     options = given_options(args)
+    check_validation(args)
     model = training_model(args)
-    data = load_data(args.data, data_inputs(model), args.labels)
-    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout, **options)
+    data, val = prepare_data(args, model)
+    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout,
+                             log_dir=args.log_dir, log_every=args.log_every, **options)
     rank, size = trainer.rank, trainer.num_workers  # ps: dedicated servers get no batches
     samples = next(iter(data.values())).shape[0]
     global_batch = args.batch_size * size
@@ -162,23 +230,35 @@ def train(args: argparse.Namespace) -> int:
                desc=f"train {Path(args.model).name} on {size} rank(s)")
     start, loss = time.perf_counter(), float("nan")
     for epoch in range(args.epochs):
+        trainer.set_epoch(epoch + 1)  # the metrics rows' epoch, 1-based as shown
         perm = np.random.default_rng(args.seed + epoch).permutation(samples)  # same everywhere
         batches = ({k: v[perm[i:i + global_batch]] for k, v in data.items()}
                    for i in range(0, steps * global_batch, global_batch))
         for batch in trainer.shard(batches):
             loss = trainer.step(batch).loss
             bar.update(1)
-        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+        shown = {"epoch": epoch + 1, "loss": f"{loss:.4f}"}
+        if val is not None:
+            result = trainer.evaluate(val)
+            shown["val_loss"] = f"{result.loss:.4f}"
+            if result.accuracy is not None:
+                shown["val_acc"] = f"{result.accuracy:.4f}"
+            if rank == 0:
+                bar.write(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v}" for k, v in
+                                                            list(shown.items())[1:]))
+        bar.set_postfix(shown)
     bar.close()
     if args.save:
         trainer.save(args.save)
+    trainer.close()  # with --log-dir: the last metrics rows and metrics.png
     if rank == 0:
         print(f"trained {args.epochs} epoch(s), {args.epochs * steps} steps of {global_batch} "
               f"samples on {size} rank(s) in {time.perf_counter() - start:.1f} s; "
               f"final loss (rank 0 shard) {loss:.4f}")
         if args.save:
             print(f"saved the trained model to {args.save}")
-    trainer.close()
+        if args.log_dir:
+            print(f"metrics: {Path(args.log_dir) / CSV_NAME}")
     return 0
 
 
@@ -188,7 +268,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.__class__ = OptionParser  # unknown flags reach the command (cli/rewrite.py)
     add_arguments(p)
-    add_launch_arguments(p)
+    add_launch_arguments(p, LOG_DIR_HELP)
     p.set_defaults(func=run)
 
 
@@ -200,9 +280,12 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
         raise InputError("-n, --epochs and --batch-size must be at least 1")
     given_options(args)  # a flag the strategy does not take: refused before anything runs
+    check_validation(args)
     if args.n > 1 and world_rank_size()[1] == 1:
+        if args.log_dir is not None and existing_log(args.log_dir):
+            raise InputError(existing_log(args.log_dir))
         model = training_model(args)  # fail fast, once, before any rank starts
-        load_data(args.data, data_inputs(model), args.labels)
+        prepare_data(args, model)
         env = dict(os.environ)
         if args.timeout is not None:
             env["NGDIST_TIMEOUT"] = str(args.timeout)
@@ -217,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OptionParser(prog="ngdist train")
     add_arguments(p)
+    p.add_argument("--log-dir", help=LOG_DIR_HELP)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:

@@ -64,6 +64,15 @@ class Evaluation:
     samples: int
 
 
+def existing_log(log_dir: str | os.PathLike) -> str:
+    """Why ``log_dir`` cannot take a run's metrics ('' when it can): it holds a metrics.csv."""
+    path = Path(log_dir) / CSV_NAME
+    if not path.exists():
+        return ""
+    return (f"{path} already exists: each run writes its own metrics; give another log "
+            "directory (--log-dir, log_dir=) or remove the old file")
+
+
 def _optional(module: str) -> Any | None:
     try:
         return importlib.import_module(module)
@@ -106,8 +115,7 @@ class MetricsLog:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._csv = open(path, "x", newline="", encoding="utf-8")  # noqa: SIM115
         except FileExistsError:
-            return (f"{path} already exists: each run writes its own metrics; give another "
-                    "log directory or remove the old file")
+            return existing_log(self.dir)
         except OSError as exc:
             return f"{self.dir}: cannot write the metrics log there ({exc})"
         self._writer = csv.writer(self._csv)
