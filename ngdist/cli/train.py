@@ -85,7 +85,7 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
                         ("--timeout", args.timeout), ("--save", args.save),
                         ("--val-split", args.val_split), ("--val-data", args.val_data),
-                        ("--log-dir", args.log_dir)):
+                        ("--log-dir", getattr(args, "log_dir", None))):  # a launch option
         if value is not None:
             argv += [flag, str(value)]
     for name, value in given_options(args).items():  # the strategy's flags, as given
