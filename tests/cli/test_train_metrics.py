@@ -8,10 +8,7 @@ files against the CSV through tensorboard's own reader; exact error messages.
 from __future__ import annotations
 
 import csv
-import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,30 +16,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from ngdist import zoo
 from ngdist.data import load_digits
 
-ROOT = Path(__file__).resolve().parents[2]
-SAMPLES = 640
+from conftest import TRAIN_SAMPLES, ngdist_train
+
 OPTIMIZER = "sgd:lr=0.1,momentum=0.9"
-
-
-def ngdist_train(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NGDIST_TIMEOUT": "60",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    try:
-        return subprocess.run([sys.executable, "-m", "ngdist", "train", *args], cwd=tmp,
-                              env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"ngdist train did not finish within {timeout} s:\n{exc.stderr}")
-
-
-@pytest.fixture
-def files(tmp_path):
-    x_train, y_train, _, _ = load_digits()
-    onnx.save(zoo.mlp((64, 32, 10), seed=0), tmp_path / "mlp.onnx")
-    np.savez(tmp_path / "digits.npz", x=x_train[:SAMPLES], y=y_train[:SAMPLES])
-    return tmp_path
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -65,14 +43,14 @@ def held_out(samples: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.mpi
-def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(files):
+def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(train_files):
     epochs, batch = 2, 16
-    proc = ngdist_train(files, "mlp.onnx", "--data", "digits.npz", "-n", "2", "--epochs",
+    proc = ngdist_train(train_files, "mlp.onnx", "--data", "digits.npz", "-n", "2", "--epochs",
                         str(epochs), "--batch-size", str(batch), "--optimizer", OPTIMIZER,
                         "--val-split", "0.25", "--log-dir", "logs", "--log-every", "4",
                         "--save", "two.onnx")
     assert proc.returncode == 0, proc.stderr
-    logs = files / "logs"
+    logs = train_files / "logs"
     names = sorted(p.name for p in logs.iterdir())
     assert {"metrics.csv", "metrics.png", "rank.0.log"} <= set(names)
     assert len([n for n in names if n.startswith("events.out.tfevents.")]) == 1, names
@@ -95,10 +73,10 @@ def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(files
     # each step, each rank's shard loss is recomputed from its outputs in numpy
     import ngdist
 
-    x, y = (np.load(files / "digits.npz")[k] for k in ("x", "y"))
-    tr_idx, val_idx = held_out(SAMPLES, 0.25)
+    x, y = (np.load(train_files / "digits.npz")[k] for k in ("x", "y"))
+    tr_idx, val_idx = held_out(TRAIN_SAMPLES, 0.25)
     xt, yt = x[tr_idx], y[tr_idx]
-    one = ngdist.compile(str(files / "mlp.onnx"), optimizer=OPTIMIZER)
+    one = ngdist.compile(str(train_files / "mlp.onnx"), optimizer=OPTIMIZER)
     expected, shard0 = [], []
     for epoch in range(epochs):
         perm = np.random.default_rng(epoch).permutation(len(xt))  # --seed 0 + epoch
@@ -115,7 +93,7 @@ def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(files
     assert np.max(np.abs(np.array(shard0) - expected)) > 1e-2
 
     # validation: the saved model (the parameters after the last step) on the held-out split
-    sess = ort.InferenceSession(str(files / "two.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(train_files / "two.onnx"), providers=["CPUExecutionProvider"])
     logits = sess.run(None, {"x": x[val_idx]})[0]
     assert float(val[-1]["accuracy"]) == float((logits.argmax(1) == y[val_idx]).mean())
     assert float(val[-1]["loss"]) == pytest.approx(cross_entropy(logits, y[val_idx]).mean(),
@@ -148,13 +126,13 @@ def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(files
     assert len(png) > 20_000
 
 
-def test_val_data_file_is_reported_per_epoch(files):
+def test_val_data_file_is_reported_per_epoch(train_files):
     _, _, x_test, y_test = load_digits()
-    np.savez(files / "val.npz", x=x_test, y=y_test)
-    proc = ngdist_train(files, "mlp.onnx", "--data", "digits.npz", "--epochs", "2",
+    np.savez(train_files / "val.npz", x=x_test, y=y_test)
+    proc = ngdist_train(train_files, "mlp.onnx", "--data", "digits.npz", "--epochs", "2",
                         "--optimizer", OPTIMIZER, "--val-data", "val.npz", "--save", "one.onnx")
     assert proc.returncode == 0, proc.stderr
-    sess = ort.InferenceSession(str(files / "one.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(train_files / "one.onnx"), providers=["CPUExecutionProvider"])
     accuracy = float((sess.run(None, {"x": x_test})[0].argmax(1) == y_test).mean())
     assert "epoch 2: loss " in proc.stdout and f"val_acc {accuracy:.4f}" in proc.stdout
 
@@ -174,21 +152,21 @@ def test_val_data_file_is_reported_per_epoch(files):
     (["--log-every", "0", "--log-dir", "logs"], "--log-every 0 must be at least 1 (steps)"),
 ])
 @pytest.mark.parametrize("n", ["1", "2"])
-def test_bad_validation_and_logging_options_are_refused_before_training(files, flags, message,
+def test_bad_validation_and_logging_options_are_refused_before_training(train_files, flags, message,
                                                                           n):
-    proc = ngdist_train(files, "mlp.onnx", "--data", "digits.npz", "-n", n, *flags)
+    proc = ngdist_train(train_files, "mlp.onnx", "--data", "digits.npz", "-n", n, *flags)
     assert proc.returncode == 1
     assert proc.stderr == f"ngdist: error: {message}\n"
-    assert not (files / "logs" / "metrics.csv").exists()
+    assert not (train_files / "logs" / "metrics.csv").exists()
 
 
 @pytest.mark.parametrize("n", ["1", "2"])
-def test_a_log_dir_holding_metrics_is_refused(files, n):
-    (files / "logs").mkdir()
-    (files / "logs" / "metrics.csv").write_text("step\n1\n")
-    proc = ngdist_train(files, "mlp.onnx", "--data", "digits.npz", "-n", n, "--log-dir", "logs")
+def test_a_log_dir_holding_metrics_is_refused(train_files, n):
+    (train_files / "logs").mkdir()
+    (train_files / "logs" / "metrics.csv").write_text("step\n1\n")
+    proc = ngdist_train(train_files, "mlp.onnx", "--data", "digits.npz", "-n", n, "--log-dir", "logs")
     assert proc.returncode == 1
     assert f"ngdist: error: {Path('logs') / 'metrics.csv'} already exists: each run writes its " \
         "own metrics; give another log directory (--log-dir, log_dir=) or remove the old " \
         "file\n" in proc.stderr
-    assert (files / "logs" / "metrics.csv").read_text() == "step\n1\n"  # left as it was
+    assert (train_files / "logs" / "metrics.csv").read_text() == "step\n1\n"  # left as it was
