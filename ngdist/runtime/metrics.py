@@ -263,8 +263,9 @@ def plot_png(rows: Sequence[dict[str, Any]], title: str) -> bytes:
         ax_acc.plot(xs, [r["accuracy"] for r in scored], "o-", color="tab:green")
         ax_acc.set_ylim(0, 1.02)
     else:
-        ax_acc.text(0.5, 0.5, "no validation data", ha="center", va="center",
-                    transform=ax_acc.transAxes)
+        note = "no validation accuracy\n(not a classification loss)" if val else \
+            "no validation data"
+        ax_acc.text(0.5, 0.5, note, ha="center", va="center", transform=ax_acc.transAxes)
     ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.set_xlabel("epoch")
     ax_acc.set_ylabel("validation accuracy")

@@ -106,7 +106,8 @@ class Trainer:
         self._label_checks = _label_checks(graph, self.data_inputs, inference)
         self._classes_by_shape: dict[tuple, dict[str, int | None]] = {}
         self.steps_done = 0
-        self._predict_cache: tuple[int, ort.InferenceSession] | None = None
+        # inference sessions with the values of step ``[0]``, by the extra output they have
+        self._sessions: tuple[int, dict[str | None, ort.InferenceSession]] = (-1, {})
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
         # every rank: same graph (structure and constants), then rank 0's values, broadcast
         # in host memory before they are placed
@@ -116,15 +117,19 @@ class Trainer:
                 for name, role in self.meta.roles.items() if role != "data"}
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
-        # the training ranks' own group for metrics and evaluation (collective; made before a
-        # dedicated server rank goes off to serve)
+        # the training ranks' own group for metrics and evaluation: made here (collective)
+        # when it is needed or a dedicated server rank is about to go off serving, else on
+        # the first evaluate()
         workers = ps_server.planned_workers(self)
-        self.stats_group = self.group.split(0 if self.rank < workers else None, self.rank,
-                                            "metrics and evaluation")
+        self._stats_group: ProcessGroup | None = None
+        self._stats_made = False
+        if log_dir is not None or workers < self.group.size:
+            self._stats_group = self.group.split(0 if self.rank < workers else None, self.rank,
+                                                 "metrics and evaluation")
+            self._stats_made = True
         self.epoch: int | None = None  # what the metrics rows say (set_epoch)
-        self._eval_cache: tuple[int, ort.InferenceSession, str] | None = None
-        self.metrics = MetricsLog(log_dir, self.stats_group, log_every) \
-            if log_dir is not None and self.stats_group is not None else None
+        self.metrics = MetricsLog(log_dir, self._stats_group, log_every) \
+            if log_dir is not None and self._stats_group is not None else None
         # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
         # serves the workers until they stop (runtime/ps_server.py)
         self.ps = ps_server.attach(self, ps_serve)
@@ -139,6 +144,15 @@ class Trainer:
                     len(self.executor.comm_nodes))
 
     # ------------------------------------------------------------------ identity
+    @property
+    def stats_group(self) -> ProcessGroup | None:
+        """The training ranks, with messages of their own (metrics, evaluation); None on a
+        dedicated parameter-server rank. Collective on first use when not made at start."""
+        if not self._stats_made:  # no dedicated servers: every rank is a training rank
+            self._stats_group = self.group.dup("metrics and evaluation")
+            self._stats_made = True
+        return self._stats_group
+
     @property
     def rank(self) -> int:
         return self.group.rank
@@ -331,20 +345,27 @@ class Trainer:
         missing = [n for n in needed if n not in data]
         if missing:
             raise InputError(f"evaluate() needs arrays {needed}; {missing} missing")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"evaluate(batch_size={batch_size!r}): give a whole number of "
+                             "samples, at least 1")
         sizes = _leaf_sizes({n: data[n] for n in needed})
         _check_same_size(sizes, "the validation data")
         group = self.stats_group
-        shard = {n: np.array_split(np.asarray(data[n]), group.size)[group.rank] if group else
-                 np.asarray(data[n]) for n in needed}
-        sess, out = self._eval_session(scores)
+        shard = {n: np.asarray(data[n]) if group is None else
+                 np.array_split(np.asarray(data[n]), group.size)[group.rank] for n in needed}
+        sess = self._inference_session(scores)
         totals = np.zeros(3, np.float64)  # loss sum, correct, counted (samples or elements)
         count = next(iter(sizes.values()), 0)
         local = len(shard[labels])
         for i in range(0, local, batch_size):
             feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=_np_type(
                 self.data_inputs[n])) for n in self._model_inputs}
-            logits = np.asarray(sess.run([out], feeds)[0], np.float64)
+            logits = np.asarray(sess.run([scores], feeds)[0], np.float64)
             y = shard[labels][i:i + batch_size]
+            if kind == "softmax_cross_entropy":  # class ids in range, as a step checks them
+                _check_label_values(labels, y, None, scores, ignore, None)
+                _check_label_values(labels, y, y.astype(np.int64), scores, ignore,
+                                    logits.shape[1])
             totals += _loss_terms(kind, logits, y, ignore)
         if group is not None and group.size > 1:
             group.allreduce(totals, "evaluate(): loss and correct counts").wait()
@@ -357,18 +378,24 @@ class Trainer:
             self.metrics.validation(self.steps_done, self.epoch, result)
         return result
 
-    def _eval_session(self, scores: str) -> tuple[ort.InferenceSession, str]:
-        """A session of the inference graph with the current values that outputs ``scores``
-        (added as an output when the model does not have it)."""
-        if self._eval_cache is None or self._eval_cache[0] != self.steps_done:
+    def _inference_session(self, output: str | None = None) -> ort.InferenceSession:
+        """A session of the inference graph with the current values; ``output`` (a value of
+        the step graph, e.g. the scores of the loss) is added as an output if the model does
+        not have it."""
+        if self._sessions[0] != self.steps_done:
+            self._sessions = (self.steps_done, {})
+        sessions = self._sessions[1]
+        if output in {o.name for o in self.inference.graph.output}:
+            output = None  # the model's own session has it
+        if output not in sessions:
             model = self.inference_model()
-            if scores not in {o.name for o in model.graph.output}:
+            if output is not None:
                 dtype = next((o.dtype for n in self.step_model.graph for o in n.outputs
-                              if o.name == scores and o.dtype is not None), None)
+                              if o.name == output and o.dtype is not None), None)
                 model.graph.output.append(onnx.helper.make_tensor_value_info(
-                    scores, int(dtype) if dtype is not None else onnx.TensorProto.FLOAT, None))
-            self._eval_cache = (self.steps_done, make_session(model, self.placement), scores)
-        return self._eval_cache[1], scores
+                    output, int(dtype) if dtype is not None else onnx.TensorProto.FLOAT, None))
+            sessions[output] = make_session(model, self.placement)
+        return sessions[output]
 
     def set_lr(self, lr: float) -> None:
         if "ngdist.lr" not in self.values:
@@ -399,7 +426,7 @@ class Trainer:
         for out, arr in self.executor.drain().items():
             name = bound[out]
             self.values[name] = self.placement.value(np.asarray(self.values[name].numpy() + arr))
-            self._predict_cache = None
+            self._sessions = (-1, {})
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of everything the step updates or reads (params, buffers, optimizer state,
@@ -430,10 +457,7 @@ class Trainer:
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Runs the inference graph with the current parameters."""
-        if self._predict_cache is None or self._predict_cache[0] != self.steps_done:
-            sess = make_session(self.inference_model(), self.placement)
-            self._predict_cache = (self.steps_done, sess)
-        return self._predict_cache[1].run(None, dict(inputs))
+        return self._inference_session().run(None, dict(inputs))
 
     def sync_state(self) -> None:
         """Collective over the workers; needed only under ``ps``.

@@ -153,3 +153,38 @@ def test_log_dir_with_metrics_and_bad_log_every_are_refused(tmp_path):
         ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every=0)
     with pytest.raises(OptionError, match="option 'log_every' of ngdist.compile takes"):
         ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every="3")
+
+
+def test_evaluate_a_model_that_computes_its_own_loss_matches_onnxruntime_loss():
+    """The scores of the loss are inside the graph (not an output): evaluate adds them as an
+    output; onnxruntime's own SoftmaxCrossEntropyLoss over the whole set is the oracle."""
+    from onnx import TensorProto, helper
+
+    model = zoo.mlp((64, 8, 10))
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("y", TensorProto.INT64, ["batch"]))
+    g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "y"], ["loss"],
+                                   reduction="mean"))
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    x, y, x_val, y_val = load_digits()
+    tr = ngdist.compile(model, loss=None, optimizer=ngdist.optim.SGD(lr=0.1))
+    _train_a_little(tr, 3)
+    result = tr.evaluate({"x": x_val, "y": y_val}, batch_size=64)
+    sess = ort.InferenceSession(tr.inference_model().SerializeToString(),
+                                providers=["CPUExecutionProvider"])
+    assert result.loss == pytest.approx(float(sess.run(None, {"x": x_val, "y": y_val})[0]),
+                                        rel=1e-6)
+    assert result.accuracy is not None and 0 <= result.accuracy <= 1
+
+
+def test_evaluate_refuses_labels_out_of_range_and_a_bad_batch_size():
+    _, _, x_val, y_val = load_digits()
+    tr = ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=ngdist.optim.SGD(lr=0.1))
+    with pytest.raises(InputError, match=r"^labels 'y' of softmax_cross_entropy hold 10 \(flat "
+                                         r"index \d+\), but the model's output 'logits' has 10 "
+                                         r"classes"):
+        tr.evaluate({"x": x_val, "y": np.where(y_val == 3, 10, y_val)})
+    with pytest.raises(InputError, match=r"^evaluate\(batch_size=0\): give a whole number of "
+                                         r"samples, at least 1$"):
+        tr.evaluate({"x": x_val, "y": y_val}, batch_size=0)
