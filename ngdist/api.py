@@ -17,6 +17,7 @@ from ngdist.ir.model import load_proto, split_training_model
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
 from ngdist.comm import world_group, world_rank_size
+from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,11 @@ class RuntimeOptions(TypedOptions):
     in the folder (default NGDIST_CHECKPOINT_EVERY, NGDIST_CHECKPOINT_DIR), keeping the newest
     ``checkpoint_keep`` (default 3); with a folder, the trainer resumes from its newest
     complete checkpoint (runtime/checkpoint.py).
+    ``log_dir``: write training metrics there (``metrics.csv`` by rank 0, TensorBoard events
+    and ``metrics.png`` with the ``metrics`` extra; runtime/metrics.py): every step that
+    fetches its stats, with the loss averaged over the ranks, and every ``trainer.evaluate``;
+    ``log_every``: steps recorded between two reductions of the metrics over the ranks (one
+    small allreduce each, default 10).
     """
 
     owner: ClassVar[str] = "ngdist.compile"
@@ -152,6 +158,8 @@ class RuntimeOptions(TypedOptions):
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
     checkpoint_keep: int = 3
+    log_dir: str | os.PathLike | None = None
+    log_every: int = DEFAULT_EVERY
 
 
 def _checkpoint_options(every: int | None, folder: str | os.PathLike | None
@@ -185,6 +193,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             timeline: str | os.PathLike | bool | None = None,
             checkpoint_every: int | None = None,
             checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int = 3,
+            log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
             **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
@@ -198,7 +207,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
-    ``timeout`` ... ``checkpoint_keep``: how this process runs the step
+    ``timeout`` ... ``log_every``: how this process runs the step and logs its metrics
     (:class:`RuntimeOptions`). ``checkpoint_every=N`` with ``checkpoint_dir=DIR`` (or
     NGDIST_CHECKPOINT_DIR): rank 0 writes a checkpoint every N steps; with a folder, the trainer
     starts from the newest complete checkpoint there and ``trainer.resumed_from`` says from
@@ -218,7 +227,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
                              overlap=overlap, devices_per_worker=devices_per_worker,
                              ps_serve=ps_serve, nan_check=nan_check, timeline=timeline,
                              checkpoint_every=checkpoint_every, checkpoint_dir=folder,
-                             checkpoint_keep=checkpoint_keep)
+                             checkpoint_keep=checkpoint_keep, log_dir=log_dir,
+                             log_every=log_every)
     if checkpoint_every is not None and checkpoint_every < 1 or checkpoint_keep < 1:
         raise OptionError(f"checkpoint_every and checkpoint_keep must be at least 1, got "
                           f"{checkpoint_every} and {checkpoint_keep}")
@@ -254,7 +264,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
                    devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
                    nan_check=runtime.nan_check, write_back=write_back,
                    timeline=runtime.timeline, checkpoint_every=runtime.checkpoint_every,
-                   checkpoint_dir=runtime.checkpoint_dir, checkpoint_keep=runtime.checkpoint_keep)
+                   checkpoint_dir=runtime.checkpoint_dir, checkpoint_keep=runtime.checkpoint_keep,
+                   log_dir=runtime.log_dir, log_every=runtime.log_every)
 
 
 # every keyword compile takes, for the "did you mean" of a misspelt one

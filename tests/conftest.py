@@ -60,6 +60,37 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, cwd=cwd, env=env, timeout=120)
 
 
+def ngdist_train(tmp: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m ngdist train ARGS`` in ``tmp`` (one thread per rank, collectives bounded by
+    NGDIST_TIMEOUT=60); fails, not hangs, after ``timeout``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NGDIST_TIMEOUT": "60",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        return subprocess.run([sys.executable, "-m", "ngdist", "train", *args], cwd=tmp,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"ngdist train did not finish within {timeout} s:\n{exc.stderr}")
+
+
+TRAIN_SAMPLES = 640
+
+
+@pytest.fixture
+def train_files(tmp_path):
+    """tmp_path with ``mlp.onnx`` (digits MLP 64-32-10) and ``digits.npz`` (the first
+    TRAIN_SAMPLES training digits as x, y)."""
+    import numpy as np
+    import onnx
+
+    from ngdist import zoo
+    from ngdist.data import load_digits
+
+    x_train, y_train, _, _ = load_digits()
+    onnx.save(zoo.mlp((64, 32, 10), seed=0), tmp_path / "mlp.onnx")
+    np.savez(tmp_path / "digits.npz", x=x_train[:TRAIN_SAMPLES], y=y_train[:TRAIN_SAMPLES])
+    return tmp_path
+
+
 @pytest.fixture
 def cli():
     """``cli(*args, cwd=...)`` runs the ngdist command line; see run_cli."""

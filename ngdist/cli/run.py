@@ -62,12 +62,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+def add_launch_arguments(p: argparse.ArgumentParser,
+                         log_dir_help: str = "also write each rank's output to DIR/rank.N.log"
+                         ) -> None:
     """The supervisor's options (``ngdist run``; ``demo`` and ``train`` take them too)."""
     p.add_argument("--no-prefix", dest="prefix", action="store_false",
                    help="do not start each line of a rank's output with [rank N]")
-    p.add_argument("--log-dir", metavar="DIR",
-                   help="also write each rank's output to DIR/rank.N.log")
+    p.add_argument("--log-dir", metavar="DIR", help=log_dir_help)
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds the other ranks may still run after one failed (default 3)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",

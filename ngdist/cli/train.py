@@ -12,6 +12,13 @@ complete checkpoint in DIR and skips the steps it already holds (the shuffle of 
 seeded, so the data order continues where it stopped); combined with ``--max-restarts K`` a
 failed job picks up from its last checkpoint. ``--batch-size`` is per rank: a restart on fewer
 ranks (``--min-ranks``) trains on smaller global batches from the checkpoint's step on.
+
+Validation: ``--val-split F`` holds out round(F x samples) of the data (the first ones of a
+fixed permutation, ``np.random.default_rng(0).permutation``, whatever ``--seed``), or
+``--val-data FILE`` (an .npz like ``--data``) is used; after every epoch the validation loss
+and accuracy of the whole set are computed on all ranks' shards and shown. ``--log-dir DIR``
+writes the metrics there (``metrics.csv``; TensorBoard events and ``metrics.png`` with
+``pip install 'ngdist[metrics]'``) beside each rank's output (``rank.N.log``).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from ngdist.cli.run import (add_checkpoint_arguments, add_launch_arguments,
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
 from ngdist.passes.options import cli_flag
+from ngdist.runtime.metrics import CSV_NAME, DEFAULT_EVERY, existing_log
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +67,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, help="seconds before a stuck collective fails")
     p.add_argument("--save", help="write the trained training model here")
     add_timeline_argument(p, "rank 0 writes it when training ends")
+    p.add_argument("--val-split", type=float, metavar="FRACTION", help="hold out this "
+                   "fraction of --data (0 < FRACTION < 1, the same samples on every run) and "
+                   "report its loss and accuracy after every epoch")
+    p.add_argument("--val-data", metavar="FILE", help=".npz file of validation data (the "
+                   "arrays of --data); its loss and accuracy are reported after every epoch")
+    p.add_argument("--log-every", type=int, default=DEFAULT_EVERY, metavar="STEPS",
+                   help="with --log-dir: steps between two reductions of the metrics over "
+                   f"the ranks (default {DEFAULT_EVERY})")
     add_strategy_arguments(p)
+
+
+LOG_DIR_HELP = ("write each rank's output to DIR/rank.N.log and the training metrics to "
+                f"DIR/{CSV_NAME} (per step, and per epoch the validation; TensorBoard events "
+                "and metrics.png with the metrics extra); DIR must not hold a metrics.csv")
 
 
 def relaunch_argv(args: argparse.Namespace) -> list[str]:
     """The options again, for the ranks started by mpiexec."""
     argv = [args.model, "--data", args.data, "--labels", args.labels, "-n", str(args.n),
             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-            "--strategy", args.strategy, "--seed", str(args.seed)]
+            "--strategy", args.strategy, "--seed", str(args.seed),
+            "--log-every", str(args.log_every)]
     for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
                         ("--timeout", args.timeout), ("--save", args.save),
-                        ("--timeline", args.timeline)):
+                        ("--timeline", args.timeline),
+                        ("--val-split", args.val_split), ("--val-data", args.val_data),
+                        ("--log-dir", getattr(args, "log_dir", None))):  # a launch option
         if value is not None:
             argv += [flag, str(value)]
     for name, value in given_options(args).items():  # the strategy's flags, as given
@@ -147,6 +171,48 @@ def load_data(path: str | os.PathLike, inputs: list[onnx.ValueInfoProto], labels
     return out
 
 
+def check_validation(args: argparse.Namespace) -> None:
+    """Bad validation and logging options, refused before anything is loaded or run."""
+    if args.val_split is not None and args.val_data is not None:
+        raise InputError("--val-split and --val-data are both given: hold out a fraction of "
+                         "--data with --val-split, or validate on another file with "
+                         "--val-data, not both")
+    if args.val_split is not None and not 0 < args.val_split < 1:
+        raise InputError(f"--val-split {args.val_split:g} is not a fraction strictly between 0 "
+                         "and 1; e.g. --val-split 0.2 holds out a fifth of the data")
+    if args.log_every < 1:
+        raise InputError(f"--log-every {args.log_every} must be at least 1 (steps)")
+
+
+def split_validation(args: argparse.Namespace, data: dict[str, np.ndarray],
+                     inputs: list[onnx.ValueInfoProto]
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """(training data, validation data or None) from --val-split / --val-data."""
+    if args.val_data is not None:
+        return data, load_data(args.val_data, inputs, args.labels)
+    if args.val_split is None:
+        return data, None
+    samples = next(iter(data.values())).shape[0]
+    held = int(round(args.val_split * samples))
+    name = Path(args.data).name
+    if held < 1:
+        raise InputError(f"--val-split {args.val_split:g} of the {samples} samples of {name} "
+                         "holds out no sample; give a larger fraction")
+    if held >= samples:
+        raise InputError(f"--val-split {args.val_split:g} of the {samples} samples of {name} "
+                         "leaves no training data; give a smaller fraction")
+    perm = np.random.default_rng(0).permutation(samples)
+    val, train = np.sort(perm[:held]), np.sort(perm[held:])
+    return ({k: v[train] for k, v in data.items()}, {k: v[val] for k, v in data.items()})
+
+
+def prepare_data(args: argparse.Namespace, model: onnx.ModelProto
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """The checked training and validation arrays."""
+    inputs = data_inputs(model)
+    return split_validation(args, load_data(args.data, inputs, args.labels), inputs)
+
+
 # ----------------------------------------------------------------------------- training
 
 def train(args: argparse.Namespace) -> int:
@@ -155,12 +221,14 @@ def train(args: argparse.Namespace) -> int:
     import ngdist
 
     options = given_options(args)
+    check_validation(args)
     model = training_model(args)
-    data = load_data(args.data, data_inputs(model), args.labels)
+    data, val = prepare_data(args, model)
     trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout,
                              timeline=args.timeline,
                              checkpoint_every=getattr(args, "checkpoint_every", None),
-                             checkpoint_dir=getattr(args, "checkpoint_dir", None), **options)
+                             checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                             log_dir=args.log_dir, log_every=args.log_every, **options)
     rank, size = trainer.rank, trainer.num_workers  # ps: dedicated servers get no batches
     samples = next(iter(data.values())).shape[0]
     global_batch = args.batch_size * size
@@ -176,16 +244,27 @@ def train(args: argparse.Namespace) -> int:
     bar.update(done)
     for epoch in range(done // steps, args.epochs):
         first = done - epoch * steps if epoch == done // steps else 0
+        trainer.set_epoch(epoch + 1)  # the metrics rows' epoch, 1-based as shown
         perm = np.random.default_rng(args.seed + epoch).permutation(samples)  # same everywhere
         batches = ({k: v[perm[i:i + global_batch]] for k, v in data.items()}
                    for i in range(first * global_batch, steps * global_batch, global_batch))
         for batch in trainer.shard(batches):
             loss = trainer.step(batch).loss
             bar.update(1)
-        bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
+        shown = {"epoch": epoch + 1, "loss": f"{loss:.4f}"}
+        if val is not None:
+            result = trainer.evaluate(val)
+            shown["val_loss"] = f"{result.loss:.4f}"
+            if result.accuracy is not None:
+                shown["val_acc"] = f"{result.accuracy:.4f}"
+            if rank == 0:
+                bar.write(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v}" for k, v in
+                                                            list(shown.items())[1:]))
+        bar.set_postfix(shown)
     bar.close()
     if args.save:
         trainer.save(args.save)
+    trainer.close()  # with --log-dir: the last metrics rows and metrics.png
     if rank == 0:
         print(f"trained {args.epochs} epoch(s), {args.epochs * steps} steps of {global_batch} "
               f"samples on {size} rank(s) in {time.perf_counter() - start:.1f} s; "
@@ -194,7 +273,8 @@ def train(args: argparse.Namespace) -> int:
             print(f"resumed from the checkpoint of step {trainer.resumed_from}")
         if args.save:
             print(f"saved the trained model to {args.save}")
-    trainer.close()
+        if args.log_dir:
+            print(f"metrics: {Path(args.log_dir) / CSV_NAME}")
     return 0
 
 
@@ -204,7 +284,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.__class__ = OptionParser  # unknown flags reach the command (cli/rewrite.py)
     add_arguments(p)
-    add_launch_arguments(p)
+    add_launch_arguments(p, LOG_DIR_HELP)
     add_checkpoint_arguments(p)
     p.set_defaults(func=run)
 
@@ -223,9 +303,12 @@ def run(args: argparse.Namespace) -> int:
                                                   os.environ.get("NGDIST_CHECKPOINT_DIR")):
         raise InputError(f"--checkpoint-every {args.checkpoint_every} needs a folder: give "
                          "--checkpoint-dir DIR too")
+    check_validation(args)
     if (args.n > 1 or args.max_restarts) and world_rank_size()[1] == 1:  # supervised
+        if args.log_dir is not None and existing_log(args.log_dir):
+            raise InputError(existing_log(args.log_dir))
         model = training_model(args)  # fail fast, once, before any rank starts
-        load_data(args.data, data_inputs(model), args.labels)
+        prepare_data(args, model)
         env = dict(os.environ)
         if args.timeout is not None:
             env["NGDIST_TIMEOUT"] = str(args.timeout)
@@ -240,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = OptionParser(prog="ngdist train")
     add_arguments(p)
+    p.add_argument("--log-dir", help=LOG_DIR_HELP)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:

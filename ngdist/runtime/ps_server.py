@@ -31,8 +31,8 @@ from ngdist.ir.model import IR_VERSION
 from ngdist.kernels.base import CommNode, flatten, unflatten
 from ngdist.kernels.ps import (COMMANDS, PS_REDUCTION, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR,
                                TAG_STATE, PSRuntime, complete, env_servers, finish_owner_round,
-                               header, make_runtime, owner_round, recv, recv_owner, send,
-                               split_inputs)
+                               header, make_runtime, owner_round, recv, recv_owner,
+                               resolve_servers, send, split_inputs)
 from ngdist.runtime.sessions import CPU, make_session
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,15 @@ def ps_node(trainer: Any) -> CommNode | None:
     if len(nodes) > 1:
         raise GraphError(f"a step graph may hold one ngdist.PSPushPull node, not {len(nodes)}")
     return nodes[0] if nodes else None
+
+
+def planned_workers(trainer: Any) -> int:
+    """The ranks that will train (all but the dedicated servers), known before ``attach``."""
+    node = ps_node(trainer)
+    if node is None:
+        return trainer.group.size
+    return trainer.group.size - resolve_servers(int(node.attributes.get("servers", 0)),
+                                                trainer.group.size)
 
 
 def runtime(trainer: Any) -> PSRuntime | None:

@@ -25,6 +25,7 @@ from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save
                              split_training_model)
 from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.metrics import DEFAULT_EVERY, Evaluation, MetricsLog
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, make_session, placement_for
 from ngdist.runtime.timeline import Timeline, check_path, timeline_path
@@ -65,10 +66,12 @@ class Trainer:
                  nan_check: bool = True, timeline: str | os.PathLike | bool | None = None,
                  checkpoint_every: int | None = None,
                  checkpoint_dir: str | os.PathLike | None = None,
-                 checkpoint_keep: int = checkpoint.DEFAULT_KEEP) -> None:
+                 checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
+                 log_dir: str | os.PathLike | None = None,
+                 log_every: int = DEFAULT_EVERY) -> None:
         """``timeline``: write a Chrome trace of the job to this file (default
         ``NGDIST_TIMELINE``; ``False``: off); see runtime/timeline.py. ``checkpoint_*``: see
-        runtime/checkpoint.py."""
+        runtime/checkpoint.py; ``log_dir``, ``log_every``: runtime/metrics.py."""
         self.group = group or world_group(timeout)
         self.timeline: Timeline | None = None
         trace = timeline_path(timeline)
@@ -116,7 +119,8 @@ class Trainer:
         self._label_checks = _label_checks(graph, self.data_inputs, inference)
         self._classes_by_shape: dict[tuple, dict[str, int | None]] = {}
         self.steps_done = 0
-        self._predict_cache: tuple[int, ort.InferenceSession] | None = None
+        # inference sessions with the values of step ``[0]``, by the extra output they have
+        self._sessions: tuple[int, dict[str | None, ort.InferenceSession]] = (-1, {})
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
@@ -137,6 +141,20 @@ class Trainer:
             self.resumed_from = self.steps_done = self._resume(host)
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
+        # the training ranks' own group for metrics and evaluation: made here (collective)
+        # when it is needed or a dedicated server rank is about to go off serving, else on
+        # the first evaluate()
+        workers = ps_server.planned_workers(self)
+        self._stats_group: ProcessGroup | None = None
+        self._stats_made = False
+        if log_dir is not None or workers < self.group.size:
+            self._stats_group = self.group.split(0 if self.rank < workers else None, self.rank,
+                                                 "metrics and evaluation")
+            self._stats_made = True
+        self.epoch: int | None = None  # what the metrics rows say (set_epoch)
+        restarted = self.resumed_from > 0 or os.environ.get("NGDIST_RESTART_COUNT", "0") != "0"
+        self.metrics = MetricsLog(log_dir, self._stats_group, log_every, resume=restarted) \
+            if log_dir is not None and self._stats_group is not None else None
         # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
         # serves the workers until they stop (runtime/ps_server.py)
         self.ps = ps_server.attach(self, ps_serve)
@@ -221,6 +239,15 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ identity
+    @property
+    def stats_group(self) -> ProcessGroup | None:
+        """The training ranks, with messages of their own (metrics, evaluation); None on a
+        dedicated parameter-server rank. Collective on first use when not made at start."""
+        if not self._stats_made:  # no dedicated servers: every rank is a training rank
+            self._stats_group = self.group.dup("metrics and evaluation")
+            self._stats_made = True
+        return self._stats_group
+
     @property
     def rank(self) -> int:
         return self.group.rank
@@ -414,8 +441,83 @@ class Trainer:
             self.checkpoint()  # after the NaN check: a diverged step is never checkpointed
         if not fetch_stats:
             return None
-        return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
-                         samples, self.group.bytes_sent - sent0)
+        stats = StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
+                          samples, self.group.bytes_sent - sent0)
+        if self.metrics is not None:
+            self.metrics.record(self.steps_done, self.epoch, stats)
+        return stats
+
+    def set_epoch(self, epoch: int | None) -> None:
+        """The epoch that the metrics rows logged from now on carry (``log_dir``)."""
+        self.epoch = epoch
+
+    def evaluate(self, data: Mapping[str, Any], batch_size: int = 1024) -> Evaluation:
+        """Validation loss and accuracy of the current parameters on ``data`` (the whole
+        set, the same on every rank: input arrays and the labels). Collective over the training
+        ranks: each evaluates its ``np.array_split`` shard with the inference graph, and the
+        sums of per-sample losses and of correct predictions over the ranks are divided by the
+        total count, so the result is the whole set's (on every rank). The loss is the
+        training loss's formula (softmax_cross_entropy: mean over the samples that are not
+        ``ignore_index``; mse: mean over all elements); accuracy (arg-max over axis 1 equal
+        to the label) only for softmax_cross_entropy. With ``log_dir`` the result is logged
+        as a ``val`` row. A dedicated parameter-server rank evaluates the whole set alone."""
+        kind, scores, labels, ignore = _eval_loss(self.step_model, self.meta.loss,
+                                                  self.data_inputs, self._label_checks)
+        needed = [*self._model_inputs, labels]
+        missing = [n for n in needed if n not in data]
+        if missing:
+            raise InputError(f"evaluate() needs arrays {needed}; {missing} missing")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"evaluate(batch_size={batch_size!r}): give a whole number of "
+                             "samples, at least 1")
+        sizes = _leaf_sizes({n: data[n] for n in needed})
+        _check_same_size(sizes, "the validation data")
+        group = self.stats_group
+        shard = {n: np.asarray(data[n]) if group is None else
+                 np.array_split(np.asarray(data[n]), group.size)[group.rank] for n in needed}
+        sess = self._inference_session(scores)
+        totals = np.zeros(3, np.float64)  # loss sum, correct, counted (samples or elements)
+        count = next(iter(sizes.values()), 0)
+        local = len(shard[labels])
+        for i in range(0, local, batch_size):
+            feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=_np_type(
+                self.data_inputs[n])) for n in self._model_inputs}
+            logits = np.asarray(sess.run([scores], feeds)[0], np.float64)
+            y = shard[labels][i:i + batch_size]
+            if kind == "softmax_cross_entropy":  # class ids in range, as a step checks them
+                _check_label_values(labels, y, None, scores, ignore, None)
+                _check_label_values(labels, y, y.astype(np.int64), scores, ignore,
+                                    logits.shape[1])
+            totals += _loss_terms(kind, logits, y, ignore)
+        if group is not None and group.size > 1:
+            group.allreduce(totals, "evaluate(): loss and correct counts").wait()
+        loss_sum, correct, counted = totals
+        loss_sum, correct, counted = float(loss_sum), float(correct), float(counted)
+        result = Evaluation(loss=loss_sum / counted if counted else float("nan"),
+                            accuracy=(correct / counted if counted else float("nan"))
+                            if kind == "softmax_cross_entropy" else None, samples=count)
+        if self.metrics is not None:
+            self.metrics.validation(self.steps_done, self.epoch, result)
+        return result
+
+    def _inference_session(self, output: str | None = None) -> ort.InferenceSession:
+        """A session of the inference graph with the current values; ``output`` (a value of
+        the step graph, e.g. the scores of the loss) is added as an output if the model does
+        not have it."""
+        if self._sessions[0] != self.steps_done:
+            self._sessions = (self.steps_done, {})
+        sessions = self._sessions[1]
+        if output in {o.name for o in self.inference.graph.output}:
+            output = None  # the model's own session has it
+        if output not in sessions:
+            model = self.inference_model()
+            if output is not None:
+                dtype = next((o.dtype for n in self.step_model.graph for o in n.outputs
+                              if o.name == output and o.dtype is not None), None)
+                model.graph.output.append(onnx.helper.make_tensor_value_info(
+                    output, int(dtype) if dtype is not None else onnx.TensorProto.FLOAT, None))
+            sessions[output] = make_session(model, self.placement)
+        return sessions[output]
 
     def _record_step(self, start: float, samples: int, sent0: int, loss: float | None) -> None:
         args = {"step": self.steps_done, "samples": samples,
@@ -453,7 +555,7 @@ class Trainer:
         for out, arr in self.executor.drain().items():
             name = bound[out]
             self.values[name] = self.placement.value(np.asarray(self.values[name].numpy() + arr))
-            self._predict_cache = None
+            self._sessions = (-1, {})
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of everything the step updates or reads (params, buffers, optimizer state,
@@ -484,10 +586,7 @@ class Trainer:
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Runs the inference graph with the current parameters."""
-        if self._predict_cache is None or self._predict_cache[0] != self.steps_done:
-            sess = make_session(self.inference_model(), self.placement)
-            self._predict_cache = (self.steps_done, sess)
-        return self._predict_cache[1].run(None, dict(inputs))
+        return self._inference_session().run(None, dict(inputs))
 
     def sync_state(self) -> None:
         """Collective over the workers; needed only under ``ps``.
@@ -540,7 +639,10 @@ class Trainer:
         return self._write_back(self.state_dict(), self.steps_done, model)
 
     def close(self) -> None:
-        """Collective: stops the parameter servers, the comm thread, and writes the timeline."""
+        """Collective: ends training on this rank: the last metrics rows and the PNG (with
+        ``log_dir``), the parameter servers, the comm thread, and the timeline."""
+        if self.metrics is not None:
+            self.metrics.close()
         if self.ps is not None:
             self.ps.close()
         self.executor.close()
@@ -681,3 +783,51 @@ def _infer_classes(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]
         out[labels] = (dims[1].dim_value or None) if len(dims) > 1 and \
             dims[1].HasField("dim_value") else None
     return out
+
+
+def _np_type(info: onnx.ValueInfoProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
+
+
+def _eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
+               label_checks: Mapping[str, tuple[str, int | None, int | None]]
+               ) -> tuple[str, str, str, int | None]:
+    """(kind, scores, labels, ignore_index) of the step's loss, for ``evaluate``: a
+    SoftmaxCrossEntropyLoss of model scores against labels (``softmax_cross_entropy``), or the
+    mean of the squared difference of an output and the labels (``mse``, as the ONNX frontend
+    builds it)."""
+    producers = {o.name: n for n in step.graph for o in n.outputs}
+    node = producers.get(loss)
+    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
+        for labels, (scores, ignore, _) in label_checks.items():
+            if scores == node.inputs[0].name:
+                return "softmax_cross_entropy", scores, labels, ignore
+    if node is not None and node.op_type == "ReduceMean":
+        square = node.inputs[0].producer() if node.inputs[0] is not None else None
+        sub = square.inputs[0].producer() if square is not None and square.op_type == "Mul" \
+            else None
+        if sub is not None and sub.op_type == "Sub" and sub.inputs[1].name in data_inputs:
+            return "mse", sub.inputs[0].name, sub.inputs[1].name, None
+    what = f"a {node.op_type} node" if node is not None else "no node of the step graph"
+    raise NgdistError(f"evaluate() computes the validation loss of softmax_cross_entropy and mse "
+                      f"losses against a labels input; this model's loss '{loss}' comes from "
+                      f"{what}: evaluate with trainer.predict() and your own metric instead")
+
+
+def _loss_terms(kind: str, scores: np.ndarray, labels: np.ndarray, ignore: int | None
+                ) -> np.ndarray:
+    """[sum of losses, correct predictions, samples (or elements) counted], in float64."""
+    if kind == "mse":
+        diff = scores - np.asarray(labels, np.float64)
+        return np.array([float(np.sum(diff * diff)), 0.0, float(diff.size)])
+    # scores [N, C, d1...] as SoftmaxCrossEntropyLoss takes them (classes on axis 1), labels
+    # [N, d1...]: one row per labelled element
+    scores = np.moveaxis(scores, 1, -1).reshape(-1, scores.shape[1])
+    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    if ignore is not None:
+        scores, y = scores[y != ignore], y[y != ignore]
+    top = scores.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(scores - top).sum(axis=1)) + top.squeeze(1)
+    picked = np.take_along_axis(scores, y[:, None], axis=1).squeeze(1)
+    correct = float(np.sum(scores.argmax(axis=1) == y))
+    return np.array([float(np.sum(log_z - picked)), correct, float(y.size)])
