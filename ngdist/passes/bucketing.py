@@ -32,9 +32,9 @@ class BucketingPass(ir.passes.InPlacePass):
 
     Gradients are taken in the order the backward pass produces them (last layer first, as in
     PyTorch DDP); a bucket closes when the next gradient would take it past ``bucket_bytes``
-    or has another element type, reduction or algorithm. A tensor of ``ALONE_BYTES`` or more
-    (256 KiB) gets a bucket of its own and leaves the open bucket of small tensors open, so no
-    large gradient is copied. ``bucket_bytes <= 0`` leaves one AllReduce per gradient
+    or has another element type, reduction, algorithm or compression (passes/compression.py).
+    A tensor of ``ALONE_BYTES`` or more (256 KiB) gets a bucket of its own and leaves the open
+    bucket of small tensors open, so no large gradient is copied. ``bucket_bytes <= 0`` leaves one AllReduce per gradient
     (numbered buckets still).
 
     A bucket of several tensors becomes, right after the producer of its last gradient::
@@ -99,7 +99,8 @@ class BucketingPass(ir.passes.InPlacePass):
             fits = cur is not None and self.bucket_bytes > 0 and size + b <= self.bucket_bytes \
                 and cur[0].inputs[0].dtype == g.dtype \
                 and attr(cur[0], "reduction", "mean") == attr(n, "reduction", "mean") \
-                and attr(cur[0], "algorithm", "mpi") == attr(n, "algorithm", "mpi")
+                and attr(cur[0], "algorithm", "mpi") == attr(n, "algorithm", "mpi") \
+                and attr(cur[0], "compression", "none") == attr(n, "compression", "none")
             if fits:
                 cur.append(n)
                 size += b
@@ -112,13 +113,21 @@ class BucketingPass(ir.passes.InPlacePass):
 
 def reduced_by(value: ir.Value) -> ir.Node | None:
     """The comm node whose result ``value`` is: its producer, or for a tensor of a flat
-    bucket (``Reshape(Split(AllReduce(...))[i])``) the bucket's AllReduce; else None."""
+    bucket (``Reshape(Split(AllReduce(...))[i])``) the bucket's AllReduce, also through the
+    ``Cast`` back to float32 of a compressed AllReduce (passes/compression.py); else None."""
     node = value.producer()
     if node is not None and node.domain == "" and node.op_type == "Reshape":
-        split = node.inputs[0].producer() if node.inputs[0] is not None else None
+        split = _producer(node)
         if split is not None and split.domain == "" and split.op_type == "Split":
-            node = split.inputs[0].producer() if split.inputs[0] is not None else None
+            node = _producer(split)
+    if node is not None and node.domain == "" and node.op_type == "Cast":
+        node = _producer(node)
     return node if node is not None and is_comm_node(node.domain, node.op_type) else None
+
+
+def _producer(node: ir.Node) -> ir.Node | None:
+    """The producer of ``node``'s first input."""
+    return node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
 
 
 class _Names:

@@ -1,7 +1,13 @@
 """Gradient compression as a graph rewrite: every AllReduce reduces a 16-bit copy of its
 float32 input (Horovod's ``Compression.fp16``, PyTorch DDP's fp16/bf16 compress hooks).
 
-Run after bucketing, so each flat bucket (or lone tensor) is cast once::
+Two passes. ``CompressionMarkingPass`` (before bucketing) sets ``compression`` on the
+AllReduce of every gradient, so that the bucketing pass groups gradients only with gradients
+of the same compression. Buffer averages (BatchNorm running statistics, passes/buffers.py)
+stay float32 in a bucket of their own: they are values, not increments, and rounding a running
+variance of 1.0 to bfloat16 (steps of 2^-7) each step would swallow the updates of a momentum
+of 0.9 (0.1 x a small change). ``GradientCompressionPass`` (after bucketing) then casts each
+marked flat bucket or lone tensor once::
 
     x (float32) -> Cast(to=FLOAT16|BFLOAT16) -> AllReduce(compression=fp16|bf16)
         -> Cast(to=FLOAT) -> every consumer of the old result, under its name
@@ -29,7 +35,7 @@ from ngdist.errors import GraphError
 from ngdist.ir.domain import COMPRESSIONS, DOMAIN
 from ngdist.ir.model import StepMeta, get_meta, set_meta
 from ngdist.passes.autodiff.registry import attr
-from ngdist.passes.bucketing import LIST_ALGORITHMS, _Emitter, _Names, _take_over
+from ngdist.passes.bucketing import _Emitter, _Names, _take_over
 
 logger = logging.getLogger(__name__)
 
@@ -41,55 +47,72 @@ RESIDUAL_PREFIX = "ngdist.residual"
 COMPRESSED_ALGORITHMS = ("mpi", "ring", "recursive_doubling")
 
 
-class GradientCompressionPass(ir.passes.InPlacePass):
-    """Casts the float32 input of every AllReduce to ``compression`` (``fp16``: float16,
-    ``bf16``: bfloat16) and its output back to float32; see the module docstring.
+def _check(compression: str) -> None:
+    if compression not in WIRE_TYPES:
+        raise GraphError(f"unknown compression {compression!r}; choose one of "
+                         f"{list(WIRE_TYPES)}")
 
-    AllReduce nodes of another element type, of the ``exact`` algorithm, or compressed
-    already are left as they are.
-    """
 
-    def __init__(self, compression: str, error_feedback: bool = False) -> None:
+class CompressionMarkingPass(ir.passes.InPlacePass):
+    """Sets ``compression`` on the single-tensor AllReduce of every float32 gradient (not on
+    buffer averages, nor ``exact`` ones); run it before ``BucketingPass``."""
+
+    def __init__(self, compression: str) -> None:
         super().__init__()
-        if compression not in WIRE_TYPES:
-            raise GraphError(f"unknown compression {compression!r}; choose one of "
-                             f"{list(WIRE_TYPES)}")
+        _check(compression)
         self.compression = compression
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        meta = get_meta(model)
+        averages = {meta.binding.get(b) for b in meta.names("buffer")}
+        marked = 0
+        for n in model.graph:
+            if n.domain != DOMAIN or n.op_type != "AllReduce" or "bucket" in n.attributes \
+                    or attr(n, "compression", "none") != "none" or len(n.inputs) != 1:
+                continue
+            if attr(n, "algorithm", "mpi") not in COMPRESSED_ALGORITHMS:
+                raise GraphError(f"{n.name}: compression {self.compression!r} cannot run with "
+                                 f"all_reduce_alg={attr(n, 'algorithm', 'mpi')!r}; choose one "
+                                 f"of {list(COMPRESSED_ALGORITHMS)} ('mpi' sums 16-bit buffers "
+                                 "on ngdist's ring)")
+            if n.outputs[0].name in averages or n.inputs[0].dtype != ir.DataType.FLOAT:
+                continue
+            n.attributes["compression"] = ir.AttrString("compression", self.compression)
+            marked += 1
+        return ir.passes.PassResult(model, marked > 0)
+
+
+class GradientCompressionPass(ir.passes.InPlacePass):
+    """Casts the float32 input of every AllReduce marked with ``compression`` (``fp16``:
+    float16, ``bf16``: bfloat16) to that format and its output back to float32; see the
+    module docstring. Run it after ``BucketingPass``."""
+
+    def __init__(self, error_feedback: bool = False) -> None:
+        super().__init__()
         self.error_feedback = error_feedback
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         nodes = [n for n in graph if n.domain == DOMAIN and n.op_type == "AllReduce"
-                 and attr(n, "compression", "none") == "none"
-                 and attr(n, "algorithm", "mpi") not in LIST_ALGORITHMS]
+                 and attr(n, "compression", "none") != "none"
+                 and all(x.dtype == ir.DataType.FLOAT for x in n.inputs)]
+        if not nodes:
+            return ir.passes.PassResult(model, False)
         names = _Names(graph)
         meta = get_meta(model)
         roles, binding = dict(meta.roles), dict(meta.binding)
-        done = 0
         for node in nodes:
-            if any(x.dtype != ir.DataType.FLOAT for x in node.inputs):
-                logger.info("compression: %s reduces %s values, left uncompressed", node.name,
-                            [str(x.dtype) for x in node.inputs])
-                continue
-            algorithm = attr(node, "algorithm", "mpi")
-            if algorithm not in COMPRESSED_ALGORITHMS:
-                raise GraphError(f"{node.name}: compression {self.compression!r} cannot run "
-                                 f"with all_reduce_alg={algorithm!r}; choose one of "
-                                 f"{list(COMPRESSED_ALGORITHMS)} ('mpi' sums 16-bit buffers "
-                                 f"on ngdist's ring)")
             self._compress(graph, node, names, roles, binding)
-            done += 1
-        if not done:
-            return ir.passes.PassResult(model, False)
         set_meta(model, StepMeta(roles, binding, meta.loss))
-        logger.info("compression: %d AllReduce node(s) reduce %s%s", done, self.compression,
+        logger.info("compression: %d AllReduce node(s) reduce 16-bit values%s", len(nodes),
                     " with error feedback" if self.error_feedback else "")
         return ir.passes.PassResult(model, True)
 
     def _compress(self, graph: ir.Graph, node: ir.Node, names: _Names, roles: dict[str, str],
                   binding: dict[str, str]) -> None:
-        wire = WIRE_TYPES[self.compression]
-        tag = self.compression
+        tag = attr(node, "compression")
+        _check(tag)
+        wire = WIRE_TYPES[tag]
         idx = attr(node, "bucket", None)
         label = f"bucket{idx}" if idx is not None else node.name.rsplit("/", 1)[-1]
         emit = _Emitter(names, f"ngdist/{label}/{tag}")
@@ -111,7 +134,6 @@ class GradientCompressionPass(ir.passes.InPlacePass):
                 graph.outputs.append(new)
                 binding[residual.name] = new.name
         attributes = {k: v.value for k, v in node.attributes.items()}
-        attributes["compression"] = self.compression
         reduced = ir.Node(DOMAIN, "AllReduce", sends,
                           ir.convenience.convert_attributes(attributes),
                           num_outputs=len(sends), name=node.name)

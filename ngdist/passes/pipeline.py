@@ -25,7 +25,8 @@ from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
-from ngdist.passes.compression import COMPRESSED_ALGORITHMS, GradientCompressionPass
+from ngdist.passes.compression import (COMPRESSED_ALGORITHMS, CompressionMarkingPass,
+                                       GradientCompressionPass)
 from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.gradscale import GradientPrescalePass
 from ngdist.passes.optimizers import OptimizerLoweringPass
@@ -54,6 +55,7 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
     # the mean as a sum of gradients prescaled by 1/N (passes/gradscale.py); reproducible
     # mode keeps the exact kernel's own mean
     prescale = [] if reproducible else [GradientPrescalePass()]
+    marking: list[ir.passes.PassBase] = []
     compression: list[ir.passes.PassBase] = []
     if o.compression != "none":  # 16-bit copies on the wire (passes/compression.py)
         if reproducible:
@@ -66,9 +68,10 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
                               f"all_reduce_alg={algorithm!r} (MPI has no 16-bit sum, ngdist's "
                               f"own algorithms sum them); choose one of "
                               f"{list(COMPRESSED_ALGORITHMS)}")
-        compression = [GradientCompressionPass(o.compression, o.compression_error_feedback)]
+        marking = [CompressionMarkingPass(o.compression)]
+        compression = [GradientCompressionPass(o.compression_error_feedback)]
     return [*prescale, AllReduceInsertionPass("mean", algorithm),
-            BufferAverageInsertionPass(algorithm), *reproducible,
+            BufferAverageInsertionPass(algorithm), *reproducible, *marking,
             BucketingPass(o.bucket_bytes), *compression]
 
 
