@@ -35,7 +35,7 @@ from ngdist.errors import GraphError
 from ngdist.ir.domain import COMPRESSIONS, DOMAIN
 from ngdist.ir.model import StepMeta, get_meta, set_meta
 from ngdist.passes.autodiff.registry import attr
-from ngdist.passes.bucketing import _Emitter, _Names, _take_over
+from ngdist.passes.bucketing import Emitter, FreshNames, take_over
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class GradientCompressionPass(ir.passes.InPlacePass):
                  and all(x.dtype == ir.DataType.FLOAT for x in n.inputs)]
         if not nodes:
             return ir.passes.PassResult(model, False)
-        names = _Names(graph)
+        names = FreshNames(graph)
         meta = get_meta(model)
         roles, binding = dict(meta.roles), dict(meta.binding)
         for node in nodes:
@@ -108,15 +108,15 @@ class GradientCompressionPass(ir.passes.InPlacePass):
                     " with error feedback" if self.error_feedback else "")
         return ir.passes.PassResult(model, True)
 
-    def _compress(self, graph: ir.Graph, node: ir.Node, names: _Names, roles: dict[str, str],
+    def _compress(self, graph: ir.Graph, node: ir.Node, names: FreshNames, roles: dict[str, str],
                   binding: dict[str, str]) -> None:
         tag = attr(node, "compression")
         _check(tag)
         wire = WIRE_TYPES[tag]
         idx = attr(node, "bucket", None)
         label = f"bucket{idx}" if idx is not None else node.name.rsplit("/", 1)[-1]
-        emit = _Emitter(names, f"ngdist/{label}/{tag}")
-        after = _Emitter(names, f"ngdist/{label}/{tag}")
+        emit = Emitter(names, f"ngdist/{label}/{tag}")
+        after = Emitter(names, f"ngdist/{label}/{tag}")
         sends = []
         for i, x in enumerate(node.inputs):
             residual = None
@@ -145,11 +145,11 @@ class GradientCompressionPass(ir.passes.InPlacePass):
                 for i, (r, old) in enumerate(zip(reduced.outputs, node.outputs))]
         graph.insert_before(node, emit.nodes)
         graph.insert_after(node, [reduced, *after.nodes])
-        _take_over(list(node.outputs), news)
+        take_over(list(node.outputs), news)
         graph.remove(node, safe=True)
 
     @staticmethod
-    def _feedback(graph: ir.Graph, x: ir.Value, label: str, i: int, emit: _Emitter,
+    def _feedback(graph: ir.Graph, x: ir.Value, label: str, i: int, emit: Emitter,
                   roles: dict[str, str]) -> tuple[ir.Value, ir.Value]:
         """(``x + r``, ``r``): ``r`` a new float32 state input of ``x``'s (static) shape,
         zeros at first."""

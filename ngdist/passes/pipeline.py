@@ -65,9 +65,9 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
                               "leave one of the two out")
         if algorithm not in COMPRESSED_ALGORITHMS:
             raise OptionError(f"compression={o.compression!r} cannot run with "
-                              f"all_reduce_alg={algorithm!r} (MPI has no 16-bit sum, ngdist's "
-                              f"own algorithms sum them); choose one of "
-                              f"{list(COMPRESSED_ALGORITHMS)}")
+                              f"all_reduce_alg={algorithm!r} (16-bit buffers are summed by "
+                              f"ngdist's ring or recursive doubling, 'mpi' picks the ring); "
+                              f"choose one of {list(COMPRESSED_ALGORITHMS)}")
         marking = [CompressionMarkingPass(o.compression)]
         compression = [GradientCompressionPass(o.compression_error_feedback)]
     return [*prescale, AllReduceInsertionPass("mean", algorithm),
