@@ -31,31 +31,35 @@ from ngdist.kernels.allreduce_algs import sum_inplace
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32, exactly (the top half of a float32)."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    wide = bits.astype(np.uint32)
+    np.left_shift(wide, 16, out=wide)
+    return wide.view(np.float32)
 
 
-def f32_to_bf16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest, ties to even; NaN stays
-    a (quiet) NaN."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
-    rounded = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
-    bits = np.where(np.isnan(x), np.uint32(0x7FC0), rounded).astype(np.uint16)
-    if out is None:
-        return bits
-    out[...] = bits
-    return out
+def f32_to_bf16(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 -> bfloat16 bit patterns (uint16) into ``out``, rounded to nearest, ties to
+    even; NaN stays a (quiet) NaN. ``x`` is used as scratch."""
+    u = x.view(np.uint32)
+    lsb = np.right_shift(u, 16)
+    np.bitwise_and(lsb, 1, out=lsb)
+    nan = np.isnan(x)
+    np.add(u, lsb, out=u)
+    np.add(u, np.uint32(0x7FFF), out=u)
+    np.right_shift(u, 16, out=u)
+    np.copyto(out, u, casting="unsafe")  # the top half, < 2^16
+    if nan.any():
+        out[nan] = 0x7FC0
 
 
 def f16_to_f32(bits: np.ndarray) -> np.ndarray:
     return bits.view(np.float16).astype(np.float32)
 
 
-def f32_to_f16(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    bits = x.astype(np.float16).view(np.uint16)
-    if out is None:
-        return bits
-    out[...] = bits
-    return out
+def f32_to_f16(x: np.ndarray, out: np.ndarray) -> None:
+    """float32 -> float16 bit patterns (uint16) into ``out``, rounded to nearest even; beyond
+    float16's range, infinity (a sum that overflows, as in any float16 sum)."""
+    with np.errstate(over="ignore"):
+        np.copyto(out.view(np.float16), x, casting="same_kind")
 
 
 @dataclass(frozen=True)
@@ -64,16 +68,20 @@ class WireFormat:
 
     name: str
     dtype: str  # what the kernel's input arrays are: float16, or uint16 views of bfloat16
-    widen: Callable[[np.ndarray], np.ndarray]
-    narrow: Callable[..., np.ndarray]
+    widen: Callable[[np.ndarray], np.ndarray]  # a new float32 array
+    narrow: Callable[[np.ndarray, np.ndarray], None]  # float32 (clobbered) -> uint16 out
 
     def add(self, acc: np.ndarray, other: np.ndarray) -> None:
         """``acc`` = round16(float32(acc) + float32(other)), in place (uint16 bit patterns)."""
-        self.narrow(self.widen(acc) + self.widen(other), out=acc)
+        total = self.widen(acc)
+        np.add(total, self.widen(other), out=total)
+        self.narrow(total, acc)
 
     def divide(self, bits: np.ndarray, n: int) -> None:
         """``bits`` = round16(float32(bits) / n), in place: the mean of a sum over n ranks."""
-        self.narrow(self.widen(bits) / np.float32(n), out=bits)
+        wide = self.widen(bits)
+        np.divide(wide, np.float32(n), out=wide)
+        self.narrow(wide, bits)
 
 
 FORMATS = {"fp16": WireFormat("fp16", "float16", f16_to_f32, f32_to_f16),

@@ -133,3 +133,38 @@ def test_16_bit_allreduce_equals_the_oracle_on_every_rank(ranks, tmp_path, size)
                     assert o["sent"][f"{n}/{alg}/{compression}/sum"] * 2 == float32
                 assert o["sent"][f"{n}/recursive_doubling/{compression}/sum"] == \
                     {2: 2 * n, 4: 4 * n}[size]
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_wire_formats_round_like_numpy_and_ml_dtypes(compression):
+    """Every 16-bit pattern widens exactly; float32 values of every kind (random bit
+    patterns: subnormals, infinities, NaNs, values beyond the 16-bit range) round to the
+    nearest 16-bit value, ties to even, as numpy (float16) and ml_dtypes (bfloat16) do."""
+    from ngdist.kernels.compressed import FORMATS
+
+    fmt = FORMATS[compression]
+    dtype = np.float16 if compression == "fp16" else ml_dtypes.bfloat16
+    every = np.arange(1 << 16, dtype=np.uint16)
+    widened = fmt.widen(every)
+    want = every.view(dtype).astype(np.float32)
+    assert np.array_equal(widened, want, equal_nan=True)
+    rng = np.random.default_rng(7)
+    with np.errstate(all="ignore"):  # infinities and NaNs are part of the data
+        x = np.concatenate([rng.integers(0, 1 << 32, 200_000, dtype=np.uint64)
+                            .astype(np.uint32).view(np.float32),
+                            want,  # each 16-bit value, and its float32 neighbours
+                            np.nextafter(want, np.float32(np.inf)),
+                            np.nextafter(want, np.float32(-np.inf))])
+        expected = x.astype(dtype).view(np.uint16)
+        ties = (want[:-1] + want[1:]) / 2  # float32 midpoints between neighbours: to even
+    got = np.empty(x.size, np.uint16)
+    fmt.narrow(x.copy(), got)
+    nan = np.isnan(x)
+    assert np.array_equal(got[~nan], expected[~nan])
+    assert np.isnan(got[nan].view(dtype).astype(np.float32)).all()
+    finite = np.isfinite(ties)
+    got = np.empty(int(finite.sum()), np.uint16)
+    fmt.narrow(ties[finite].astype(np.float32), got)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(got, ties[finite].astype(dtype).view(np.uint16))
+    assert finite.sum() > 30_000
