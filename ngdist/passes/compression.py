@@ -79,6 +79,12 @@ class CompressionMarkingPass(ir.passes.InPlacePass):
                 continue
             n.attributes["compression"] = ir.AttrString("compression", self.compression)
             marked += 1
+        if not marked:  # e.g. a file rewritten before: its AllReduce nodes are as written
+            logger.warning("compression=%r: no float32 gradient AllReduce left to compress "
+                           "(a rewritten file keeps the compression it was rewritten with; "
+                           "start from the model as it was before ngdist rewrite to change "
+                           "it)",
+                           self.compression)
         return ir.passes.PassResult(model, marked > 0)
 
 

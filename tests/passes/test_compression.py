@@ -174,3 +174,14 @@ def test_cli_unknown_compression(cli, tmp_path):
     assert proc.returncode != 0
     assert "fp8" in proc.stderr and "fp16" in proc.stderr and "bf16" in proc.stderr
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_rewritten_file_keeps_its_compression(tmp_path, caplog):
+    from ngdist.cli.inspect import summarize
+    from ngdist.ir.model import save_proto
+
+    save_proto(_cnn_training(compression="fp16"), tmp_path / "fp16.onnx")
+    trainer = ngdist.compile(str(tmp_path / "fp16.onnx"), compression="bf16")
+    assert "compression='bf16': no float32 gradient AllReduce left to compress" in caplog.text
+    assert [c["compression"] for c in summarize(trainer.to_onnx()).comm] == ["none", "fp16"]
+    trainer.close()
