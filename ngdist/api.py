@@ -129,7 +129,11 @@ class RuntimeOptions(TypedOptions):
     ``ps_serve``: with ``ps`` and dedicated servers, False makes a server rank serve round by
     round as its program calls ``step`` (``DistributedSGD``) instead of until the workers stop;
     ``nan_check``: a step that fetches its loss (``fetch_stats=True``) raises when the loss is
-    NaN or infinite, naming the step (default True; it reads nothing more than the loss).
+    NaN or infinite, naming the step (default True; it reads nothing more than the loss);
+    ``timeline``: write a Chrome trace of the whole job (every rank's compute, comm, waits and
+    steps) to this file, opened by Perfetto or chrome://tracing (default ``NGDIST_TIMELINE``;
+    ``False``: off); rank 0 writes it at ``trainer.close()``, ``trainer.write_timeline()`` or
+    the end of the program (runtime/timeline.py).
     """
 
     owner: ClassVar[str] = "ngdist.compile"
@@ -140,6 +144,7 @@ class RuntimeOptions(TypedOptions):
     devices_per_worker: int = 1
     ps_serve: bool = True
     nan_check: bool = True
+    timeline: str | os.PathLike | bool | None = None
 
 
 def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
@@ -151,6 +156,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             timeout: float | None = None, intra_op_threads: int | None = None,
             device: str = "cpu", overlap: bool | None = None, devices_per_worker: int = 1,
             ps_serve: bool = True, nan_check: bool = True,
+            timeline: str | os.PathLike | bool | None = None,
             **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
@@ -164,7 +170,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``kvstore``: a store from ``ngdist.kvstore.create``; its type picks the strategy
     (dist_sync/dist_allreduce: allreduce, pushsum: pushsum, local: local) and its ngdist
     optimizer is used when ``optimizer`` is not given.
-    ``timeout`` ... ``nan_check``: how this process runs the step (:class:`RuntimeOptions`).
+    ``timeout`` ... ``timeline``: how this process runs the step (:class:`RuntimeOptions`).
     ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
     ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``, ``compression``,
     ``compression_error_feedback``; ``pushsum``:
@@ -181,7 +187,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     """
     runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
                              overlap=overlap, devices_per_worker=devices_per_worker,
-                             ps_serve=ps_serve, nan_check=nan_check)
+                             ps_serve=ps_serve, nan_check=nan_check, timeline=timeline)
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
@@ -212,7 +218,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     return Trainer(inference, step=step, group=group, intra_op_threads=runtime.intra_op_threads,
                    device=runtime.device, overlap=runtime.overlap,
                    devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
-                   nan_check=runtime.nan_check, write_back=write_back)
+                   nan_check=runtime.nan_check, write_back=write_back,
+                   timeline=runtime.timeline)
 
 
 # every keyword compile takes, for the "did you mean" of a misspelt one

@@ -139,3 +139,24 @@ def digits_cnn(channels: tuple[int, int] = (32, 64), hidden: int = 128, classes:
         [helper.make_tensor_value_info("logits", elem, ["batch", classes])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
                              ir_version=IR_VERSION, producer_name="ngdist.zoo")
+
+
+def chain(n: int, features: int = 64, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """Forward-only model of one Gemm (``w`` [classes, features], ``b``) followed by a chain of
+    ``n`` activations (Relu and Tanh alternating, names ``act{i}``), all on the loss path: a
+    model whose size is its node count, for measuring how the compiler scales."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["h0"], name="fc", transB=1)]
+    for i in range(n):
+        nodes.append(helper.make_node("Tanh" if i % 2 else "Relu", [f"h{i}"], [f"h{i + 1}"],
+                                      name=f"act{i}"))
+    inits = [numpy_helper.from_array(
+                 rng.uniform(-0.1, 0.1, (classes, features)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.zeros(classes, np.float32), "b")]
+    graph = helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                       ["batch", features])],
+        [helper.make_tensor_value_info(f"h{n}", onnx.TensorProto.FLOAT, ["batch", classes])],
+        inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                             ir_version=IR_VERSION, producer_name="ngdist.zoo")

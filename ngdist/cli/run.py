@@ -46,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "servers (sets NGDIST_PS_SERVERS; default 0 = co-located shards)")
     p.add_argument("--timeout", type=float,
                    help="seconds before a stuck collective fails (sets NGDIST_TIMEOUT)")
+    add_timeline_argument(p, "sets NGDIST_TIMELINE for every rank")
     add_launch_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     p.set_defaults(func=run)
@@ -59,6 +60,25 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write each rank's output to DIR/rank.N.log")
     p.add_argument("--grace", type=float, default=3.0,
                    help="seconds the other ranks may still run after one failed (default 3)")
+
+
+def add_timeline_argument(p: argparse.ArgumentParser, how: str) -> None:
+    p.add_argument("--timeline", metavar="FILE",
+                   help="write a Chrome trace of the job (every rank's steps, compute, comm "
+                        f"and waits; open it in Perfetto or chrome://tracing) to FILE ({how})")
+
+
+def timeline_env(path: str | None, env: dict[str, str]) -> str | None:
+    """``--timeline FILE``: checked here, before any rank starts, and passed to every rank as
+    ``NGDIST_TIMELINE``; the absolute path (a rank may run in another directory)."""
+    from ngdist.runtime.timeline import ENV, check_path, timeline_path
+
+    if path is None:
+        return None
+    trace = timeline_path(path)
+    check_path(trace)
+    env[ENV] = str(trace)
+    return env[ENV]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                               f"(-n {args.n}); e.g. `ngdist run -n {args.servers + 2} "
                               f"--servers {args.servers} -- ...`")
         env["NGDIST_PS_SERVERS"] = str(args.servers)
+    timeline_env(args.timeline, env)
     return launch(command, args.n, args, hostfile=args.hostfile, hosts=args.hosts, env=env)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from ngdist.cli.rewrite import OptionParser, add_strategy_arguments, chosen_options
-from ngdist.cli.run import add_launch_arguments
+from ngdist.cli.run import add_launch_arguments, add_timeline_argument, timeline_env
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
 from ngdist.passes.options import cli_flag
@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch shuffle")
     p.add_argument("--timeout", type=float, help="seconds before a stuck collective fails")
     p.add_argument("--save", help="write the trained training model here")
+    add_timeline_argument(p, "rank 0 writes it when training ends")
     add_strategy_arguments(p)
 
 
@@ -61,7 +62,8 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
             "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
             "--strategy", args.strategy, "--seed", str(args.seed)]
     for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
-                        ("--timeout", args.timeout), ("--save", args.save)):
+                        ("--timeout", args.timeout), ("--save", args.save),
+                        ("--timeline", args.timeline)):
         if value is not None:
             argv += [flag, str(value)]
     for name, value in given_options(args).items():  # the strategy's flags, as given
@@ -149,7 +151,8 @@ def train(args: argparse.Namespace) -> int:
     options = given_options(args)
     model = training_model(args)
     data = load_data(args.data, data_inputs(model), args.labels)
-    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout, **options)
+    trainer = ngdist.compile(model, strategy=args.strategy, timeout=args.timeout,
+                             timeline=args.timeline, **options)
     rank, size = trainer.rank, trainer.num_workers  # ps: dedicated servers get no batches
     samples = next(iter(data.values())).shape[0]
     global_batch = args.batch_size * size
@@ -200,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.epochs < 1 or args.batch_size < 1:
         raise InputError("-n, --epochs and --batch-size must be at least 1")
     given_options(args)  # a flag the strategy does not take: refused before anything runs
+    # a timeline that cannot be written: refused here too; absolute for the ranks
+    args.timeline = timeline_env(args.timeline, {})
     if args.n > 1 and world_rank_size()[1] == 1:
         model = training_model(args)  # fail fast, once, before any rank starts
         load_data(args.data, data_inputs(model), args.labels)

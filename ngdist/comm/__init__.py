@@ -28,13 +28,11 @@ def world_group(timeout: float | None = None) -> ProcessGroup:
 
 def abort_world(message: str, code: int = 1) -> None:
     """Print ``message`` and end the whole job (MPI_Abort); for errors outside any Work."""
-    from ngdist.comm.mpi import abort_job, launched_by_mpi
+    from ngdist.comm.mpi import _mpi, abort_job, launched_by_mpi
 
     if not launched_by_mpi():
         raise SystemExit(code)
-    from mpi4py import MPI
-
-    abort_job(MPI.COMM_WORLD, message, code)
+    abort_job(_mpi().COMM_WORLD, message, code)
 
 
 __all__ = ["DoneWork", "LocalGroup", "ProcessGroup", "Work", "abort_world", "default_timeout",

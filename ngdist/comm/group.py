@@ -81,6 +81,15 @@ class Work(abc.ABC):
         """
         if self.test():
             return
+        timeline = self.group.timeline
+        if timeline is None:
+            self._wait(gentle)
+            return
+        t0 = time.perf_counter()
+        self._wait(gentle)
+        timeline.record("wait", f"wait {describe(self.what)}", t0, time.perf_counter())
+
+    def _wait(self, gentle: bool) -> None:
         if gentle or os.environ.get("NGDIST_WAIT", "watchdog") == "poll":
             self._poll(0.001 if gentle else 0.0002)
             return
@@ -134,6 +143,9 @@ class ProcessGroup(abc.ABC):
         self.local_rank = 0  # this rank's place among them (its GPU on a multi-GPU host)
         # groups derived from this one for a kernel's own messages (kernels.base.private_group)
         self.derived: dict[Any, Any] = {}
+        # where waits that block are recorded when the job writes a timeline: any object with
+        # record(cat, name, t0, t1) (runtime/timeline.py); groups derived later inherit it
+        self.timeline: Any = None
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod

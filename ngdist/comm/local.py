@@ -49,4 +49,6 @@ class LocalGroup(ProcessGroup):
         return None if color is None else self
 
     def dup(self, what):
-        return LocalGroup(self.timeout)
+        group = LocalGroup(self.timeout)
+        group.timeline = self.timeline
+        return group

@@ -7,6 +7,7 @@ wait on a rank whose process on this host has exited fails within seconds, namin
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -19,15 +20,50 @@ from typing import Any
 
 import numpy as np
 
-from ngdist.comm.group import ProcessGroup, Work, describe
+from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
 
 logger = logging.getLogger(__name__)
 
 
 def _mpi():
-    from mpi4py import MPI
+    """mpi4py's MPI module; the first import turns off mpi4py's own MPI_Finalize at exit (it
+    waits for every rank with no limit) in favour of :func:`_finalize_at_exit`."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
 
-    return MPI
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI  # noqa: F401  (initialises MPI)
+
+        atexit.register(_finalize_at_exit)
+    return sys.modules["mpi4py.MPI"]
+
+
+FINALIZE_WHAT = "the end of the job (every rank reaching MPI_Finalize)"
+
+
+def _finalize_at_exit() -> None:
+    """MPI_Finalize, bounded: first a non-blocking barrier of every rank, polled against the
+    job's timeout and the dead-peer check; a rank that is frozen or gone after its last
+    collective makes the others end the job with a message instead of blocking for ever."""
+    MPI = sys.modules["mpi4py.MPI"]
+    if MPI.Is_finalized() or not MPI.Is_initialized():
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1:
+        try:
+            timeout = default_timeout()
+        except Exception:  # a malformed NGDIST_TIMEOUT was reported where it was read
+            timeout = 300.0
+        job = _WORLD_JOB[0] if _WORLD_JOB else _Job(world)
+        group = MpiGroup(timeout, comm=world, job=job)
+        try:
+            MpiWork(group, [world.Ibarrier()], FINALIZE_WHAT, None)._poll(0.005)
+        except Exception as exc:  # CommTimeoutError / CommError: end the job, do not block
+            rank = world.Get_rank()
+            abort_job(world, f"ngdist: error on rank {rank} at exit: {exc}\n"
+                             f"ngdist: rank {rank} aborts the MPI job\n")
+            return
+    MPI.Finalize()
 
 
 def world_rank_size() -> tuple[int, int]:
@@ -189,6 +225,7 @@ class MpiGroup(ProcessGroup):
         group = MpiGroup(self.timeout, comm=sub, job=self._job,
                          world_ranks=[self._world_ranks[r] for r in ranks])
         group.local_size, group.local_rank = self.local_size, self.local_rank
+        group.timeline = self.timeline
         return group
 
     # ------------------------------------------------------------------ failures

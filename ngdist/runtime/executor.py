@@ -158,6 +158,13 @@ class Executor:
             for node in self.comm_nodes.values() for name in node.inputs
             if name in self.constants}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
+        # spans of compute, comm and waits go here when the job records a timeline
+        # (runtime/timeline.py: any object with record(cat, name, t0, t1, args))
+        self.timeline: Any = None
+        self.labels = {item.index: self._ends(item) for item in self.items
+                       if isinstance(item, Segment)}
+        self.label_args = {item.index: {"segment": item.index, "nodes": len(item.nodes)}
+                           for item in self.items if isinstance(item, Segment)}
         self.free_after: dict[int, list[str]] = {}
         for name, idx in last.items():
             if name not in step_outputs:
@@ -192,9 +199,14 @@ class Executor:
         return sess
 
     @staticmethod
-    def _describe(seg: Segment) -> str:
-        names = [n.name or n.op_type for n in seg.nodes]
-        return f"{len(names)} nodes, {names[0]} .. {names[-1]}"
+    def _ends(seg: Segment) -> str:
+        """``first .. last`` node of the segment: its name in errors and the timeline."""
+        return f"{seg.nodes[0].name or seg.nodes[0].op_type} .. " \
+            f"{seg.nodes[-1].name or seg.nodes[-1].op_type}"
+
+    @classmethod
+    def _describe(cls, seg: Segment) -> str:
+        return f"{len(seg.nodes)} nodes, {cls._ends(seg)}"
 
     def _run_segment(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[ort.OrtValue]:
         self._session(seg, env)
@@ -257,6 +269,7 @@ class Executor:
 
     def _run_comm(self, idx: int, values: list[ort.OrtValue]) -> tuple[list[ort.OrtValue], float]:
         node, spec = self.comm_nodes[idx], self.kernels[idx]
+        sent0 = self.group.bytes_sent
         t0 = time.perf_counter()
         inputs = self._views(spec, values)
         try:
@@ -266,7 +279,16 @@ class Executor:
         except Exception as exc:
             raise CommError(f"while executing ngdist.{node.op_type} '{node.name}' on rank "
                             f"{self.group.rank}: {exc}") from exc
-        return self._wrap(outs, inputs, values), time.perf_counter() - t0
+        wrapped = self._wrap(outs, inputs, values)
+        t1 = time.perf_counter()
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.record("comm", node.name, t0, t1, {
+                "op": node.op_type, "bytes": self.group.bytes_sent - sent0,
+                "algorithm": node.attributes.get("algorithm"),
+                "bucket": node.attributes.get("bucket"), "values": node.inputs,
+                "group_size": self.group.size})
+        return wrapped, t1 - t0
 
     # ------------------------------------------------------------------ run
     def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
@@ -274,6 +296,7 @@ class Executor:
         times = times or StepTimes()
         env = {**self.comm_constants, **feeds}
         pending: dict[str, Future] = {}
+        timeline = self.timeline
 
         def resolve(names: list[str]) -> None:
             for name in names:
@@ -282,7 +305,10 @@ class Executor:
                     continue
                 t0 = time.perf_counter()
                 outs, dt, out_names = fut.result()
-                times.wait += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                times.wait += t1 - t0
+                if timeline is not None:
+                    timeline.record("wait", "wait for comm", t0, t1, {"value": name})
                 times.comm += dt
                 for o, value in zip(out_names, outs):
                     env[o] = value
@@ -293,7 +319,11 @@ class Executor:
                 resolve(item.inputs)
                 t0 = time.perf_counter()
                 outs = self._run_segment(item, env)
-                times.compute += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                times.compute += t1 - t0
+                if timeline is not None:
+                    timeline.record("compute", self.labels[item.index], t0, t1,
+                                    self.label_args[item.index])
                 env.update(zip(item.outputs, outs))
             else:
                 names = list(item.node.input)

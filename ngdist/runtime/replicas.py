@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import onnx
@@ -117,6 +118,7 @@ class ReplicatedExecutor:
         self.items, self.comm_nodes = self.rest.items, self.rest.comm_nodes
         self.devices = devices
         self.pool = ThreadPoolExecutor(devices, thread_name_prefix="ngdist-replica")
+        self.timeline: Any = None  # runtime/timeline.py, when the job records one
         logger.info("%d replicas: tower of %d nodes -> %d values; rest of %d nodes", devices,
                     len(tower_nodes), len(self.crossing), len(rest_nodes))
 
@@ -152,7 +154,11 @@ class ReplicatedExecutor:
             raise
         except Exception as exc:
             raise NgdistError(f"while executing {what}: {exc}") from None
-        times.compute += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        times.compute += t1 - t0
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.record("compute", what, t0, t1, {"sessions": len(bounds)})
         return results
 
     def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from ngdist.runtime import ps_server
 from ngdist.runtime.executor import Executor, StepTimes
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, make_session, placement_for
+from ngdist.runtime.timeline import Timeline, check_path, timeline_path
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +62,15 @@ class Trainer:
                  intra_op_threads: int | None = None, device: str | Placement = "cpu",
                  overlap: bool | None = None, devices_per_worker: int = 1,
                  ps_serve: bool = True, write_back: WriteBack | None = None,
-                 nan_check: bool = True) -> None:
+                 nan_check: bool = True, timeline: str | os.PathLike | bool | None = None
+                 ) -> None:
+        """``timeline``: write a Chrome trace of the job to this file (default
+        ``NGDIST_TIMELINE``; ``False``: off); see runtime/timeline.py."""
         self.group = group or world_group(timeout)
+        self.timeline: Timeline | None = None
+        trace = timeline_path(timeline)
+        if trace is not None and self.group.rank == 0:  # refused before anything runs
+            check_path(trace)
         self.nan_check = nan_check  # a fetched loss that is NaN/Inf stops training
         self._uneven_logged = False
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
@@ -109,6 +118,9 @@ class Trainer:
         # every rank: same graph (structure and constants), then rank 0's values, broadcast
         # in host memory before they are placed
         self.group.check_same(self._graph_fingerprint(proto), "step graph")
+        self.group.check_same(str(trace).encode(), f"timeline setting ({trace or 'off'})")
+        if trace is not None:  # before a dedicated ps server starts serving
+            self._attach_timeline(Timeline(trace, self.group))
         inits = {t.name: t for t in graph.initializer}
         host = {name: numpy_helper.to_array(inits[name]).copy()
                 for name, role in self.meta.roles.items() if role != "data"}
@@ -145,6 +157,20 @@ class Trainer:
                     t.ClearField(f)
         return g.SerializeToString(deterministic=True)
 
+    def _attach_timeline(self, timeline: Timeline | None) -> None:
+        """Where the executor, its inner executor (replicas) and the group record spans."""
+        self.timeline = timeline
+        self.group.timeline = timeline
+        for executor in (self.executor, getattr(self.executor, "rest", None)):
+            if executor is not None:
+                executor.timeline = timeline
+
+    def write_timeline(self) -> Path | None:
+        """Collective (every rank): write the timeline recorded so far (rank 0 writes the one
+        file of the job); the file's path, or None when the timeline is off. ``close()`` and
+        the end of the program write it too."""
+        return self.timeline.write() if self.timeline is not None else None
+
     # ------------------------------------------------------------------ data
     def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
         """This rank's contiguous slice of every global batch (dict, tuple or array); nothing
@@ -152,8 +178,13 @@ class Trainer:
         if self.role == "server":
             return
         for batch in batches:
+            t0 = time.perf_counter()
             self._check_global_batch(batch)
-            yield self._slice(batch)
+            mine = self._slice(batch)
+            timeline = self.timeline
+            if timeline is not None:
+                timeline.record("feed", "shard batch", t0, time.perf_counter())
+            yield mine
 
     def _check_global_batch(self, batch: Any) -> None:
         """Every array of a global batch holds the same number of samples, at least one per
@@ -276,18 +307,26 @@ class Trainer:
             raise NgdistError(f"rank {self.rank} is a dedicated parameter server: it has served "
                               "the workers' steps and takes none itself; iterate over "
                               "trainer.shard(...) (empty here) or skip step() on server ranks")
+        timeline = self.timeline
+        start = time.perf_counter()
         feeds, samples = self._feeds(batch)
         feeds.update(self.values)
         times = StepTimes()
         sent0 = self.group.bytes_sent
         t0 = time.perf_counter()
+        if timeline is not None:
+            timeline.record("feed", "feed batch", start, t0, {"samples": samples})
         outputs = self.executor.run(feeds, times)
         for name, out in self.meta.binding.items():
             self.values[name] = outputs[out]
         self.steps_done += 1
         if not fetch_stats:
+            if timeline is not None:
+                self._record_step(start, samples, sent0, None)
             return None
         loss = float(outputs[self.meta.loss].numpy())
+        if timeline is not None:
+            self._record_step(start, samples, sent0, loss)
         if self.nan_check and not math.isfinite(loss):
             raise NgdistError(
                 f"the loss is {loss} at step {self.steps_done} (rank {self.rank}); the "
@@ -296,6 +335,13 @@ class Trainer:
                 "train on regardless")
         return StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
                          samples, self.group.bytes_sent - sent0)
+
+    def _record_step(self, start: float, samples: int, sent0: int, loss: float | None) -> None:
+        args = {"step": self.steps_done, "samples": samples,
+                "bytes_sent": self.group.bytes_sent - sent0}
+        if loss is not None:
+            args["loss"] = loss
+        self.timeline.record("step", f"step {self.steps_done}", start, time.perf_counter(), args)
 
     def set_lr(self, lr: float) -> None:
         if "ngdist.lr" not in self.values:
@@ -413,9 +459,13 @@ class Trainer:
         return self._write_back(self.state_dict(), self.steps_done, model)
 
     def close(self) -> None:
+        """Collective: stops the parameter servers, the comm thread, and writes the timeline."""
         if self.ps is not None:
             self.ps.close()
         self.executor.close()
+        if self.timeline is not None:
+            self.timeline.close()
+            self._attach_timeline(None)
 
 
 def _shape_str(dims) -> str:

@@ -55,6 +55,28 @@ def attr(node: ir.Node, name: str, default: Any = None) -> Any:
     return default if a is None else a.value
 
 
+_ATTR_MAKERS: dict[type, Callable[[str, Any], ir.Attr]] = {
+    int: ir.AttrInt64, float: ir.AttrFloat32, str: ir.AttrString, ir.Tensor: ir.AttrTensor}
+
+
+def _attr(name: str, value: Any) -> ir.Attr:
+    """An attribute from a Python value; the common types without onnx_ir's protocol checks
+    (they cost ~50 us a node, most of the time of a large backward graph)."""
+    make = _ATTR_MAKERS.get(type(value))
+    if make is not None:
+        return make(name, value)
+    if type(value) in (list, tuple) and value and all(type(v) is int for v in value):
+        return ir.AttrInt64s(name, list(value))
+    return ir.convenience.convert_attribute(name, value)
+
+
+def _numpy_dtype(dtype: ir.DataType | None) -> np.dtype | None:
+    """The numpy dtype of a float element type numpy has (float16/32/64), else None."""
+    if dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16):
+        return np.dtype(dtype.numpy())
+    return None
+
+
 class GradContext:
     """Emits backward nodes before ``anchor`` in the graph; small helpers for common idioms."""
 
@@ -65,6 +87,8 @@ class GradContext:
         self._count = 0
         self.current: ir.Node | None = None  # the forward node being differentiated
         self.needed: set[int] | None = None  # ids of values that want a gradient (None: all)
+        self._consts: dict[tuple, ir.Value] = {}  # constants emitted so far, by value
+        self._keep: list[ir.Value] = []
 
     def needs(self, value: ir.Value | None) -> bool:
         """Whether a gradient for ``value`` is wanted (it depends on an x); rules skip the rest."""
@@ -83,8 +107,7 @@ class GradContext:
 
     def op_multi(self, op_type: str, *inputs: ir.Value | None, num_outputs: int,
                  domain: str = "", **attributes: Any) -> Sequence[ir.Value]:
-        attrs = ir.convenience.convert_attributes(
-            {k: v for k, v in attributes.items() if v is not None})
+        attrs = [_attr(k, v) for k, v in attributes.items() if v is not None]
         name = self._name(op_type)
         node = ir.Node(domain, op_type, list(inputs), attrs, num_outputs=num_outputs, name=name)
         for i, out in enumerate(node.outputs):
@@ -97,8 +120,18 @@ class GradContext:
         """A constant; with ``like`` it is cast to that value's element type (CastLike)."""
         arr = np.asarray(value, dtype=dtype if dtype is not None else
                          (np.float32 if like is not None else None))
-        out = self.op("Constant", value=ir.tensor(arr))
-        return self.op("CastLike", out, like) if like is not None else out
+        target = _numpy_dtype(like.dtype) if like is not None else None
+        if target is not None:  # like's element type is known: no CastLike needed
+            arr, like = arr.astype(target), None
+        key = (arr.dtype.str, arr.shape, arr.tobytes(), None if like is None else id(like))
+        out = self._consts.get(key)
+        if out is None:  # one node per distinct constant: a chain of n ops shares its zeros
+            out = self.op("Constant", value=ir.Tensor(arr))
+            if like is not None:
+                out = self.op("CastLike", out, like)
+                self._keep.append(like)  # keeps id(like) unique while the key lives
+            self._consts[key] = out
+        return out
 
     def scalar(self, value: float, like: ir.Value) -> ir.Value:
         """The number ``value`` in like's element type and shaped [1] * rank(like) (rank 0 when
