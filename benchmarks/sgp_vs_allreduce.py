@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import ranks  # noqa: E402
 VARIANTS = {  # name -> compile options
     "allreduce": {"strategy": "allreduce"},
     "pushsum": {"strategy": "pushsum"},
@@ -42,14 +42,6 @@ VARIANTS = {  # name -> compile options
 
 
 # --------------------------------------------------------------------------- rank side
-
-def _max(value: float) -> float:
-    from mpi4py import MPI
-
-    buf = np.array([value]), np.empty(1)
-    MPI.COMM_WORLD.Allreduce(buf[0], buf[1], op=MPI.MAX)
-    return float(buf[1][0])
-
 
 def worker_speed(args: argparse.Namespace) -> None:
     import ngdist
@@ -79,7 +71,7 @@ def worker_speed(args: argparse.Namespace) -> None:
                     time.sleep(delay / 1000)
                 tr.step({"x": bx, "y": by})
             tr.flush()
-            elapsed = _max(time.perf_counter() - t0)
+            elapsed = ranks.slowest(time.perf_counter() - t0)
             row[name] = args.steps / elapsed
             row[f"{name}:MB"] = (tr.group.bytes_sent - sent0) / 1e6
             tr.close()
@@ -122,19 +114,7 @@ def worker_accuracy(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, extra_mpiexec: list[str] | None = None,
            env: dict[str, str] | None = None) -> list[dict]:
-    from ngdist.comm.launch import mpiexec_cmd
-
-    out = Path(f"/tmp/ngdist-sgp-{os.getpid()}.json")
-    forward = [a for a in sys.argv[1:] if a != "--netns"]
-    cmd = [*mpiexec_cmd(args.ranks), *(extra_mpiexec or []), sys.executable,
-           str(Path(__file__).resolve()), "--worker", "--out", str(out), *forward]
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                "OMP_NUM_THREADS": "1", **(env or {})}
-    subprocess.run(cmd, check=True, env=full_env)
-    try:
-        return json.loads(out.read_text())
-    finally:
-        out.unlink(missing_ok=True)
+    return ranks.launch(__file__, args, extra_mpiexec, env)
 
 
 def print_speed(rows: list[dict], variants: list[str], title: str) -> None:
@@ -214,26 +194,16 @@ def main() -> int:
     if not args.netns:
         print_speed(launch(args), args.variants, "shared memory (one host)")
         return 0
-    import netns
-
-    why = netns.available()
-    if why:
-        print(f"netns mode skipped: {why}")
+    launched = ranks.launch_in_namespaces(__file__, args)
+    if launched is None:
         return 0
-    with netns.namespaces(args.ranks, args.rate) as mpiexec_args:
-        before = netns.veth_bytes(args.ranks)
-        rows = launch(args, mpiexec_args, {"UCX_TLS": "tcp", "MPICH_CH4_NETMOD": "ucx"})
-        moved = netns.veth_bytes(args.ranks) - before
+    rows, moved = launched
     print_speed(rows, args.variants, f"network namespaces, veth + bridge, tbf {args.rate} per "
                 f"direction, MPICH ch4:ucx over TCP")
     sent = sum(r[f"{v}:MB"] for r in rows for v in args.variants) * args.ranks
     print(f"bytes through the veths: {moved / 1e6:.1f} MB (ngdist payload, timed steps only, "
           f"estimated from rank 0 x {args.ranks}: {sent:.1f} MB)")
-    if moved < 0.9 * sent * 1e6:
-        print("WARNING: less traffic on the veths than the payload: the ranks did not (only) "
-              "talk TCP through the namespaces")
-        return 1
-    return 0
+    return 0 if ranks.veths_carried(moved, int(sent * 1e6)) else 1
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     starts from the newest complete checkpoint there and ``trainer.resumed_from`` says from
     which step (skip the batches before it).
     ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
-    ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``; ``pushsum``:
+    ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``, ``compression``,
+    ``compression_error_feedback``; ``pushsum``:
     ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
     ``servers``; ``simple`` and ``local``: none. An unknown option, or one of another
     strategy, is an OptionError naming the valid ones.
@@ -221,6 +222,9 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     into micro-batches of ``M`` samples whose gradients, buffer averages and loss are summed
     exactly (``all_reduce_alg="exact"``), so training gives the same bits on any number of
     ranks that are fed the same global batches (passes/reproducible.py).
+    ``compression="fp16"|"bf16"`` (allreduce): gradients cross the wire as 16-bit values,
+    half the bytes (passes/compression.py); ``compression_error_feedback=True`` carries what
+    the rounding lost into the next step.
     """
     checkpoint_every, folder = _checkpoint_options(checkpoint_every, checkpoint_dir)
     runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,

@@ -19,7 +19,8 @@ X, Y, _, _ = load_digits()
 OPT = SGD(lr=0.1)
 RUNTIME = ", ".join(RuntimeOptions.names())  # timeout, intra_op_threads, overlap, ...
 PUSHSUM = "graph, overlap, peers_per_itr, synch_freq"
-ALLREDUCE = "all_reduce_alg, bucket_bytes, reproducible_micro_batch"
+ALLREDUCE = ("all_reduce_alg, bucket_bytes, compression, compression_error_feedback, "
+             "reproducible_micro_batch")
 
 
 def _comm_attributes(trainer: ngdist.Trainer) -> list[tuple[str, dict[str, object]]]:

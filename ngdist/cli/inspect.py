@@ -40,8 +40,10 @@ class Summary:
                 attrs = " ".join(f"{k}={v}" for k, v in c["attrs"].items())
                 flat = {0: "", 1: " in one flat buffer"}.get(c["flat"],
                                                              f" in {c['flat']} flat buffers")
+                wire = f" ({c['bytes'] // 2:,} B on the wire as {c['compression']})" \
+                    if c["compression"] != "none" else ""
                 out.append(f"  {c['op']:12s} {c['name']:32s} {len(c['inputs'])} tensor(s)"
-                           f"{flat}, {c['bytes']:,} B  {attrs}")
+                           f"{flat}, {c['bytes']:,} B{wire}  {attrs}")
                 out += [f"      {i:40s} {b:>12,} B" for i, b in c["inputs"]]
         else:
             out.append("comm nodes: none")
@@ -89,16 +91,22 @@ def summarize(model: onnx.ModelProto) -> Summary:
                 members += fused if fused is not None else [i]
             inputs = [(m, value_bytes.get(m, sizes.get(
                 m.removesuffix(".grad").removesuffix(".new"), 0))) for m in members]
+            attrs = {a.name: _attr(a) for a in n.attribute}
             s.comm.append({"op": n.op_type, "name": n.name, "inputs": inputs,
-                           "bytes": sum(b for _, b in inputs), "flat": flat,
-                           "attrs": {a.name: _attr(a) for a in n.attribute}})
+                           "bytes": sum(b for _, b in inputs), "flat": flat, "attrs": attrs,
+                           "compression": attrs.get("compression", "none")})
     return s
 
 
 def _flat_members(name: str, producers: dict[str, onnx.NodeProto]) -> list[str] | None:
     """The tensors of a fused bucket's flat buffer (``Concat`` of ``Reshape``s, as
-    passes/bucketing.py builds it), in buffer order; None if ``name`` is no such buffer."""
+    passes/bucketing.py builds it), in buffer order; None if ``name`` is no such buffer.
+    A compressed bucket's ``Cast`` (and error feedback's ``Add`` of the residual) before the
+    AllReduce are looked through (passes/compression.py)."""
     concat = producers.get(name)
+    for op in ("Cast", "Add"):
+        if concat is not None and concat.domain in ("", "ai.onnx") and concat.op_type == op:
+            concat = producers.get(concat.input[0])
     if concat is None or concat.domain not in ("", "ai.onnx") or concat.op_type != "Concat":
         return None
     reshapes = [producers.get(i) for i in concat.input]

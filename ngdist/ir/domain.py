@@ -19,6 +19,10 @@ DOMAIN = "ngdist"
 # values of AllReduce's "algorithm" attribute (kernels in ngdist/kernels/collectives.py,
 # allreduce_algs.py, exact.py)
 ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical", "exact")
+# values of AllReduce's "compression" attribute: the 16-bit format its input and output are in
+# (the compression pass casts around it, passes/compression.py; the kernel sums 16-bit values
+# with float32 accumulation, kernels/compressed.py); "none" is the default
+COMPRESSIONS = ("fp16", "bf16")
 DOMAIN_VERSION = 1
 PREVIEW_TRAINING = "ai.onnx.preview.training"
 # A hyper-parameter the runtime sets to 1 / (ranks that train): the loss is scaled by it before
@@ -48,9 +52,13 @@ COMM_OPS: dict[str, CommOpSpec] = {
             "bucket sent as one message. Output i has the shape of input i. With algorithm "
             "'exact' the sum is exact and order-independent; micro_batch > 0 (reproducible "
             "mode) means the runtime computes the inputs per micro-batch of that many "
-            "samples and the reduction is over all micro-batches of all ranks.",
+            "samples and the reduction is over all micro-batches of all ranks. compression "
+            "'fp16' or 'bf16': the inputs are 16-bit casts of float32 gradients (float16, or "
+            "bfloat16), summed with float32 accumulation and rounded back to 16 bits at each "
+            "hop of the ring.",
             "variadic",
-            {"reduction": "mean", "bucket": 0, "algorithm": "mpi", "micro_batch": 0},
+            {"reduction": "mean", "bucket": 0, "algorithm": "mpi", "micro_batch": 0,
+             "compression": "none"},
         ),
         CommOpSpec(
             "Broadcast",

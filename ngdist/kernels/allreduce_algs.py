@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -54,8 +54,18 @@ def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
 
 # --------------------------------------------------------------------------- ring
 
-def ring(comm: Any, node: Any, buf: np.ndarray) -> int:
+# ``add(acc, other)``: acc += other in place; the default is numpy's, kernels/compressed.py
+# passes its 16-bit sum with float32 accumulation (the wire buffers are then uint16 views)
+Add = Optional[Callable[[np.ndarray, np.ndarray], None]]
+
+
+def _add(acc: np.ndarray, other: np.ndarray) -> None:
+    np.add(acc, other, out=acc)
+
+
+def ring(comm: Any, node: Any, buf: np.ndarray, add: Add = None) -> int:
     """Ring reduce-scatter + all-gather; returns the bytes this rank sent."""
+    add = add or _add
     p, r = comm.size, comm.rank
     if p == 1 or buf.size == 0:
         return 0
@@ -81,8 +91,7 @@ def ring(comm: Any, node: Any, buf: np.ndarray) -> int:
             for a, b, work in recvs:
                 work.wait()
                 if phase == "reduce-scatter":
-                    part = buf[rlo + a:rlo + b]
-                    np.add(part, tmp[a:b], out=part)
+                    add(buf[rlo + a:rlo + b], tmp[a:b])
             for work in sends:
                 work.wait()
             sent += (shi - slo) * buf.itemsize
@@ -91,8 +100,9 @@ def ring(comm: Any, node: Any, buf: np.ndarray) -> int:
 
 # --------------------------------------------------------------------------- recursive doubling
 
-def recursive_doubling(comm: Any, node: Any, buf: np.ndarray) -> int:
+def recursive_doubling(comm: Any, node: Any, buf: np.ndarray, add: Add = None) -> int:
     """Recursive doubling, correct for any number of ranks; returns the bytes sent."""
+    add = add or _add
     p, r = comm.size, comm.rank
     if p == 1 or buf.size == 0:
         return 0
@@ -108,7 +118,7 @@ def recursive_doubling(comm: Any, node: Any, buf: np.ndarray) -> int:
             world.exchange([], [(buf, r + 1)], _TAG, node).wait()
             return sent
         world.exchange([], [(tmp, r - 1)], _TAG, node).wait()
-        np.add(tmp, buf, out=buf)
+        add(buf, tmp)
         new = r // 2
     else:
         new = r - rem
@@ -118,7 +128,7 @@ def recursive_doubling(comm: Any, node: Any, buf: np.ndarray) -> int:
         peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
         world.exchange([(buf, peer)], [(tmp, peer)], _TAG, node).wait()
         sent += buf.nbytes
-        np.add(buf, tmp, out=buf)  # a + b == b + a exactly: both partners hold the same sum
+        add(buf, tmp)  # a + b == b + a exactly: both partners hold the same sum
         mask <<= 1
     if r < 2 * rem:  # hand the result back to the even neighbour that sat out
         world.exchange([(buf, r - 1)], [], _TAG, node).wait()
@@ -160,11 +170,13 @@ ALGORITHMS: dict[str, Callable[[Any, Any, np.ndarray], int]] = {
 assert set(ALGORITHMS) | {"mpi", "exact"} == set(ALLREDUCE_ALGORITHMS)  # exact: kernels/exact.py
 
 
-def sum_inplace(algorithm: str, comm: Any, node: Any, buf: np.ndarray) -> None:
-    """Sum ``buf`` over all ranks in place with ``algorithm``; counts the bytes sent."""
+def sum_inplace(algorithm: str, comm: Any, node: Any, buf: np.ndarray, add: Add = None) -> None:
+    """Sum ``buf`` over all ranks in place with ``algorithm`` (``add`` for ring and
+    recursive doubling); counts the bytes sent."""
     fn = ALGORITHMS.get(algorithm)
     if fn is None:
         raise CommError(f"unknown all_reduce_alg {algorithm!r} on ngdist.AllReduce "
                         f"'{getattr(node, 'name', node)}'; choose one of "
                         f"{list(ALLREDUCE_ALGORITHMS)}")
-    comm.bytes_sent += fn(comm, node, buf)  # private groups count their own bytes
+    sent = fn(comm, node, buf) if add is None else fn(comm, node, buf, add)
+    comm.bytes_sent += sent  # private groups count their own bytes

@@ -10,6 +10,7 @@ import numpy as np
 
 from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.kernels.base import divide, donated, flatten, register_kernel, unflatten
+from ngdist.kernels.compressed import compressed_allreduce
 from ngdist.kernels.exact import exact_allreduce
 
 
@@ -25,7 +26,8 @@ def _in_place(node, inputs) -> bool:
                  alone_identity=lambda attributes: attributes.get("algorithm") != "exact")
 def allreduce(group, node, inputs):
     """Sum (or mean) over the ranks, with MPI's own algorithm or the one named by the
-    ``algorithm`` attribute (kernels/allreduce_algs.py, kernels/exact.py)."""
+    ``algorithm`` attribute (kernels/allreduce_algs.py, kernels/exact.py); 16-bit buffers
+    (``compression`` fp16/bf16) by kernels/compressed.py."""
     algorithm = node.attributes.get("algorithm", "mpi")
     if algorithm == "exact":  # reproducible mode
         return exact_allreduce(group, node, inputs)
@@ -35,12 +37,15 @@ def allreduce(group, node, inputs):
     # else a copy (in the node's reused buffer): never reduce into a value others still read
     buf = inputs[0] if in_place else flatten(inputs, node)
     flat = buf.reshape(-1)  # a view: the buffer is contiguous
-    if algorithm == "mpi":
-        group.allreduce(flat, node).wait()
+    if node.attributes.get("compression", "none") != "none":
+        compressed_allreduce(group, node, flat, algorithm)  # the mean too
     else:
-        sum_inplace(algorithm, group, node, flat)
-    if node.attributes.get("reduction", "mean") == "mean":
-        divide(flat, group.size)
+        if algorithm == "mpi":
+            group.allreduce(flat, node).wait()
+        else:
+            sum_inplace(algorithm, group, node, flat)
+        if node.attributes.get("reduction", "mean") == "mean":
+            divide(flat, group.size)
     return [buf] if in_place else unflatten(buf, inputs)
 
 

@@ -32,9 +32,9 @@ class BucketingPass(ir.passes.InPlacePass):
 
     Gradients are taken in the order the backward pass produces them (last layer first, as in
     PyTorch DDP); a bucket closes when the next gradient would take it past ``bucket_bytes``
-    or has another element type, reduction or algorithm. A tensor of ``ALONE_BYTES`` or more
-    (256 KiB) gets a bucket of its own and leaves the open bucket of small tensors open, so no
-    large gradient is copied. ``bucket_bytes <= 0`` leaves one AllReduce per gradient
+    or has another element type, reduction, algorithm or compression (passes/compression.py).
+    A tensor of ``ALONE_BYTES`` or more (256 KiB) gets a bucket of its own and leaves the open
+    bucket of small tensors open, so no large gradient is copied. ``bucket_bytes <= 0`` leaves one AllReduce per gradient
     (numbered buckets still).
 
     A bucket of several tensors becomes, right after the producer of its last gradient::
@@ -69,7 +69,7 @@ class BucketingPass(ir.passes.InPlacePass):
         singles.sort(key=ready)
         buckets = self._group(singles)
         opset = model.opset_imports.get("", model.graph.opset_imports.get("", 0))
-        names = _Names(graph)
+        names = FreshNames(graph)
         first = 1 + max((attr(n, "bucket") for n in graph if n.domain == DOMAIN
                          and n.op_type == "AllReduce" and "bucket" in n.attributes), default=-1)
         for idx, bucket in enumerate(buckets, start=first):
@@ -99,7 +99,8 @@ class BucketingPass(ir.passes.InPlacePass):
             fits = cur is not None and self.bucket_bytes > 0 and size + b <= self.bucket_bytes \
                 and cur[0].inputs[0].dtype == g.dtype \
                 and attr(cur[0], "reduction", "mean") == attr(n, "reduction", "mean") \
-                and attr(cur[0], "algorithm", "mpi") == attr(n, "algorithm", "mpi")
+                and attr(cur[0], "algorithm", "mpi") == attr(n, "algorithm", "mpi") \
+                and attr(cur[0], "compression", "none") == attr(n, "compression", "none")
             if fits:
                 cur.append(n)
                 size += b
@@ -112,16 +113,24 @@ class BucketingPass(ir.passes.InPlacePass):
 
 def reduced_by(value: ir.Value) -> ir.Node | None:
     """The comm node whose result ``value`` is: its producer, or for a tensor of a flat
-    bucket (``Reshape(Split(AllReduce(...))[i])``) the bucket's AllReduce; else None."""
+    bucket (``Reshape(Split(AllReduce(...))[i])``) the bucket's AllReduce, also through the
+    ``Cast`` back to float32 of a compressed AllReduce (passes/compression.py); else None."""
     node = value.producer()
     if node is not None and node.domain == "" and node.op_type == "Reshape":
-        split = node.inputs[0].producer() if node.inputs[0] is not None else None
+        split = _producer(node)
         if split is not None and split.domain == "" and split.op_type == "Split":
-            node = split.inputs[0].producer() if split.inputs[0] is not None else None
+            node = _producer(split)
+    if node is not None and node.domain == "" and node.op_type == "Cast":
+        node = _producer(node)
     return node if node is not None and is_comm_node(node.domain, node.op_type) else None
 
 
-class _Names:
+def _producer(node: ir.Node) -> ir.Node | None:
+    """The producer of ``node``'s first input."""
+    return node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+
+
+class FreshNames:
     """Fresh value names: ``base`` if the graph does not use it yet, else ``base.1``,
     ``base.2``... Derived only from the graph's own names, so every rank gets the same."""
 
@@ -145,7 +154,7 @@ def _bucket_attributes(bucket: list[ir.Node], idx: int) -> list[ir.Attr]:
     return ir.convenience.convert_attributes(attrs)
 
 
-def _take_over(olds: Sequence[ir.Value], news: Sequence[ir.Value]) -> None:
+def take_over(olds: Sequence[ir.Value], news: Sequence[ir.Value]) -> None:
     """Every consumer (and step output) of ``olds[i]`` reads ``news[i]``, under the same name."""
     for old, new in zip(olds, news):
         name = old.name
@@ -161,14 +170,14 @@ def _fuse_list(graph: ir.Graph, bucket: list[ir.Node], idx: int) -> None:
                     _bucket_attributes(bucket, idx), num_outputs=len(bucket),
                     name=f"ngdist/allreduce/bucket{idx}")
     graph.insert_after(bucket[-1], fused)
-    _take_over([n.outputs[0] for n in bucket], fused.outputs)
+    take_over([n.outputs[0] for n in bucket], fused.outputs)
     graph.remove(bucket, safe=True)
 
 
-class _Emitter:
+class Emitter:
     """Builds the nodes of one bucket in order, naming every value and node."""
 
-    def __init__(self, names: _Names, prefix: str) -> None:
+    def __init__(self, names: FreshNames, prefix: str) -> None:
         self.names, self.prefix = names, prefix
         self.nodes: list[ir.Node] = []
 
@@ -201,7 +210,7 @@ def _static_dims(value: ir.Value) -> list[int] | None:
     return [int(d) for d in value.shape.dims]
 
 
-def _fuse_flat(graph: ir.Graph, bucket: list[ir.Node], idx: int, names: _Names,
+def _fuse_flat(graph: ir.Graph, bucket: list[ir.Node], idx: int, names: FreshNames,
                opset: int) -> None:
     """Reshape+Concat -> one flat AllReduce -> Split+Reshape, after the bucket's last node."""
     grads = [n.inputs[0] for n in bucket]
@@ -215,7 +224,7 @@ def _fuse_flat(graph: ir.Graph, bucket: list[ir.Node], idx: int, names: _Names,
         raise GraphError(f"bucket {idx}: gradients of dynamic shape need Split with its sizes "
                          f"as an input (opset >= {SPLIT_SIZES_INPUT_OPSET}); the step graph "
                          f"has opset {opset}")
-    emit = _Emitter(names, f"ngdist/bucket{idx}")
+    emit = Emitter(names, f"ngdist/bucket{idx}")
 
     flat_shape = emit.ints("flat_shape", [-1])
     flats = [emit.op("Reshape", [g, flat_shape], f"flatten{i}", [f"{g.name}.flat"],
@@ -251,5 +260,5 @@ def _fuse_flat(graph: ir.Graph, bucket: list[ir.Node], idx: int, names: _Names,
             for i, (p, t, o) in enumerate(zip(pieces, targets, olds))]
 
     graph.insert_after(bucket[-1], emit.nodes)
-    _take_over(olds, news)
+    take_over(olds, news)
     graph.remove(bucket, safe=True)

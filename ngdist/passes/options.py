@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ngdist.errors import OptionError
-from ngdist.ir.domain import ALLREDUCE_ALGORITHMS
+from ngdist.ir.domain import ALLREDUCE_ALGORITHMS, COMPRESSIONS
 from ngdist.passes.pushsum import GRAPHS
 
 Spell = Callable[[str], str]
@@ -186,12 +186,24 @@ class AllReduceOptions(StrategyOptions):
     reproducible_micro_batch: int = _knob(0, "reproducible mode, gradients of micro-batches of M "
                                           "samples summed exactly (the same bits on any "
                                           "number of ranks)", metavar="M")
+    compression: str = _knob("none", "gradient compression on the wire: none (default) | fp16 "
+                             "| bf16 (each AllReduce's input cast to 16 bits and back, half the "
+                             "bytes)", metavar="{none," + ",".join(COMPRESSIONS) + "}")
+    compression_error_feedback: bool = _knob(False, "with compression: keep what the cast to "
+                                             "16 bits lost in a per-bucket residual and add "
+                                             "it to the next step's gradients")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.all_reduce_alg not in ALLREDUCE_ALGORITHMS:
             raise OptionError(f"unknown all_reduce_alg {self.all_reduce_alg!r}; choose one of "
                               f"{list(ALLREDUCE_ALGORITHMS)}")
+        if self.compression not in ("none", *COMPRESSIONS):
+            raise OptionError(f"unknown compression {self.compression!r}; choose one of "
+                              f"{['none', *COMPRESSIONS]}")
+        if self.compression_error_feedback and self.compression == "none":
+            raise OptionError("compression_error_feedback needs a compression (fp16 or bf16); "
+                              "pass compression='fp16' or 'bf16' too, or leave it out")
 
 
 @dataclass(frozen=True)

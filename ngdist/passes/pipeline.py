@@ -5,6 +5,8 @@
 ``allreduce`` with ``reproducible_micro_batch=M``: the same with ``all_reduce_alg="exact"`` and
 the reproducible-mode pass (exact loss average, micro-batch size on the exact AllReduce nodes)
 before bucketing.
+``allreduce`` with ``compression="fp16"|"bf16"``: the same, then the compression pass (each
+AllReduce's input cast to 16 bits and its result back to float32).
 ``local``: autodiff -> optimizer lowering (one process, no communication).
 ``pushsum``, ``ps`` and ``simple``: their comm pass between autodiff and optimizer lowering.
 Each factory takes its strategy's typed options (passes/options.py); nothing is swallowed.
@@ -23,6 +25,8 @@ from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
+from ngdist.passes.compression import (COMPRESSED_ALGORITHMS, CompressionMarkingPass,
+                                       GradientCompressionPass)
 from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.gradscale import GradientPrescalePass
 from ngdist.passes.optimizers import OptimizerLoweringPass
@@ -51,9 +55,24 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
     # the mean as a sum of gradients prescaled by 1/N (passes/gradscale.py); reproducible
     # mode keeps the exact kernel's own mean
     prescale = [] if reproducible else [GradientPrescalePass()]
+    marking: list[ir.passes.PassBase] = []
+    compression: list[ir.passes.PassBase] = []
+    if o.compression != "none":  # 16-bit copies on the wire (passes/compression.py)
+        if reproducible:
+            raise OptionError(f"compression={o.compression!r} cannot be combined with "
+                              "reproducible_micro_batch: reproducible mode sums the float32 "
+                              "gradients exactly, rounding them to 16 bits would undo it; "
+                              "leave one of the two out")
+        if algorithm not in COMPRESSED_ALGORITHMS:
+            raise OptionError(f"compression={o.compression!r} cannot run with "
+                              f"all_reduce_alg={algorithm!r} (16-bit buffers are summed by "
+                              f"ngdist's ring or recursive doubling, 'mpi' picks the ring); "
+                              f"choose one of {list(COMPRESSED_ALGORITHMS)}")
+        marking = [CompressionMarkingPass(o.compression)]
+        compression = [GradientCompressionPass(o.compression_error_feedback)]
     return [*prescale, AllReduceInsertionPass("mean", algorithm),
-            BufferAverageInsertionPass(algorithm), *reproducible,
-            BucketingPass(o.bucket_bytes)]
+            BufferAverageInsertionPass(algorithm), *reproducible, *marking,
+            BucketingPass(o.bucket_bytes), *compression]
 
 
 def _local(o: LocalOptions) -> list[ir.passes.PassBase]:

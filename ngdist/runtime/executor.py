@@ -12,6 +12,7 @@ overlaps with the compute segments that do not need its result.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Iterable
@@ -41,6 +42,7 @@ _ORT_TYPES = {
     "tensor(int8)": onnx.TensorProto.INT8, "tensor(uint8)": onnx.TensorProto.UINT8,
     "tensor(bool)": onnx.TensorProto.BOOL, "tensor(int16)": onnx.TensorProto.INT16,
 }
+BFLOAT16 = "tensor(bfloat16)"
 
 
 @dataclass
@@ -228,24 +230,41 @@ class Executor:
     # ------------------------------------------------------------------ comm
     def _views(self, spec: KernelSpec, values: list[ort.OrtValue]) -> list[Any]:
         """The kernel's inputs: views of the values' memory, staged to the host only when the
-        kernel reads host memory and the values live on a device."""
+        kernel reads host memory and the values live on a device. A bfloat16 value (no numpy
+        type) is a ``uint16`` view of its bits."""
         if spec.memory == "host":  # on CPU the same memory; from a device, a host copy
-            return [v.numpy() for v in values]
+            return [self._bits(v) if v.data_type() == BFLOAT16 else v.numpy() for v in values]
         raise NgdistError(f"ngdist.{spec.op_type} has a {spec.memory}-memory kernel, which "
                           f"the {self.placement.device} placement cannot feed")
+
+    def _bits(self, value: ort.OrtValue) -> np.ndarray:
+        """A writable ``uint16`` view of a bfloat16 value's memory on the CPU."""
+        if self.placement.device != "cpu":
+            raise NgdistError(f"bfloat16 values reach host kernels only on the CPU placement, "
+                              f"not {self.placement.device!r}; use compression='fp16' there")
+        shape = tuple(value.shape())
+        count = int(np.prod(shape, dtype=np.int64))
+        if count == 0:
+            return np.empty(shape, np.uint16)
+        memory = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+        return np.ctypeslib.as_array(memory).reshape(shape)
 
     def _wrap(self, outs: list[Any], inputs: list[Any], values: list[ort.OrtValue]
               ) -> list[ort.OrtValue]:
         """Kernel results as OrtValues: an input handed back is its own value again; a new
-        array is wrapped without a copy (on CPU)."""
+        array is wrapped without a copy (on CPU), as bfloat16 where input i of the same
+        position was (the kernel returns its bits as ``uint16``)."""
         wrapped = []
         on_cpu = self.placement.device == "cpu"
-        for out in outs:
+        for i, out in enumerate(outs):
             same = next((v for x, v in zip(inputs, values) if x is out), None) if on_cpu \
                 else None
-            wrapped.append(same if same is not None else
-                           self.placement.value(out if out.flags.c_contiguous
-                                                else np.array(out, order="C")))
+            if same is None:
+                out = out if out.flags.c_contiguous else np.array(out, order="C")
+                bf16 = out.dtype == np.uint16 and i < len(values) and \
+                    values[i].data_type() == BFLOAT16
+                same = self.placement.value(out, onnx.TensorProto.BFLOAT16 if bf16 else None)
+            wrapped.append(same)
         return wrapped
 
     def _run_comm(self, idx: int, values: list[ort.OrtValue]) -> tuple[list[ort.OrtValue], float]:

@@ -45,9 +45,15 @@ class Placement:
         """The device name IOBinding and OrtValue take."""
         return self.device
 
-    def value(self, array: np.ndarray) -> ort.OrtValue:
+    def value(self, array: np.ndarray, onnx_type: int | None = None) -> ort.OrtValue:
         """An OrtValue on this placement holding ``array`` (on CPU: the array itself, no copy;
-        keep the array alive as long as the value)."""
+        keep the array alive as long as the value). ``onnx_type`` reinterprets the array's
+        elements as that ONNX type of the same size (``uint16`` bits as bfloat16)."""
+        if onnx_type is not None:
+            if self.device != "cpu":
+                raise NgdistError(f"{onnx.TensorProto.DataType.Name(onnx_type)} values are "
+                                  f"made only on the CPU placement, not {self.device!r}")
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, onnx_type)
         if self.device == "cpu":
             return ort.OrtValue.ortvalue_from_numpy(array)
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device,
