@@ -12,6 +12,7 @@ from tqdm import tqdm
 import ngdist
 from ngdist import zoo
 from ngdist.cli.run import add_launch_arguments, launch
+from ngdist.cli.train import epoch_mean_loss
 from ngdist.comm import world_rank_size
 from ngdist.data import load_digits
 
@@ -39,16 +40,18 @@ def main(argv: list[str] | None = None) -> int:
         perm = np.random.default_rng(epoch).permutation(len(x_train))  # same on every rank
         batches = ((x_train[perm[i:i + global_batch]], y_train[perm[i:i + global_batch]])
                    for i in range(0, steps_per_epoch * global_batch, global_batch))
+        epoch_loss = np.zeros(2)  # this rank's sum of step losses, steps
         for x, y in trainer.shard(batches):
-            loss = trainer.step({"x": x, "y": y}).loss
+            epoch_loss += (trainer.step({"x": x, "y": y}).loss, 1)
             bar.update(1)
+        loss = epoch_mean_loss(trainer, epoch_loss)
         bar.set_postfix(epoch=epoch + 1, loss=f"{loss:.4f}")
     bar.close()
     accuracy = float((trainer.predict({"x": x_test})[0].argmax(1) == y_test).mean())
     if rank == 0:
         print(f"ranks: {size}  epochs: {args.epochs}  global batch: {global_batch}  "
               f"time: {time.perf_counter() - start:.1f} s")
-        print(f"final training loss (rank 0 shard): {loss:.4f}")
+        print(f"last epoch's training loss (mean over ranks): {loss:.4f}")
         print(f"test accuracy: {accuracy:.4f} on {len(y_test)} held-out digits")
     if args.save:
         trainer.save(args.save)

@@ -248,9 +248,11 @@ def train(args: argparse.Namespace) -> int:
         perm = np.random.default_rng(args.seed + epoch).permutation(samples)  # same everywhere
         batches = ({k: v[perm[i:i + global_batch]] for k, v in data.items()}
                    for i in range(first * global_batch, steps * global_batch, global_batch))
+        epoch_loss = np.zeros(2)  # this rank's sum of step losses, steps
         for batch in trainer.shard(batches):
-            loss = trainer.step(batch).loss
+            epoch_loss += (trainer.step(batch).loss, 1)
             bar.update(1)
+        loss = epoch_mean_loss(trainer, epoch_loss)
         shown = {"epoch": epoch + 1, "loss": f"{loss:.4f}"}
         if val is not None:
             result = trainer.evaluate(val)
@@ -268,7 +270,7 @@ def train(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"trained {args.epochs} epoch(s), {args.epochs * steps} steps of {global_batch} "
               f"samples on {size} rank(s) in {time.perf_counter() - start:.1f} s; "
-              f"final loss (rank 0 shard) {loss:.4f}")
+              f"last epoch's loss (mean over ranks) {loss:.4f}")
         if trainer.resumed_from:
             print(f"resumed from the checkpoint of step {trainer.resumed_from}")
         if args.save:
@@ -276,6 +278,15 @@ def train(args: argparse.Namespace) -> int:
         if args.log_dir:
             print(f"metrics: {Path(args.log_dir) / CSV_NAME}")
     return 0
+
+
+def epoch_mean_loss(trainer: Any, sums: np.ndarray) -> float:
+    """The mean step loss of an epoch over every training rank (``sums``: this rank's sum of
+    step losses and its step count); one small allreduce among the training ranks."""
+    group = trainer.stats_group
+    if group is not None and group.size > 1:
+        group.allreduce(sums, "the epoch's mean loss").wait()
+    return float(sums[0] / sums[1]) if sums[1] else float("nan")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
