@@ -188,3 +188,24 @@ def test_evaluate_refuses_labels_out_of_range_and_a_bad_batch_size():
     with pytest.raises(InputError, match=r"^evaluate\(batch_size=0\): give a whole number of "
                                          r"samples, at least 1$"):
         tr.evaluate({"x": x_val, "y": y_val}, batch_size=0)
+
+
+def test_a_job_resumed_from_a_checkpoint_goes_on_in_the_same_metrics_csv(tmp_path):
+    """The first run checkpoints at step 4 and logs 5 steps; a second run from the same
+    checkpoint folder resumes at step 4 and appends its steps 5..7 under the same header."""
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+
+    def run(steps: int) -> ngdist.Trainer:
+        tr = ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=ngdist.optim.SGD(lr=0.1),
+                            log_dir=logs, log_every=1, checkpoint_every=4, checkpoint_dir=ckpt)
+        x, y, _, _ = load_digits()
+        for s in range(tr.resumed_from, steps):
+            tr.step({"x": x[s * 32:(s + 1) * 32], "y": y[s * 32:(s + 1) * 32]})
+        tr.close()
+        return tr
+
+    assert run(5).resumed_from == 0
+    assert run(7).resumed_from == 4
+    rows = read_csv(logs / "metrics.csv")
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 5, 6, 7]
+    assert (logs / "metrics.csv").read_text().count("step,epoch,split") == 1
