@@ -126,8 +126,9 @@ def _one_free_axis(shapes: list[np.ndarray]) -> np.ndarray | None:
 def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     """Inputs for ``fold_static_shapes`` from the data inputs' declared types: every
     symbolic or unknown extent takes each of ``BATCH_SIZES`` (a differently rotated sequence
-    per dimension name, so two named axes never move in lockstep); floats are normal noise,
-    other types zeros (valid indices for an embedding)."""
+    per dimension name, so up to three named axes never move in lockstep); floats are normal
+    noise, other types zeros (valid indices for an embedding). Empty when an input has no
+    declared shape (nothing to probe with: the graph stays as it is)."""
     g = model.graph
     inits = {t.name for t in g.initializer}
     rng = np.random.default_rng(0)
@@ -135,8 +136,10 @@ def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     feeds: list[dict[str, np.ndarray]] = [{} for _ in BATCH_SIZES]
     for inp in g.input:
         tt = inp.type.tensor_type
-        if inp.name in inits or not tt.HasField("shape"):
+        if inp.name in inits:
             continue
+        if not tt.HasField("shape") or not tt.elem_type:
+            return []
         dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
         for k, feed in enumerate(feeds):
             dims = []

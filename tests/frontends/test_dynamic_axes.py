@@ -240,3 +240,44 @@ def test_module_with_batch_dependent_views_trains_like_torch(name):
     trainer.to_torch()
     for p, value in module.named_parameters():
         assert max_rel_err(value.detach().numpy(), theirs[p]) <= TOL, p
+
+
+def test_reshape_targets_that_vary_with_the_batch_become_minus_one_constants():
+    """x.view(x.size(0), 12, -1) of x [batch, 3, 4, length]: with a static length only the
+    batch axis of the output varies and the target becomes [-1, 12, 4]; with a symbolic
+    length two axes vary and the target stays computed at run time. Either way the
+    normalized model computes numpy's reshape."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import onnxruntime as ort
+
+    from ngdist.frontends.onnx import normalize_forward
+
+    def model(length):
+        i64 = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+        nodes = [helper.make_node("Shape", ["x"], ["s"]),
+                 helper.make_node("Gather", ["s", "zero"], ["b"]),
+                 helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"]),
+                 helper.make_node("Concat", ["b1", "tail"], ["target"], axis=0),
+                 helper.make_node("Reshape", ["x", "target"], ["y"], name="view")]
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                       ["batch", 3, 4, length])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            [i64("zero", 0), i64("axes0", [0]), i64("tail", [12, -1])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    for length, folded in ((4, True), ("length", False)):
+        norm = normalize_forward(model(length))
+        inits = {t.name: numpy_helper.to_array(t) for t in norm.graph.initializer}
+        view = next(n for n in norm.graph.node if n.op_type == "Reshape")
+        if folded:
+            np.testing.assert_array_equal(inits[view.input[1]], [-1, 12, 4])
+            assert [n.op_type for n in norm.graph.node] == ["Reshape"]
+            dims = norm.graph.output[0].type.tensor_type.shape.dim
+            assert [d.dim_value or None for d in dims] == [None, 12, 4]
+        else:
+            assert view.input[1] not in inits and "Shape" in [n.op_type for n in norm.graph.node]
+        sess = ort.InferenceSession(norm.SerializeToString(), providers=["CPUExecutionProvider"])
+        x = np.arange(5 * 3 * 4 * (4 if folded else 6), dtype=np.float32).reshape(5, 3, 4, -1)
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x.reshape(5, 12, -1))

@@ -8,6 +8,9 @@ input with the output gradient, batch and channels swapped, the forward stride b
 dilation.
 ConvTranspose is the adjoint: its data gradient is a Conv, its weight gradient the same
 computation with the roles of input and output gradient swapped.
+Static spatial sizes are constants (attributes); symbolic ones are read at run time: the data
+gradient's window is fitted to Shape(x) (``_common.fit_spatial``) instead of output_padding,
+and the weight gradient takes the single-Conv form.
 """
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ maximum in row-major order, as onnxruntime's kernel picks): MaxUnpool when the w
 disjoint (stride >= window extent), else a ScatterElements that adds where windows overlap.
 AveragePool divides the gradient by each window's divisor and spreads it over the window: a
 nearest Resize when the windows tile the input, else a ConvTranspose of a ones kernel
-(count_include_pad either way, ceil_mode, pads, strides, dilations).
+(count_include_pad either way, ceil_mode, pads, strides, dilations); over symbolic spatial sizes
+the divisors come from a Conv of ones at run time and the spread is fitted to Shape(x).
 """
 from __future__ import annotations
 
