@@ -7,7 +7,7 @@ batch-dependent views (``x.view(b, g, c // g, h, w)``, ``x.view(b, -1)``) go thr
 ``ngdist.compile(module, ...)``. For each: the loss and every parameter gradient equal torch
 autograd (float64 reference, ngdist in float32, max relative error <= 1e-4) at two batch sizes,
 and three SGD steps through one compiled trainer, fed the two batch sizes in turn, leave the
-same parameters as torch's SGD.
+same parameters as torch's SGD (also on 2 ranks under mpiexec for the encoder file).
 """
 from __future__ import annotations
 
@@ -281,3 +281,47 @@ def test_reshape_targets_that_vary_with_the_batch_become_minus_one_constants():
         sess = ort.InferenceSession(norm.SerializeToString(), providers=["CPUExecutionProvider"])
         x = np.arange(5 * 3 * 4 * (4 if folded else 6), dtype=np.float32).reshape(5, 3, 4, -1)
         np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x.reshape(5, 12, -1))
+
+
+RANKS_SCRIPT = """
+import sys
+import numpy as np
+import ngdist
+
+path, data = sys.argv[1], np.load(sys.argv[2])
+trainer = ngdist.compile(path, loss="softmax_cross_entropy", labels="y",
+                         optimizer=ngdist.optim.SGD(lr=float(sys.argv[3])), timeout=60)
+r, n = trainer.rank, trainer.size
+for step in range(int(data["steps"])):
+    x, y = data[f"x{step}"], data[f"y{step}"]
+    half = len(x) // n
+    trainer.step({"x": x[r * half:(r + 1) * half], "y": y[r * half:(r + 1) * half]})
+np.savez(f"params{r}.npz", **trainer.parameters())
+"""
+
+
+@pytest.mark.mpi
+def test_exported_encoder_with_dynamic_batch_trains_on_two_ranks(ranks, tmp_path):
+    """The encoder file on 2 ranks under mpiexec, each rank fed its half of global batches of
+    6 and 10 (3 and 5 per rank, one compiled trainer): every rank ends with the parameters of
+    torch's SGD on the global batches."""
+    torch.manual_seed(0)
+    module = Encoder()
+    _distinct_parameters(module)
+    path = str(tmp_path / "encoder.onnx")
+    _export(module, _batch("tokens", 2, 99)[0], path, "torchscript", False)
+    names = _file_names(path, module)
+    steps = [_batch("tokens", n, seed) for seed, n in enumerate((6, 10, 6))]
+    data = {"steps": np.array(len(steps))}
+    for i, (x, y) in enumerate(steps):
+        data[f"x{i}"], data[f"y{i}"] = x, y
+    np.savez(tmp_path / "batches.npz", **data)
+    proc = ranks(2, RANKS_SCRIPT, timeout=240,
+                 args=[path, str(tmp_path / "batches.npz"), str(LR)])
+    assert proc.returncode == 0
+    results = [np.load(tmp_path / f"params{r}.npz") for r in range(2)]
+    theirs = _sgd_reference(module, steps)
+    for mine in results:
+        for p, (o, t) in names.items():
+            value = np.asarray(mine[o], np.float64)
+            assert max_rel_err(value.T if t else value, theirs[p]) <= TOL, p
