@@ -1,4 +1,5 @@
-"""Helpers shared by rule families: ranks and sizes (static or read at run time), window\ngeometry, extra forward outputs."""
+"""Helpers shared by rule families: ranks and sizes (static or read at run time), window
+geometry, extra forward outputs."""
 from __future__ import annotations
 
 import onnx_ir as ir
