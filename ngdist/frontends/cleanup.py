@@ -5,8 +5,8 @@
   of values downstream (torch's ``unflatten`` in multi-head attention is one case), and
   gradient rules need ranks. Every value that depends on shapes only is evaluated in
   onnxruntime for several batch sizes; the ones that do not change become initializers.
-  A Reshape whose target varies with the batch gets a constant target with ``-1`` on the
-  one axis that varies, so that shape inference sees through ``x.view(batch, ...)``.
+  A Reshape whose target varies with the batch gets a constant target with ``0`` or ``-1`` on
+  the one axis that varies, so that shape inference sees through ``x.view(batch, ...)``.
 * ``unbiased_running_var``: PyTorch's BatchNorm updates its running variance with the
   unbiased batch variance, ONNX's BatchNormalization with the biased one.
 """
@@ -49,29 +49,35 @@ def _shape_only_values(model: onnx.ModelProto) -> list[str]:
 def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
                        ) -> int:
     """Replaces shape-only values that are equal for every feed by initializers, and gives
-    batch-dependent Reshapes a constant target with ``-1`` on the one axis that varies.
+    batch-dependent Reshapes a constant target with ``0`` or ``-1`` on the one axis that
+    varies.
 
     ``feeds``: the same inputs at different batch sizes (see ``BATCH_SIZES``). A Reshape
     whose target is computed at run time (``x.view(x.size(0), g, c // g, h, w)`` exports as
     Shape -> Gather -> Concat -> Reshape) is rewritten when its output, at every feed, has the
-    same extent on all axes but one: the target becomes those extents with ``-1`` on the
-    varying axis, which onnxruntime resolves from the element count to the same value, and
-    shape inference then knows the rank and the static extents downstream. Returns the number
-    of values folded plus the number of Reshape targets made constant.
+    same extent on all axes but one: the target becomes those extents with, on the varying
+    axis, ``0`` (copy the input's extent) where the input has that same extent on the same
+    axis at every feed, else ``-1`` (onnxruntime resolves it from the element count to the
+    same value). Shape inference then knows the rank and the static extents downstream, and
+    with ``0`` also the input's symbol (``batch``) on that axis, so broadcasting against
+    other batch-sized values is resolved statically. Returns the number of values folded
+    plus the number of Reshape targets made constant.
     """
     g = model.graph
     candidates = _shape_only_values(model)
     inits = {t.name for t in g.initializer}
     reshapes = [n for n in g.node if n.op_type == "Reshape" and n.domain in ("", "ai.onnx")
                 and len(n.input) > 1 and n.input[1] not in inits]
-    probes = [f"{n.output[0]}/ngdist.probe_shape" for n in reshapes]
+    probes = [(f"{n.output[0]}/ngdist.probe_shape", f"{n.output[0]}/ngdist.probe_in_shape")
+              for n in reshapes]
     if (not candidates and not reshapes) or len(feeds) < 2:
         return 0
     probe = copy.deepcopy(model)
     del probe.graph.output[:]
-    probe.graph.node.extend(helper.make_node("Shape", [n.output[0]], [name])
-                            for n, name in zip(reshapes, probes))
-    names = [*candidates, *probes]
+    for node, (out_shape, in_shape) in zip(reshapes, probes):
+        probe.graph.node.extend([helper.make_node("Shape", [node.output[0]], [out_shape]),
+                                 helper.make_node("Shape", [node.input[0]], [in_shape])])
+    names = [*candidates, *(name for pair in probes for name in pair)]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
     try:
         sess = make_session(probe, optimize=False)
@@ -85,10 +91,12 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
         if all(v.shape == vals[0].shape and np.array_equal(v, vals[0]) for v in vals[1:]):
             fixed[name] = vals[0]
     targets = 0
-    for node, name in zip(reshapes, probes):
+    for node, (out_shape, in_shape) in zip(reshapes, probes):
         if node.input[1] in fixed:
             continue
-        target = _one_free_axis([np.asarray(r[name]) for r in runs])
+        allowzero = any(a.name == "allowzero" and a.i for a in node.attribute)
+        target = _one_free_axis([np.asarray(r[out_shape]) for r in runs],
+                                [] if allowzero else [np.asarray(r[in_shape]) for r in runs])
         if target is not None:
             node.input[1] = f"{node.output[0]}/ngdist.target"
             fixed[node.input[1]] = target
@@ -108,18 +116,23 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     return len(folded)
 
 
-def _one_free_axis(shapes: list[np.ndarray]) -> np.ndarray | None:
-    """The Reshape target ``[d0, .., -1, .., dn]`` that gives every one of ``shapes`` (the
-    output shapes of one Reshape at several batch sizes) when exactly one axis varies, the
-    others are equal and non-zero (a 0 would copy an input extent); else None."""
+def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:
+    """The Reshape target that gives every one of ``shapes`` (the output shapes of one
+    Reshape at several batch sizes, ``inputs`` its input shapes, empty when a 0 in the
+    target would not copy) when exactly one axis varies and the others are equal and
+    non-zero (a 0 would copy an input extent): ``0`` on the varying axis where the input has
+    the same extents there, else ``-1``; None otherwise."""
     if len({s.shape for s in shapes}) != 1 or shapes[0].ndim != 1:
         return None
     stacked = np.stack(shapes)
     varying = [a for a in range(stacked.shape[1]) if len(set(stacked[:, a].tolist())) > 1]
     if len(varying) != 1 or not np.all(np.delete(stacked[0], varying) > 0):
         return None
+    axis = varying[0]
+    copies = bool(inputs) and all(len(i) > axis and i[axis] == s[axis]
+                                  for s, i in zip(shapes, inputs))
     target = stacked[0].astype(np.int64)
-    target[varying[0]] = -1
+    target[axis] = 0 if copies else -1
     return target
 
 

@@ -242,14 +242,15 @@ def test_module_with_batch_dependent_views_trains_like_torch(name):
         assert max_rel_err(value.detach().numpy(), theirs[p]) <= TOL, p
 
 
-def test_reshape_targets_that_vary_with_the_batch_become_minus_one_constants():
-    """x.view(x.size(0), 12, -1) of x [batch, 3, 4, length]: with a static length only the
-    batch axis of the output varies and the target becomes [-1, 12, 4]; with a symbolic
-    length two axes vary and the target stays computed at run time. Either way the
-    normalized model computes numpy's reshape."""
-    from onnx import TensorProto, helper, numpy_helper
-
+def test_reshape_targets_that_vary_with_the_batch_become_constants():
+    """x [batch, 3, 4, length]: x.view(x.size(0), 12, -1) and x.view(3, x.size(0), -1).
+    With a static length only the batch axis of each output varies: the first target becomes
+    [0, 12, 4] (the input's batch axis copied, so shape inference keeps the symbol ``batch``),
+    the second [3, -1, 16] (its input's axis 1 is 3, not the batch). With a symbolic length
+    two axes vary and the targets stay computed at run time. Either way the normalized model
+    computes numpy's reshapes."""
     import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
 
     from ngdist.frontends.onnx import normalize_forward
 
@@ -259,28 +260,38 @@ def test_reshape_targets_that_vary_with_the_batch_become_minus_one_constants():
                  helper.make_node("Gather", ["s", "zero"], ["b"]),
                  helper.make_node("Unsqueeze", ["b", "axes0"], ["b1"]),
                  helper.make_node("Concat", ["b1", "tail"], ["target"], axis=0),
-                 helper.make_node("Reshape", ["x", "target"], ["y"], name="view")]
+                 helper.make_node("Reshape", ["x", "target"], ["y"], name="view"),
+                 helper.make_node("Concat", ["three", "b1", "minus1"], ["target2"], axis=0),
+                 helper.make_node("Reshape", ["x", "target2"], ["z"], name="view2")]
         graph = helper.make_graph(
             nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
                                                        ["batch", 3, 4, length])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-            [i64("zero", 0), i64("axes0", [0]), i64("tail", [12, -1])])
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+             helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+            [i64("zero", 0), i64("axes0", [0]), i64("tail", [12, -1]), i64("three", [3]),
+             i64("minus1", [-1])])
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    def dims(value):
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
 
     for length, folded in ((4, True), ("length", False)):
         norm = normalize_forward(model(length))
         inits = {t.name: numpy_helper.to_array(t) for t in norm.graph.initializer}
-        view = next(n for n in norm.graph.node if n.op_type == "Reshape")
+        views = {n.name: n for n in norm.graph.node if n.op_type == "Reshape"}
         if folded:
-            np.testing.assert_array_equal(inits[view.input[1]], [-1, 12, 4])
-            assert [n.op_type for n in norm.graph.node] == ["Reshape"]
-            dims = norm.graph.output[0].type.tensor_type.shape.dim
-            assert [d.dim_value or None for d in dims] == [None, 12, 4]
+            np.testing.assert_array_equal(inits[views["view"].input[1]], [0, 12, 4])
+            np.testing.assert_array_equal(inits[views["view2"].input[1]], [3, -1, 16])
+            assert [n.op_type for n in norm.graph.node] == ["Reshape", "Reshape"]
+            assert dims(norm.graph.output[0]) == ["batch", 12, 4]
+            assert dims(norm.graph.output[1])[0::2] == [3, 16]
         else:
-            assert view.input[1] not in inits and "Shape" in [n.op_type for n in norm.graph.node]
+            assert not {v.input[1] for v in views.values()} & set(inits)
         sess = ort.InferenceSession(norm.SerializeToString(), providers=["CPUExecutionProvider"])
         x = np.arange(5 * 3 * 4 * (4 if folded else 6), dtype=np.float32).reshape(5, 3, 4, -1)
-        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x.reshape(5, 12, -1))
+        y, z = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(y, x.reshape(5, 12, -1))
+        np.testing.assert_array_equal(z, x.reshape(3, 5, -1))
 
 
 RANKS_SCRIPT = """
