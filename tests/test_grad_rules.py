@@ -85,7 +85,8 @@ class Case:
     consts: dict[str, np.ndarray] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)  # weighted into the loss
     opset: int = 18
-    symbolic: bool | str = False  # True: every input dim symbolic; "batch": only dim 0
+    # True: every input dim symbolic; "batch": only dim 0; "spatial": dims 2: of the first input
+    symbolic: bool | str = False
     fresh: bool = False  # a new session per evaluation (random ops with a fixed seed)
     reference: bool = False  # float64 on ONNX's reference evaluator even if onnxruntime can
 
@@ -262,6 +263,17 @@ def _cases() -> list[Case]:
     c("Conv-8ch-1x1", "Conv", lambda g: [g.n(2, 8, 3, 3), g.n(3, 8, 1, 1)])
     c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
       strides=[2, 2], symbolic="batch")
+    # sizes known only at run time: read with Shape in the backward graph
+    c("Conv-symbolic-spatial-stride-pads", "Conv",
+      lambda g: [g.n(2, 8, 9, 8), g.n(3, 8, 3, 2), g.n(3)], strides=[2, 3], dilations=[2, 1],
+      pads=[1, 0, 2, 1], symbolic="spatial")
+    c("Conv-symbolic-all-group", "Conv", lambda g: [g.n(2, 4, 7, 6), g.n(4, 2, 3, 3)],
+      kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 0, 0], group=2, symbolic=True)
+    c("Conv-symbolic-spatial-group-1d", "Conv", lambda g: [g.n(2, 4, 9), g.n(6, 2, 3)],
+      strides=[2], group=2, symbolic="spatial")
+    c("ConvTranspose-symbolic-spatial", "ConvTranspose",
+      lambda g: [g.n(1, 2, 3, 4), g.n(2, 3, 3, 2), g.n(3)], strides=[2, 3],
+      output_padding=[1, 2], pads=[1, 0, 0, 1], symbolic="spatial")
     c("ConvTranspose-2d", "ConvTranspose", lambda g: [g.n(2, 3, 3, 3), g.n(3, 2, 3, 3)])
     c("ConvTranspose-8ch", "ConvTranspose", lambda g: [g.n(1, 2, 3, 3), g.n(2, 8, 2, 2)],
       strides=[2, 2])
@@ -295,6 +307,13 @@ def _cases() -> list[Case]:
             c(f"AveragePool-pads-cip{cip}-ceil{ceil}", "AveragePool",
               lambda g: [g.n(2, 2, 7, 6)], kernel_shape=[3, 2], strides=[2, 2],
               pads=[1, 1, 1, 0], count_include_pad=cip, ceil_mode=ceil)
+    for cip in (0, 1):
+        c(f"AveragePool-symbolic-spatial-cip{cip}", "AveragePool", lambda g: [g.n(2, 2, 7, 6)],
+          kernel_shape=[3, 2], strides=[2, 2], pads=[1, 1, 1, 0], count_include_pad=cip,
+          symbolic="spatial")
+    c("AveragePool-symbolic-spatial-drops-dilation", "AveragePool",
+      lambda g: [g.n(1, 2, 8, 9)], kernel_shape=[2, 2], strides=[3, 3], dilations=[1, 2],
+      opset=19, symbolic="spatial")
     c("AveragePool-1d", "AveragePool", lambda g: [g.n(2, 2, 7)], kernel_shape=[3], strides=[2],
       pads=[1, 1])
     c("AveragePool-same-lower", "AveragePool", lambda g: [g.n(1, 1, 6, 5)], kernel_shape=[3, 3],
@@ -452,6 +471,12 @@ def _elem(dtype) -> int:
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
+def _symbolic(mode: bool | str, name: str, axis: int) -> bool:
+    if mode == "spatial":
+        return name == "in0" and axis >= 2
+    return mode is True or axis == 0
+
+
 def _cast(arr: np.ndarray, dtype) -> np.ndarray:
     return arr.astype(dtype) if arr.dtype.kind == "f" else arr
 
@@ -462,7 +487,7 @@ def _model(case: Case, dtype, outputs: list[str], extra_nodes=(), weights=None,
     for name, arr in case.inputs.items():
         dims: list = list(arr.shape)
         if case.symbolic:
-            dims = [f"{name}_d{i}" if case.symbolic is True or i == 0 else d
+            dims = [f"{name}_d{i}" if _symbolic(case.symbolic, name, i) else d
                     for i, d in enumerate(dims)]
         inputs.append(helper.make_tensor_value_info(name, _elem(dtype), dims))
     inits = [numpy_helper.from_array(_cast(v, dtype), k) for k, v in case.consts.items()]
@@ -771,3 +796,70 @@ def test_pad_without_constant_mode_names_the_mode_and_the_node() -> None:
         "gradient rule of Pad failed on node 'pad0': Pad mode 'reflect' has no gradient rule "
         "(only 'constant'); pad with zeros in the model, or mark the inputs that feed it as "
         "frozen")
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+
+@pytest.mark.parametrize("static, symbolic", [
+    ("Conv-8ch-stride-dilation-pads", "Conv-symbolic-spatial-stride-pads"),
+    ("AveragePool-pads-cip0-ceil0", "AveragePool-symbolic-spatial-cip0")])
+def test_sizes_are_constants_when_static_and_read_at_run_time_otherwise(static: str,
+                                                                       symbolic: str) -> None:
+    """Static spatial sizes are baked into the backward nodes (output_padding and crops as
+    attributes, the Conv weight gradient taken tap by tap where it qualifies); symbolic ones
+    are read at run time: the transposed windows are fitted to Shape(x) by a Pad and a
+    Slice."""
+    def ops(cid: str) -> list[str]:
+        case = next(c for c in CASES if c.id == cid)
+        lowered = grad_model(case, np.float32, weights_for(case))
+        return [n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")]
+
+    fixed, dynamic = ops(static), ops(symbolic)
+    # the run-time fit pads by Max(Shape(x) - Shape(window output), 0), then slices
+    assert "Max" not in fixed
+    assert {"Shape", "Max", "Pad", "Slice"} <= set(dynamic)
+    if static.startswith("Conv-8ch"):
+        assert "MatMul" in fixed and "MatMul" not in dynamic
+
+
+def _one_node_gradient(node: onnx.NodeProto, x_dims: list, extra_inits=()) -> None:
+    nodes = [node, helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
+             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
+                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
+        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, x_dims)],
+        list(extra_inits))
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
+    AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
+
+
+@pytest.mark.parametrize("node, dims, message", [
+    (helper.make_node("AveragePool", ["x"], ["y"], name="pool0", kernel_shape=[2], ceil_mode=1),
+     [2, 3, "n"], "gradient rule of AveragePool failed on node 'pool0': AveragePool with "
+     "ceil_mode=1 needs static spatial sizes to differentiate, got input shape [2, 3, n]; "
+     "export with ceil_mode=0 or static spatial sizes"),
+    (helper.make_node("MaxPool", ["x"], ["y"], name="pool1", kernel_shape=[2],
+                      auto_pad="SAME_UPPER"),
+     [2, 3, "n"], None),
+    (helper.make_node("Conv", ["x", "w"], ["y"], name="conv0", auto_pad="SAME_UPPER"),
+     [2, 3, "n"], "gradient rule of Conv failed on node 'conv0': Conv with auto_pad=SAME_UPPER "
+     "needs static spatial sizes to differentiate (its pads depend on them), got input shape "
+     "[2, 3, n]; export the model with explicit pads"),
+    (helper.make_node("Transpose", ["x"], ["y"], name="t0"), None,
+     "gradient rule of Transpose failed on node 't0': Transpose (without perm) input 'x' has "
+     "unknown rank, which this gradient needs; give the model's inputs shapes of known rank, "
+     "and compute reshape targets from constants and Shape(x)[0] (a target built at run time "
+     "from several sizes can hide the rank from shape inference)"),
+])
+def test_symbolic_sizes_that_cannot_be_read_at_run_time_are_named(node, dims, message) -> None:
+    """What needs a static size (the pads of auto_pad=SAME, AveragePool's ceil_mode windows)
+    or a known rank says so, and what to do; MaxPool reads everything at run time."""
+    w = numpy_helper.from_array(np.ones([4, 3, 3], np.float32), "w")
+    if message is None:
+        _one_node_gradient(node, dims, [w])
+        return
+    with pytest.raises(GradientError) as info:
+        _one_node_gradient(node, dims, [w])
+    assert str(info.value) == message

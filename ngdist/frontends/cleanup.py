@@ -5,6 +5,8 @@
   of values downstream (torch's ``unflatten`` in multi-head attention is one case), and
   gradient rules need ranks. Every value that depends on shapes only is evaluated in
   onnxruntime for several batch sizes; the ones that do not change become initializers.
+  A Reshape whose target varies with the batch gets a constant target with ``0`` or ``-1`` on
+  the one axis that varies, so that shape inference sees through ``x.view(batch, ...)``.
 * ``unbiased_running_var``: PyTorch's BatchNorm updates its running variance with the
   unbiased batch variance, ONNX's BatchNormalization with the biased one.
 """
@@ -46,30 +48,59 @@ def _shape_only_values(model: onnx.ModelProto) -> list[str]:
 
 def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
                        ) -> int:
-    """Replaces shape-only values that are equal for every feed by initializers.
+    """Replaces shape-only values that are equal for every feed by initializers, and gives
+    batch-dependent Reshapes a constant target with ``0`` or ``-1`` on the one axis that
+    varies.
 
-    ``feeds``: the same inputs at different batch sizes (see ``BATCH_SIZES``). Returns the
-    number of values folded.
+    ``feeds``: the same inputs at different batch sizes (see ``BATCH_SIZES``). A Reshape
+    whose target is computed at run time (``x.view(x.size(0), g, c // g, h, w)`` exports as
+    Shape -> Gather -> Concat -> Reshape) is rewritten when its output, at every feed, has the
+    same extent on all axes but one: the target becomes those extents with, on the varying
+    axis, ``0`` (copy the input's extent) where the input has that same extent on the same
+    axis at every feed, else ``-1`` (onnxruntime resolves it from the element count to the
+    same value). Shape inference then knows the rank and the static extents downstream, and
+    with ``0`` also the input's symbol (``batch``) on that axis, so broadcasting against
+    other batch-sized values is resolved statically. Returns the number of values folded
+    plus the number of Reshape targets made constant.
     """
+    g = model.graph
     candidates = _shape_only_values(model)
-    if not candidates or len(feeds) < 2:
+    inits = {t.name for t in g.initializer}
+    reshapes = [n for n in g.node if n.op_type == "Reshape" and n.domain in ("", "ai.onnx")
+                and len(n.input) > 1 and n.input[1] not in inits]
+    probes = [(f"{n.output[0]}/ngdist.probe_shape", f"{n.output[0]}/ngdist.probe_in_shape")
+              for n in reshapes]
+    if (not candidates and not reshapes) or len(feeds) < 2:
         return 0
     probe = copy.deepcopy(model)
     del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in candidates)
+    for node, (out_shape, in_shape) in zip(reshapes, probes):
+        probe.graph.node.extend([helper.make_node("Shape", [node.output[0]], [out_shape]),
+                                 helper.make_node("Shape", [node.input[0]], [in_shape])])
+    names = [*candidates, *(name for pair in probes for name in pair)]
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
     try:
         sess = make_session(probe, optimize=False)
-        runs = [sess.run(candidates, dict(f)) for f in feeds]
+        runs = [dict(zip(names, sess.run(names, dict(f)))) for f in feeds]
     except Exception as exc:  # folding is an optimisation; the graph stays as exported
         logger.warning("shape folding skipped: %s", exc)
         return 0
     fixed: dict[str, np.ndarray] = {}
-    for i, name in enumerate(candidates):
-        vals = [np.asarray(r[i]) for r in runs]
-        if all(
-                v.shape == vals[0].shape and np.array_equal(v, vals[0]) for v in vals[1:]):
+    for name in candidates:
+        vals = [np.asarray(r[name]) for r in runs]
+        if all(v.shape == vals[0].shape and np.array_equal(v, vals[0]) for v in vals[1:]):
             fixed[name] = vals[0]
-    g = model.graph
+    targets = 0
+    for node, (out_shape, in_shape) in zip(reshapes, probes):
+        if node.input[1] in fixed:
+            continue
+        allowzero = any(a.name == "allowzero" and a.i for a in node.attribute)
+        target = _one_free_axis([np.asarray(r[out_shape]) for r in runs],
+                                [] if allowzero else [np.asarray(r[in_shape]) for r in runs])
+        if target is not None:
+            node.input[1] = f"{node.output[0]}/ngdist.target"
+            fixed[node.input[1]] = target
+            targets += 1
     kept = []
     for node in g.node:
         outs = [o for o in node.output if o]
@@ -83,6 +114,57 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     g.node.extend(kept)
     _remove_dead(g)
     return len(folded)
+
+
+def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:
+    """The Reshape target that gives every one of ``shapes`` (the output shapes of one
+    Reshape at several batch sizes, ``inputs`` its input shapes, empty when a 0 in the
+    target would not copy) when exactly one axis varies and the others are equal and
+    non-zero (a 0 would copy an input extent): ``0`` on the varying axis where the input has
+    the same extents there, else ``-1``; None otherwise."""
+    if len({s.shape for s in shapes}) != 1 or shapes[0].ndim != 1:
+        return None
+    stacked = np.stack(shapes)
+    varying = [a for a in range(stacked.shape[1]) if len(set(stacked[:, a].tolist())) > 1]
+    if len(varying) != 1 or not np.all(np.delete(stacked[0], varying) > 0):
+        return None
+    axis = varying[0]
+    copies = bool(inputs) and all(len(i) > axis and i[axis] == s[axis]
+                                  for s, i in zip(shapes, inputs))
+    target = stacked[0].astype(np.int64)
+    target[axis] = 0 if copies else -1
+    return target
+
+
+def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
+    """Inputs for ``fold_static_shapes`` from the data inputs' declared types: every
+    symbolic or unknown extent takes each of ``BATCH_SIZES`` (a differently rotated sequence
+    per dimension name, so up to three named axes never move in lockstep); floats are normal
+    noise, other types zeros (valid indices for an embedding). Empty when an input has no
+    declared shape (nothing to probe with: the graph stays as it is)."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    rng = np.random.default_rng(0)
+    symbols: dict[str, int] = {}
+    feeds: list[dict[str, np.ndarray]] = [{} for _ in BATCH_SIZES]
+    for inp in g.input:
+        tt = inp.type.tensor_type
+        if inp.name in inits:
+            continue
+        if not tt.HasField("shape") or not tt.elem_type:
+            return []
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        for k, feed in enumerate(feeds):
+            dims = []
+            for d in tt.shape.dim:
+                if d.HasField("dim_value") and d.dim_value > 0:
+                    dims.append(d.dim_value)
+                    continue
+                j = symbols.setdefault(d.dim_param or f"?{inp.name}/{len(dims)}", len(symbols))
+                dims.append(BATCH_SIZES[(k + j) % len(BATCH_SIZES)])
+            feed[inp.name] = rng.standard_normal(dims).astype(dtype) \
+                if np.issubdtype(dtype, np.floating) else np.zeros(dims, dtype)
+    return feeds
 
 
 def _remove_dead(g: onnx.GraphProto) -> None:

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ngdist import optim
 from ngdist.errors import GraphError
+from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION, load_proto
 
@@ -32,7 +33,8 @@ FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, Tenso
 
 
 def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Opset >= 18, symbolic batch dimension on data inputs, fresh shape inference."""
+    """Opset >= 18, symbolic batch dimension on data inputs, shape computations that do not
+    depend on the batch folded (``cleanup.fold_static_shapes``), fresh shape inference."""
     model = copy.deepcopy(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
@@ -56,6 +58,9 @@ def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del model.graph.value_info[:]
+    folded = fold_static_shapes(model, probe_feeds(model))
+    if folded:
+        logger.info("%d shape values and Reshape targets folded to constants", folded)
     try:
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # inference is a help, not a requirement

@@ -1,26 +1,66 @@
-"""Helpers shared by rule families: static shapes, window geometry, extra forward outputs."""
+"""Helpers shared by rule families: ranks and sizes (static or read at run time), window
+geometry, extra forward outputs."""
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from ngdist.passes.autodiff.registry import attr
+from ngdist.passes.autodiff.registry import GradContext, attr
 
 
-def static_dims(value: ir.Value, what: str, start: int = 0) -> list[int]:
-    """The dimensions ``start:`` of ``value``, which must be known integers."""
+RANK_HINT = ("give the model's inputs shapes of known rank, and compute reshape targets from "
+             "constants and Shape(x)[0] (a target built at run time from several sizes can "
+             "hide the rank from shape inference)")
+
+
+def known_rank(value: ir.Value, what: str) -> int:
+    """The rank of ``value``, which the rule needs (an axis, a permutation, a window)."""
     if value.shape is None:
-        raise ValueError(f"{what} '{value.name}' has no known shape; give the model's inputs "
-                         "static shapes (a symbolic batch dimension is fine)")
-    dims = list(value.shape.dims)[start:]
-    if not all(isinstance(d, int) for d in dims):
-        raise ValueError(f"{what} '{value.name}' needs static dimensions {start}: to "
-                         f"differentiate, got {list(value.shape.dims)}")
-    return [int(d) for d in dims]
+        raise ValueError(f"{what} '{value.name}' has unknown rank, which this gradient needs; "
+                         f"{RANK_HINT}")
+    return value.shape.rank()
 
 
-def window(node: ir.Node, spatial: list[int], kernel: list[int]
+def shape_text(value: ir.Value) -> str:
+    """``value``'s shape as a user reads it: ``[batch, 3, 8]``."""
+    if value.shape is None:
+        return "unknown"
+    return "[" + ", ".join(str(d) if isinstance(d, int) else str(d.value or "?")
+                           for d in value.shape.dims) + "]"
+
+
+def dims(value: ir.Value, what: str, start: int = 0) -> list[int | None]:
+    """The dimensions ``start:`` of ``value`` (of known rank): ints where static, None where
+    symbolic; a rule reads a None size at run time (``extents``)."""
+    known_rank(value, what)
+    return [int(d) if isinstance(d, int) else None for d in list(value.shape.dims)[start:]]
+
+
+def extents(ctx: GradContext, value: ir.Value, start: int, sizes: list[int | None]
+            ) -> ir.Value:
+    """Dimensions ``start:`` of ``value`` as a 1-D int64 tensor: a constant when ``sizes``
+    (its static dims) are all known, else ``Shape(value)[start:]`` read at run time."""
+    if None not in sizes:
+        return ctx.ints(sizes)
+    return ctx.op("Shape", value, start=start)
+
+
+def fit_spatial(ctx: GradContext, v: ir.Value, like: ir.Value, n_spatial: int) -> ir.Value:
+    """``v`` [N, C, *s'] padded (zeros) or cropped at the end of each spatial axis to the
+    spatial extents of ``like``, the amounts read at run time (for windows over sizes that are
+    not static, where a transposed window's output stops short of or beyond the input)."""
+    target = ctx.op("Shape", like, start=2)
+    short = ctx.op("Max", ctx.op("Sub", target, ctx.op("Shape", v, start=2)), ctx.ints([0]))
+    # pads: every begin (n + 2 axes), then the ends of N and C, then the spatial ends; the
+    # crop is a Slice (negative pads are not in every runtime: ONNX's reference evaluator)
+    padded = ctx.op("Pad", v, ctx.op("Concat", ctx.ints([0] * (n_spatial + 4)), short, axis=0))
+    return ctx.op("Slice", padded, ctx.ints([0] * n_spatial), target,
+                  ctx.ints(list(range(2, n_spatial + 2))))
+
+
+def window(node: ir.Node, spatial: list[int | None], kernel: list[int]
            ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(strides, dilations, pads_begin, pads_end) of a Conv/Pool node, auto_pad resolved."""
+    """(strides, dilations, pads_begin, pads_end) of a Conv/Pool node, auto_pad resolved
+    (auto_pad=SAME_* needs static spatial sizes: its pads depend on them)."""
     n = len(kernel)
     strides = list(attr(node, "strides", None) or [1] * n)
     dilations = list(attr(node, "dilations", None) or [1] * n)
@@ -28,6 +68,11 @@ def window(node: ir.Node, spatial: list[int], kernel: list[int]
     if isinstance(auto_pad, bytes):
         auto_pad = auto_pad.decode()
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        if None in spatial:
+            raise ValueError(f"{node.op_type} with auto_pad={auto_pad} needs static spatial "
+                             f"sizes to differentiate (its pads depend on them), got input "
+                             f"shape {shape_text(node.inputs[0])}; export the model with "
+                             "explicit pads")
         begin, end = [], []
         for size, k, s, d in zip(spatial, kernel, strides, dilations):
             out = -(-size // s)

@@ -8,6 +8,9 @@ input with the output gradient, batch and channels swapped, the forward stride b
 dilation.
 ConvTranspose is the adjoint: its data gradient is a Conv, its weight gradient the same
 computation with the roles of input and output gradient swapped.
+Static spatial sizes are constants (attributes); symbolic ones are read at run time: the data
+gradient's window is fitted to Shape(x) (``_common.fit_spatial``) instead of output_padding,
+and the weight gradient takes the single-Conv form.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import math
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext, attr, register
-from ngdist.passes.autodiff.rules._common import static_dims, window
+from ngdist.passes.autodiff.rules._common import (dims, extents, fit_spatial, shape_text,
+                                                  window)
 
 
 def _swap01(ctx: GradContext, v: ir.Value, rank: int) -> ir.Value:
@@ -31,9 +35,12 @@ MAX_TAPS = 64  # kernels with more taps keep the single-Conv weight gradient (fe
 MIN_TAP_CHANNELS = 8
 
 
-def by_tap(group: int, kernel: list[int], channels: int) -> bool:
-    """Whether the weight gradient is taken tap by tap (see ``_weight_grad_taps``)."""
-    return group == 1 and math.prod(kernel) <= MAX_TAPS and channels >= MIN_TAP_CHANNELS
+def by_tap(group: int, kernel: list[int], channels: int | None,
+           spatial: list[int | None] | None = None) -> bool:
+    """Whether the weight gradient is taken tap by tap (see ``_weight_grad_taps``): it slices
+    with static bounds, so it needs static channels and spatial sizes."""
+    return group == 1 and math.prod(kernel) <= MAX_TAPS and channels is not None and \
+        channels >= MIN_TAP_CHANNELS and None not in (spatial or [])
 
 
 def channel_rows(ctx: GradContext, gy: ir.Value, rank: int) -> ir.Value:
@@ -41,14 +48,17 @@ def channel_rows(ctx: GradContext, gy: ir.Value, rank: int) -> ir.Value:
     return ctx.op("Reshape", _swap01(ctx, gy, rank), ctx.ints([0, -1]))
 
 
-def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int, channels: int,
-                kernel: list[int], spatial: list[int], strides: list[int], dilations: list[int],
-                begin: list[int], end: list[int], gy_rows: ir.Value | None = None) -> ir.Value:
+def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
+                channels: int | None, kernel: list[int], spatial: list[int | None],
+                strides: list[int], dilations: list[int], begin: list[int], end: list[int],
+                gy_rows: ir.Value | None = None) -> ir.Value:
     """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out];
-    ``gy_rows``: ``channel_rows`` of gy when the caller has it already."""
+    ``gy_rows``: ``channel_rows`` of gy when the caller has it already. ``channels`` and
+    entries of ``spatial`` are None where not static: those sizes are read at run time."""
     window_args: dict[str, list[int]] = dict(kernel=kernel, spatial=spatial, strides=strides,
                                              dilations=dilations, begin=begin, end=end)
-    if by_tap(group, kernel, channels):
+    if by_tap(group, kernel, channels, spatial):
+        assert channels is not None
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
         return _weight_grad_taps(ctx, x, rows, channels=channels, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
@@ -91,24 +101,29 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
 
 
 def _weight_grad_conv(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
-                      channels: int, kernel: list[int], spatial: list[int], strides: list[int],
-                      dilations: list[int], begin: list[int], end: list[int]) -> ir.Value:
+                      channels: int | None, kernel: list[int], spatial: list[int | None],
+                      strides: list[int], dilations: list[int], begin: list[int],
+                      end: list[int]) -> ir.Value:
     """Any group: a Conv of x with gy, batch and channels swapped, the forward stride becoming
     the dilation."""
     rank = len(kernel) + 2
     if group == 1:
         xt = _swap01(ctx, x, rank)  # [C, N, *spatial]: channels become the batch
     else:  # channel order (group, sample) so that conv group g sees group g's channels
-        xr = ctx.op("Reshape", x, ctx.ints([0, group, channels // group, *spatial]))
+        per_group = ctx.ints([channels // group]) if channels is not None else \
+            ctx.op("Div", ctx.op("Shape", x, start=1, end=2), ctx.ints([group]))
+        sizes = extents(ctx, x, 2, spatial)
+        xr = ctx.op("Reshape", x, ctx.op("Concat", ctx.ints([0, group]), per_group, sizes,
+                                         axis=0))
         xt = ctx.op("Transpose", xr, perm=[2, 1, 0, *range(3, rank + 1)])
-        xt = ctx.op("Reshape", xt, ctx.ints([channels // group, -1, *spatial]))
+        xt = ctx.op("Reshape", xt, ctx.op("Concat", per_group, ctx.ints([-1]), sizes, axis=0))
     gt = _swap01(ctx, gy, rank)  # [M, N, *out]: the output gradient is the kernel
     gw = ctx.op("Conv", xt, gt, strides=dilations, dilations=strides, pads=[*begin, *end],
                 group=group)  # [C/group, M, *kernel'] with kernel' >= kernel
     extra = []
     for size, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end):
-        rem = (size + b + e - ((k - 1) * d + 1)) % s
-        extra.append(rem // d)
+        rem = (size + b + e - ((k - 1) * d + 1)) % s if size is not None else s
+        extra.append(rem // d)  # unknown size: slice whenever taps can be left over
     if any(extra):  # the floor of a strided forward pass left taps that touch no output
         axes = list(range(2, rank))
         gw = ctx.op("Slice", gw, ctx.ints([0] * len(kernel)), ctx.ints(kernel), ctx.ints(axes))
@@ -120,13 +135,24 @@ def _bias_grad(ctx, g, rank: int):
 
 
 def _operands(node, what: str):
-    """x, W, B, spatial dims of x, kernel, group, and the resolved window of a conv node."""
+    """x, W, B, spatial dims of x (None where symbolic), kernel, group, and the resolved
+    window of a conv node."""
     x, w = node.inputs[0], node.inputs[1]
     b = node.inputs[2] if len(node.inputs) > 2 else None
-    spatial = static_dims(x, f"{what} input", 2)
+    spatial = dims(x, f"{what} input", 2)
     shape = attr(node, "kernel_shape")
-    kernel = list(shape) if shape is not None else static_dims(w, f"{what} weight", 2)
+    kernel = list(shape) if shape is not None else dims(w, f"{what} weight", 2)
+    if None in kernel:
+        raise ValueError(f"{what} weight '{w.name}' of shape {shape_text(w)} has a kernel of "
+                         "unknown size and the node has no kernel_shape attribute; give the "
+                         "weight a static shape")
     return x, w, b, spatial, kernel, attr(node, "group", 1), window(node, spatial, kernel)
+
+
+def _channels(w: ir.Value, what: str, group: int) -> int | None:
+    """Input channels of a Conv (output channels of a ConvTranspose) from W's dim 1."""
+    c = dims(w, what, 1)[0]
+    return None if c is None else c * group
 
 
 @register("Conv")
@@ -135,14 +161,21 @@ def conv(ctx, node, gys):
     x, w, b, spatial, kernel, group, (strides, dilations, begin, end) = _operands(node, "Conv")
     out = [None, None, None]
     if ctx.needs(x):
-        rem = [(size + bb + e - ((k - 1) * d + 1)) % s
-               for size, k, s, d, bb, e in zip(spatial, kernel, strides, dilations, begin, end)]
-        out[0] = ctx.op("ConvTranspose", g, w, strides=strides, dilations=dilations,
-                        pads=[*begin, *end], output_padding=rem, group=group)
+        if None in spatial:  # no end pads: cropped, or padded where the windows dropped
+            # rows, to the input's extents at run time
+            out[0] = fit_spatial(ctx, ctx.op("ConvTranspose", g, w, strides=strides,
+                                             dilations=dilations,
+                                             pads=[*begin, *[0] * len(kernel)], group=group),
+                                 x, len(kernel))
+        else:
+            rem = [(size + bb + e - ((k - 1) * d + 1)) % s for size, k, s, d, bb, e
+                   in zip(spatial, kernel, strides, dilations, begin, end)]
+            out[0] = ctx.op("ConvTranspose", g, w, strides=strides, dilations=dilations,
+                            pads=[*begin, *end], output_padding=rem, group=group)
     rows = None
     if ctx.needs(w):
-        channels = static_dims(w, "Conv weight", 1)[0] * group
-        if by_tap(group, kernel, channels):
+        channels = _channels(w, "Conv weight", group)
+        if by_tap(group, kernel, channels, spatial):
             rows = channel_rows(ctx, g, len(kernel) + 2)
         out[1] = weight_grad(ctx, x, g, group=group, channels=channels, kernel=kernel,
                              spatial=spatial, strides=strides, dilations=dilations,
@@ -168,9 +201,10 @@ def conv_transpose(ctx, node, gys):
         out[0] = ctx.op("Conv", g, w, strides=strides, dilations=dilations,
                         pads=[*begin, *end], group=group)
     if ctx.needs(w):
-        y_spatial = [s * (n - 1) + p + (k - 1) * d + 1 - bb - e for n, k, s, d, bb, e, p
+        y_spatial = [None if n is None else s * (n - 1) + p + (k - 1) * d + 1 - bb - e
+                     for n, k, s, d, bb, e, p
                      in zip(spatial, kernel, strides, dilations, begin, end, extra)]
-        channels = static_dims(w, "ConvTranspose weight", 1)[0] * group
+        channels = _channels(w, "ConvTranspose weight", group)
         # ConvTranspose(x, W) = y  <=>  x is the output gradient of Conv(y, W): swap the roles
         out[1] = weight_grad(ctx, g, x, group=group, channels=channels, kernel=kernel,
                              spatial=y_spatial, strides=strides, dilations=dilations,

@@ -12,6 +12,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import known_rank
 
 
 def _zeros(ctx, shape, like):
@@ -31,16 +32,16 @@ def _wrap(ctx, indices, shape, axis: int):
 def gather(ctx, node, gys):
     data, indices = node.inputs
     g = gys[0]
-    rank, irank = ctx.rank(data), ctx.rank(indices)
-    if rank is None or irank is None:
-        raise ValueError("Gather needs data and indices of known rank")
-    axis = attr(node, "axis", 0) % rank
+    axis = attr(node, "axis", 0)
+    if axis != 0:  # the permutations below need both ranks; axis 0 needs neither
+        axis %= known_rank(data, "Gather data")
     shape = ctx.op("Shape", data)
     idx = _wrap(ctx, indices, shape, axis)
     idx = ctx.op("Unsqueeze", idx, ctx.ints([-1]))
     if axis == 0:
         return [ctx.op("ScatterND", _zeros(ctx, shape, g), idx, g, reduction="add"), None]
     # move the gathered axis to the front: ScatterND indexes leading axes only
+    rank, irank = known_rank(data, "Gather data"), known_rank(indices, "Gather indices")
     perm = [axis, *range(axis), *range(axis + 1, rank)]
     g_perm = [*range(axis, axis + irank), *range(axis), *range(axis + irank, rank + irank - 1)]
     front = _zeros(ctx, ctx.op("Gather", shape, ctx.ints(perm)), g)
@@ -52,10 +53,9 @@ def gather(ctx, node, gys):
 @register("GatherElements")
 def gather_elements(ctx, node, gys):
     data, indices = node.inputs
-    rank = ctx.rank(data)
-    if rank is None:
-        raise ValueError("GatherElements needs data of known rank")
-    axis = attr(node, "axis", 0) % rank
+    axis = attr(node, "axis", 0)
+    if axis < 0:
+        axis %= known_rank(data, "GatherElements data")
     shape = ctx.op("Shape", data)
     idx = _wrap(ctx, indices, shape, axis)
     return [ctx.op("ScatterElements", _zeros(ctx, shape, gys[0]), idx, gys[0], axis=axis,

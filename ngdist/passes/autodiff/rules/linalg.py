@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext, attr, register
+from ngdist.passes.autodiff.rules._common import known_rank
 
 
 @register("Gemm")
@@ -59,9 +60,7 @@ def _rows_of(ctx: GradContext, v: ir.Value) -> ir.Value:
 def matmul(ctx, node, gys):
     (g,) = gys
     a, b = node.inputs
-    ra, rb = ctx.rank(a), ctx.rank(b)
-    if ra is None or rb is None:
-        raise ValueError("MatMul operands need a known rank")
+    ra, rb = known_rank(a, "MatMul operand A"), known_rank(b, "MatMul operand B")
     a2 = a if ra >= 2 else ctx.op("Unsqueeze", a, ctx.ints([0]))
     b2 = b if rb >= 2 else ctx.op("Unsqueeze", b, ctx.ints([1]))
     g2 = g

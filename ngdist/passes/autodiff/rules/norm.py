@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
-from ngdist.passes.autodiff.rules._common import ensure_output
+from ngdist.passes.autodiff.rules._common import ensure_output, known_rank
 
 
 def _moments(ctx, x, axes, eps: float):
@@ -38,9 +38,7 @@ def batch_norm(ctx, node, gys):
     g = gys[0]
     if g is None:  # only the running statistics are used: they are state, not differentiable
         return [None] * 5
-    rank = ctx.rank(x)
-    if rank is None:
-        raise ValueError("BatchNormalization input rank unknown")
+    rank = known_rank(x, "BatchNormalization input")
     eps = attr(node, "epsilon", 1e-5)
     axes_list = [0, *range(2, rank)]
     axes = ctx.ints(axes_list)  # also the axes that unsqueeze [C] to [1, C, 1, ...]
@@ -86,9 +84,7 @@ _LOW_PRECISION = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 def layer_norm(ctx, node, gys):
     x, scale = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    rank = ctx.rank(x)
-    if rank is None:
-        raise ValueError("LayerNormalization input rank unknown")
+    rank = known_rank(x, "LayerNormalization input")
     axis = attr(node, "axis", -1) % rank
     axes = ctx.ints(list(range(axis, rank)))
     stash = ir.DataType(attr(node, "stash_type", 1))

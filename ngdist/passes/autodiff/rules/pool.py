@@ -6,7 +6,8 @@ maximum in row-major order, as onnxruntime's kernel picks): MaxUnpool when the w
 disjoint (stride >= window extent), else a ScatterElements that adds where windows overlap.
 AveragePool divides the gradient by each window's divisor and spreads it over the window: a
 nearest Resize when the windows tile the input, else a ConvTranspose of a ones kernel
-(count_include_pad either way, ceil_mode, pads, strides, dilations).
+(count_include_pad either way, ceil_mode, pads, strides, dilations); over symbolic spatial sizes
+the divisors come from a Conv of ones at run time and the spread is fitted to Shape(x).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
-from ngdist.passes.autodiff.rules._common import ensure_output, static_dims, window
+from ngdist.passes.autodiff.rules._common import (dims, ensure_output, fit_spatial, known_rank,
+                                                  shape_text, window)
 
 
 # element types of onnxruntime's CPU MaxUnpool and Resize kernels (no float64)
@@ -85,9 +87,11 @@ def _divisors(include_pad: bool, n: int, k: int, s: int, d: int, b: int, e: int,
 @register("AveragePool")
 def average_pool(ctx, node, gys):
     x, g = node.inputs[0], gys[0]
-    spatial = static_dims(x, "AveragePool input", 2)
+    spatial = dims(x, "AveragePool input", 2)
     kernel = list(attr(node, "kernel_shape"))
     strides, dilations, begin, end = window(node, spatial, kernel)
+    if None in spatial:
+        return [_average_pool_dynamic(ctx, node, x, g, kernel, strides, dilations, begin, end)]
     sizes = _pool_sizes(node, spatial, kernel, strides, dilations, begin, end)
     include_pad = bool(attr(node, "count_include_pad", 0))
     divisor = np.ones(sizes)
@@ -116,6 +120,31 @@ def average_pool(ctx, node, gys):
     return [ctx.op("Reshape", spread, ctx.op("Shape", x))]
 
 
+def _average_pool_dynamic(ctx, node, x, g, kernel, strides, dilations, begin, end):
+    """AveragePool's gradient over spatial sizes known only at run time: the divisors are
+    prod(kernel), or (count_include_pad=0) a Conv of ones counting each window's taps inside
+    the input; the transposed windows are padded or cropped to the input's extents."""
+    if attr(node, "ceil_mode", 0):
+        raise ValueError("AveragePool with ceil_mode=1 needs static spatial sizes to "
+                         f"differentiate, got input shape {shape_text(x)}; export with "
+                         "ceil_mode=0 or static spatial sizes")
+    n = len(kernel)
+    window_attrs = dict(strides=strides, dilations=dilations)
+    ones_k = ctx.const(np.ones([1, 1, *kernel], np.float32), like=g)
+    if attr(node, "count_include_pad", 0):
+        scaled = ctx.op("Mul", g, ctx.scalar(1.0 / float(np.prod(kernel)), g))
+    else:
+        plane = ctx.op("Concat", ctx.ints([1, 1]), ctx.op("Shape", x, start=2), axis=0)
+        ones = ctx.op("CastLike", ctx.op("ConstantOfShape", plane,
+                                         value=ir.tensor(np.ones(1, np.float32))), g)
+        counts = ctx.op("Conv", ones, ones_k, pads=[*begin, *end], **window_attrs)
+        scaled = ctx.op("Div", g, counts)
+    flat = ctx.op("Reshape", scaled, ctx.op("Concat", ctx.ints([-1, 1]),
+                                            ctx.op("Shape", g, start=2), axis=0))
+    spread = ctx.op("ConvTranspose", flat, ones_k, pads=[*begin, *[0] * n], **window_attrs)
+    return ctx.op("Reshape", fit_spatial(ctx, spread, x, n), ctx.op("Shape", x))
+
+
 @register("GlobalAveragePool")
 def global_average_pool(ctx, node, gys):
     x, (y,) = node.inputs[0], node.outputs
@@ -127,9 +156,7 @@ def global_average_pool(ctx, node, gys):
 @register("GlobalMaxPool")
 def global_max_pool(ctx, node, gys):
     x, (y,) = node.inputs[0], node.outputs
-    rank = ctx.rank(x)
-    if rank is None:
-        raise ValueError("GlobalMaxPool input rank unknown")
+    rank = known_rank(x, "GlobalMaxPool input")
     mask = ctx.op("CastLike", ctx.op("Equal", x, y), x)  # ties share the gradient equally
     count = ctx.op("ReduceSum", mask, ctx.ints(list(range(2, rank))), keepdims=1)
     return [ctx.op("Mul", mask, ctx.op("Div", gys[0], count))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import known_rank
 
 
 def _axes(ctx, node) -> list[int] | None:
@@ -29,9 +30,7 @@ def _expand_back(ctx, node, g):
         return g, None
     keepdims = attr(node, "keepdims", 1)
     if not keepdims and axes is not None:
-        rank = ctx.rank(x)
-        if rank is None:
-            raise ValueError("input rank unknown")
+        rank = known_rank(x, f"{node.op_type} input")
         g = ctx.op("Unsqueeze", g, ctx.ints(sorted(a % rank for a in axes)))
     return ctx.op("Expand", g, ctx.op("Shape", x)), axes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import known_rank
 
 
 @register("Reshape", "Flatten")
@@ -16,9 +17,7 @@ def reshape(ctx, node, gys):
 def transpose(ctx, node, gys):
     perm = attr(node, "perm")
     if perm is None:
-        rank = ctx.rank(node.inputs[0])
-        if rank is None:
-            raise ValueError("Transpose without perm needs an input of known rank")
+        rank = known_rank(node.inputs[0], "Transpose (without perm) input")
         perm = list(range(rank))[::-1]
     inverse = np.argsort(np.asarray(perm)).tolist()
     return [ctx.op("Transpose", gys[0], perm=inverse)]
@@ -43,9 +42,7 @@ def _extent(ctx, value, axis: int):
 
 @register("Concat")
 def concat(ctx, node, gys):
-    rank = ctx.rank(node.outputs[0]) or ctx.rank(node.inputs[0])
-    if rank is None:
-        raise ValueError("Concat inputs of unknown rank")
+    rank = ctx.rank(node.outputs[0]) or known_rank(node.inputs[0], "Concat input")
     axis = attr(node, "axis") % rank
     if len(node.inputs) == 1:
         return [gys[0]]
@@ -55,9 +52,7 @@ def concat(ctx, node, gys):
 
 @register("Split")
 def split(ctx, node, gys):
-    rank = ctx.rank(node.inputs[0])
-    if rank is None:
-        raise ValueError("Split input of unknown rank")
+    rank = known_rank(node.inputs[0], "Split input")
     parts = [g if g is not None else ctx.zeros_like(y) for g, y in zip(gys, node.outputs)]
     return [ctx.op("Concat", *parts, axis=attr(node, "axis", 0) % rank), None]
 
