@@ -47,6 +47,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
+from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def _export_once(module: Any, args: tuple[Any, ...], mode: Any, input_names: lis
     torch = _torch()
     dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
     buf = io.BytesIO()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), sdpa_export(opset):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,
