@@ -11,10 +11,12 @@ small config (2 layers, hidden 32, sequence 8, batch 2 to 3, random init, no dow
   float64 runs agree to ~3e-7, not to float64 precision.
 * Training: 3 steps of ``torch.optim.SGD`` (momentum), ``Adam`` and ``AdamW`` through
   ``ngdist.compile`` (float32) against the same steps in eager torch; every parameter within
-  1e-4 relative. A parameter whose gradient is zero in theory (a key projection's bias: the
-  softmax does not see a shift shared by all keys) holds float32 rounding noise on both
-  sides, which Adam normalizes into steps of ~lr; it is compared against the size of the
-  model's other updates instead (see ``_zero_gradient_params``).
+  1e-4 relative, and the updates (parameter - initial value) against torch in float64 within
+  1e-4 or 3x torch's own float32 error of the same update, whichever is larger (a LayerNorm
+  weight of ~1 moved by ~1e-4 keeps only ~3e-4 of its update in float32, in torch as in
+  ngdist). Entries whose gradient is below float32's resolution (``_noise_elements``: key
+  biases, zero in theory) are noise on both sides, which Adam turns into steps of ~lr: they
+  are only bounded by the size of the model's other updates.
 """
 from __future__ import annotations
 
@@ -145,12 +147,27 @@ def test_gradients_match_torch_autograd(name, dtype):
     assert errors[worst] <= TOL, (worst, errors[worst])
 
 
-def _zero_gradient_params(module: nn.Module, feeds: dict[str, np.ndarray]) -> set[str]:
-    """Parameters whose float64 gradient is below 1e-9 of the model's largest: zero in
-    theory (e.g. key biases), so their float32 gradients are rounding noise on both sides."""
+def _noise_elements(module: nn.Module, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per parameter, the entries whose float64 gradient is below 1e-6 of the model's
+    largest, under float32's resolution of it: zero in theory (key biases: the softmax does
+    not see a shift shared by all keys) or so small that their float32 gradients are off by
+    10% or more on both sides. Adam divides such a gradient by its own magnitude (plus
+    eps = 1e-8), so both sides take steps of up to ~lr in directions rounding picks."""
     _, grads = torch_gradients(module, feeds)
     largest = max(float(np.abs(g).max()) for g in grads.values())
-    return {n for n, g in grads.items() if np.abs(g).max() <= 1e-9 * largest}
+    return {n: np.abs(g) <= 1e-6 * largest for n, g in grads.items()}
+
+
+def torch_train(name: str, make_opt, steps, float64: bool = False) -> dict[str, np.ndarray]:
+    ref = make(name)
+    if float64:
+        ref.double()
+    opt = make_opt(ref.parameters())
+    for feeds in steps:
+        opt.zero_grad()
+        ref(*_tensors(feeds)).backward()
+        opt.step()
+    return {n: p.detach().numpy().astype(np.float64) for n, p in ref.named_parameters()}
 
 
 OPTIMIZERS = {
@@ -165,16 +182,11 @@ TRAIN_CASES = [(n, o) for n in ("bert", "gpt2", "t5", "llama") for o in OPTIMIZE
 def test_three_optimizer_steps_match_torch(name, opt):
     make_opt = OPTIMIZERS[opt]
     steps = [batch(name, seed) for seed in range(3)]
-    ref = make(name)
-    ref_opt = make_opt(ref.parameters())
-    for feeds in steps:
-        ref_opt.zero_grad()
-        ref(*_tensors(feeds)).backward()
-        ref_opt.step()
+    ref32, ref64 = torch_train(name, make_opt, steps), torch_train(name, make_opt, steps, True)
 
     module = make(name)
-    before = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
-    noise = _zero_gradient_params(module, steps[0]) if opt != "sgd" else set()
+    before = {n: p.detach().numpy().astype(np.float64) for n, p in module.named_parameters()}
+    noise = _noise_elements(module, steps[0])
     trainer = ngdist.compile(module, _tensors({k: v[:2] for k, v in steps[0].items()}),
                              loss=None, optimizer=make_opt(module.parameters()),
                              strategy="local")
@@ -182,15 +194,22 @@ def test_three_optimizer_steps_match_torch(name, opt):
         trainer.step(feeds)
     trainer.to_torch()
 
-    theirs = dict(ref.named_parameters())
-    moved = max(float(np.abs(theirs[n].detach().numpy() - before[n]).max())
-                for n in theirs if n not in noise)
+    mine = {n: p.detach().numpy().astype(np.float64) for n, p in module.named_parameters()}
+    assert set(mine) == set(ref32) == set(noise)
+    moved = max(float(np.abs(ref64[n] - before[n])[~noise[n]].max(initial=0.0)) for n in mine)
     assert moved > 0
-    for pname, mine in module.named_parameters():
-        mine, other = mine.detach().numpy(), theirs[pname].detach().numpy()
-        if pname in noise:  # steps of ~lr driven by rounding noise, on both sides
-            assert np.abs(mine - before[pname]).max() <= 2 * moved, pname
+    errors = {}
+    for n, value in mine.items():
+        keep, step = ~noise[n], value - before[n]
+        # noise entries: steps of up to ~lr under Adam, on both sides; bounded, not compared
+        assert np.abs(step[noise[n]]).max(initial=0.0) <= 2 * moved, n
+        if not keep.any():
             continue
-        assert max_rel_err(mine, other) <= TOL, pname
-        if not np.array_equal(other, before[pname]):  # the updates themselves too
-            assert max_rel_err(mine - before[pname], other - before[pname]) <= TOL, pname
+        assert max_rel_err(value[keep], ref32[n][keep]) <= TOL, n
+        # the updates themselves, against float64 torch; torch's own float32 error beside
+        exact = (ref64[n] - before[n])[keep]
+        if np.abs(exact).max() > 0:
+            errors[n] = (max_rel_err(step[keep], exact),
+                         max_rel_err((ref32[n] - before[n])[keep], exact))
+    bad = {n: e for n, e in errors.items() if e[0] > max(TOL, 3 * e[1])}
+    assert not bad, bad
