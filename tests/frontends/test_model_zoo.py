@@ -1,7 +1,8 @@
 """Hugging Face transformers through the PyTorch frontend: BERT (sequence classification),
 GPT-2 (LM head), T5 (encoder-decoder with labels) and LLaMA (grouped key/value heads, sdpa
 attention; also with a padding mask, which takes the boolean-mask path), each built from a
-small config (2 layers, hidden 32, sequence 8, batch 2 to 3, random init, no download).
+small config (``ngdist.zoo_transformers``: 2 layers, hidden 32, sequence 8, batch 3, random
+init, no download).
 
 * Gradients: every parameter's gradient of the ngdist step (autodiff pass, onnxruntime)
   against torch autograd in float64, within 1e-4 relative to the largest entry of torch's
@@ -29,104 +30,36 @@ import pytest
 torch = pytest.importorskip("torch", reason="the PyTorch frontend needs the torch extra: "
                             "pip install 'ngdist[torch]'")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model comes from a config, offline
-transformers = pytest.importorskip("transformers", reason="the model zoo needs the zoo extra: "
+pytest.importorskip("transformers", reason="the model zoo needs the zoo extra: "
                                    "pip install 'ngdist[zoo]'")
 nn = torch.nn
 
 import ngdist  # noqa: E402
+from ngdist import zoo_transformers as hfzoo  # noqa: E402
 from ngdist.frontends import torch as tfront  # noqa: E402
 from step_probe import gradient_errors, max_rel_err, run_step  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-VOCAB, LENGTH, BATCH, TOL = 64, 8, 3, 1e-4
-
-
-def bert():
-    cfg = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, num_labels=3)
-    return transformers.BertForSequenceClassification(cfg)
-
-
-def gpt2():
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                                  n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
-                                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def t5():
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1)
-    return transformers.T5ForConditionalGeneration(cfg)
-
-
-def llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=32,
-                                   bos_token_id=0, eos_token_id=1)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-class LossOf(nn.Module):
-    """``model(input_ids=..., labels=..., attention_mask=...).loss`` as the module's output."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels, attention_mask=None):
-        return self.model(input_ids=input_ids, labels=labels,
-                          attention_mask=attention_mask).loss
-
-
-# name -> (model factory, labels per sequence (classification), padding mask, float64 runs)
-ZOO = {"bert": (bert, True, False, False), "gpt2": (gpt2, False, False, True),
-       "t5": (t5, False, False, True), "llama": (llama, False, False, True),
-       "llama_padded": (llama, False, True, False)}
+TOL = 1e-4
+FLOAT64 = {"gpt2", "t5", "llama"}  # onnxruntime has no float64 Erf (BERT's GELU)
 
 
 def make(name: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    model = ZOO[name][0]()
-    assert model.config._attn_implementation == "sdpa"
-    return LossOf(model)
-
-
-def batch(name: str, seed: int = 0) -> dict[str, np.ndarray]:
-    _, per_sequence, padded, _ = ZOO[name]
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(2, VOCAB, (BATCH, LENGTH)).astype(np.int64)
-    out = {"input_ids": ids}
-    if per_sequence:
-        out["labels"] = rng.integers(0, 3, BATCH).astype(np.int64)
-    else:
-        out["labels"] = rng.integers(2, VOCAB, (BATCH, LENGTH)).astype(np.int64)
-    if padded:  # the first sample left-padded by 3 tokens, not predicted there
-        mask = np.ones((BATCH, LENGTH), np.int64)
-        mask[0, :3] = 0
-        out["labels"][0, :3] = -100
-        out["attention_mask"] = mask
-    return out
-
-
-def _tensors(feeds: dict[str, np.ndarray]) -> tuple:
-    return tuple(torch.from_numpy(v) for v in feeds.values())
+    module = hfzoo.build(name, seed)
+    assert module.model.config._attn_implementation == "sdpa"
+    return module
 
 
 def torch_gradients(module: nn.Module, feeds: dict[str, np.ndarray]):
     ref = copy.deepcopy(module).double()
-    loss = ref(*_tensors(feeds))
+    loss = ref(*hfzoo.tensors(feeds))
     loss.backward()
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in ref.named_parameters()
                                   if p.grad is not None}
 
 
-GRAD_CASES = [(n, "float32") for n in ZOO] + [(n, "float64") for n in ZOO if ZOO[n][3]]
+GRAD_CASES = [(n, "float32") for n in hfzoo.MODELS] + [(n, "float64") for n in FLOAT64]
 
 
 @pytest.mark.parametrize("name,dtype", GRAD_CASES, ids=[f"{n}-{d}" for n, d in GRAD_CASES])
@@ -134,9 +67,9 @@ def test_gradients_match_torch_autograd(name, dtype):
     module = make(name)
     if dtype == "float64":
         module.double()
-    feeds = batch(name)
+    feeds = hfzoo.batch(name)
     examples = {k: v[:2] for k, v in feeds.items()}
-    model, exp = tfront.training_model(module, _tensors(examples), loss=None)
+    model, exp = tfront.training_model(module, hfzoo.tensors(examples), loss=None)
     assert exp.input_names == list(feeds)
     got = run_step(model, feeds)
     loss, grads = torch_gradients(module, feeds)
@@ -165,7 +98,7 @@ def torch_train(name: str, make_opt, steps, float64: bool = False) -> dict[str, 
     opt = make_opt(ref.parameters())
     for feeds in steps:
         opt.zero_grad()
-        ref(*_tensors(feeds)).backward()
+        ref(*hfzoo.tensors(feeds)).backward()
         opt.step()
     return {n: p.detach().numpy().astype(np.float64) for n, p in ref.named_parameters()}
 
@@ -181,13 +114,13 @@ TRAIN_CASES = [(n, o) for n in ("bert", "gpt2", "t5", "llama") for o in OPTIMIZE
 @pytest.mark.parametrize("name,opt", TRAIN_CASES, ids=[f"{n}-{o}" for n, o in TRAIN_CASES])
 def test_three_optimizer_steps_match_torch(name, opt):
     make_opt = OPTIMIZERS[opt]
-    steps = [batch(name, seed) for seed in range(3)]
+    steps = [hfzoo.batch(name, seed=seed) for seed in range(3)]
     ref32, ref64 = torch_train(name, make_opt, steps), torch_train(name, make_opt, steps, True)
 
     module = make(name)
     before = {n: p.detach().numpy().astype(np.float64) for n, p in module.named_parameters()}
     noise = _noise_elements(module, steps[0])
-    trainer = ngdist.compile(module, _tensors({k: v[:2] for k, v in steps[0].items()}),
+    trainer = ngdist.compile(module, hfzoo.tensors({k: v[:2] for k, v in steps[0].items()}),
                              loss=None, optimizer=make_opt(module.parameters()),
                              strategy="local")
     for feeds in steps:
