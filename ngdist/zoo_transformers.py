@@ -1,7 +1,7 @@
 """Small Hugging Face transformers built from configs (random init, nothing downloaded), each
 wrapped so that its output is its training loss, for ``ngdist.compile(..., loss=None)``.
 
-Models (2 layers, hidden 32, 4 attention heads, vocabulary 64, ``attn_implementation`` the
+Models (by default 2 layers, hidden 32, 4 attention heads; vocabulary 64, at most 64 positions, ``attn_implementation`` the
 default ``"sdpa"``, dropout off so that a step is a deterministic function):
 
 * ``bert``: ``BertForSequenceClassification`` (3 classes, labels per sequence);
@@ -37,35 +37,39 @@ def _transformers() -> Any:
     return transformers
 
 
-def _config(name: str) -> Any:
+def _config(name: str, width: int = 32, layers: int = 2) -> Any:
     tf = _transformers()
+    if width % 4:
+        raise ValueError(f"width must be a multiple of the 4 attention heads; got {width}")
     if name == "bert":
         return tf.BertForSequenceClassification, tf.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, num_labels=3)
+            vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
+            num_attention_heads=4, intermediate_size=2 * width, max_position_embeddings=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3)
     if name == "gpt2":
         return tf.GPT2LMHeadModel, tf.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+            vocab_size=VOCAB, n_embd=width, n_layer=layers, n_head=4, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     if name == "t5":
         return tf.T5ForConditionalGeneration, tf.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+            vocab_size=VOCAB, d_model=width, d_kv=width // 4, d_ff=2 * width,
+            num_layers=layers, num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1)
     if name in ("llama", "llama_padded"):
         return tf.LlamaForCausalLM, tf.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-            bos_token_id=0, eos_token_id=1)
+            vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
     raise ValueError(f"unknown transformers zoo model {name!r}; valid: {', '.join(MODELS)}")
 
 
-def build(name: str, seed: int = 0) -> Any:
-    """The model ``name`` (one of :data:`MODELS`), initialized under ``torch.manual_seed(seed)``
-    and wrapped: ``module(input_ids, labels[, attention_mask])`` is the loss."""
+def build(name: str, seed: int = 0, width: int = 32, layers: int = 2) -> Any:
+    """The model ``name`` (one of :data:`MODELS`; hidden size ``width``, feed-forward
+    ``2 * width``, ``layers`` layers), initialized under ``torch.manual_seed(seed)`` and
+    wrapped: ``module(input_ids, labels[, attention_mask])`` is the loss."""
     import torch
 
-    cls, cfg = _config(name)
+    cls, cfg = _config(name, width, layers)
 
     class LossOf(torch.nn.Module):
         """``model(input_ids=..., labels=..., attention_mask=...).loss``."""
