@@ -25,6 +25,7 @@ init, no download).
   whose gradient is below float32's resolution (``_noise_elements``: key biases, zero in
   theory) are noise on both sides, which Adam turns into steps of up to ~lr: they are only
   bounded by the size of the model's other updates.
+* Two ranks: LLaMA under ``allreduce`` on 2 x 2 sequences against torch on the 4 (mpiexec).
 """
 from __future__ import annotations
 
@@ -154,3 +155,54 @@ def test_three_optimizer_steps_match_torch(name, opt):
                          max_rel_err((ref32[n] - before[n])[keep], exact))
     bad = {n: e for n, e in errors.items() if e[0] > max(UPDATE_TOL, 3 * e[1])}
     assert not bad, bad
+
+
+TWO_RANK_SCRIPT = """
+import json
+
+import numpy as np
+import torch
+
+import ngdist
+from ngdist import zoo_transformers as hfzoo
+
+torch.set_num_threads(1)
+make_opt = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+steps = [hfzoo.batch("llama", size=4, seed=seed) for seed in range(3)]
+module = hfzoo.build("llama")
+trainer = ngdist.compile(module, hfzoo.tensors({k: v[:2] for k, v in steps[0].items()}),
+                         loss=None, optimizer=make_opt(module.parameters()), timeout=60)
+for feeds in steps:
+    trainer.step(next(trainer.shard([feeds])))
+trainer.to_torch()
+ref = hfzoo.build("llama")  # one process, the global batch of 4
+opt = make_opt(ref.parameters())
+for feeds in steps:
+    opt.zero_grad()
+    ref(*hfzoo.tensors(feeds)).backward()
+    opt.step()
+theirs = dict(ref.named_parameters())
+errors = {}
+for n, p in module.named_parameters():
+    a, b = p.detach().numpy(), theirs[n].detach().numpy()
+    errors[n] = float(np.abs(a - b).max() / np.abs(b).max())
+print("RESULT " + json.dumps({"rank": trainer.rank, "errors": errors,
+                              "digest": float(sum(np.abs(p.detach().numpy()).sum()
+                                                  for p in module.parameters()))}))
+"""
+
+
+@pytest.mark.mpi
+def test_llama_on_two_ranks_matches_one_process_on_the_global_batch(ranks):
+    """2 ranks (allreduce) x 2 sequences against torch on the 4 sequences: the same mean loss
+    (every sequence has 8 predicted tokens), so 3 SGD steps give the same parameters."""
+    import json
+
+    proc = ranks(2, TWO_RANK_SCRIPT, timeout=300)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1], proc.stdout + proc.stderr
+    assert results[0]["digest"] == results[1]["digest"]  # the ranks hold the same weights
+    for r in results:
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] <= TOL, (worst, r["errors"][worst])
