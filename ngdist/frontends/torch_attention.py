@@ -11,7 +11,8 @@ that writes torch's math formula out in plain ONNX ops, each with a gradient rul
 * grouped heads: key and value ``[..., Hkv, S, D]`` are repeated ``Hq / Hkv`` times along the
   head axis (``Unsqueeze -> Expand -> Reshape``, torch's ``repeat_interleave``), so their
   gradients are the sums over each group of query heads;
-* ``scores = (Q @ K^T) * scale`` with ``scale = 1 / sqrt(D)`` unless given, in Q's dtype;
+* ``scores = (Q @ K^T) * scale`` with ``scale = 1 / sqrt(D)`` unless given, in Q's dtype (a
+  constant, or computed from Q's shape where the exporter does not know D);
 * ``is_causal``: a boolean ``row >= column`` mask from two ``Range`` (top-left aligned, torch's
   ``tril``); a boolean ``attn_mask`` (or the causal one): ``Where(mask, scores, -inf)``, and
   after the Softmax rows masked entirely give 0 instead of NaN (torch's safe softmax); a float
@@ -102,14 +103,17 @@ def _symbolic(g: Any, query: Any, key: Any, value: Any, attn_mask: Any = None,
     scale_value = const_arg(scale, "f", None)
     if scale_value is None:
         sizes = symbolic_helper._get_tensor_sizes(query) or [None]
-        if sizes[-1] is None:
-            raise ValueError("scaled_dot_product_attention export needs a static head size "
-                             "(query.shape[-1]) or an explicit scale")
-        scale_value = 1.0 / math.sqrt(sizes[-1])
+        if sizes[-1] is not None:
+            scale_value = 1.0 / math.sqrt(sizes[-1])
+    if scale_value is None:  # head size known only at run time: 1 / sqrt(D) in Q's dtype
+        head = g.op("Cast", _dim(g, g.op("Shape", query), -1),
+                    to_i=_type_utils.JitScalarType.from_value(query).onnx_type())
+        scale_of = g.op("Reciprocal", g.op("Sqrt", head))
+    else:
+        scale_of = _const(g, float(scale_value), dtype)
     perm = list(range(rank))
     perm[-1], perm[-2] = perm[-2], perm[-1]
-    scores = g.op("Mul", g.op("MatMul", query, g.op("Transpose", key, perm_i=perm)),
-                  _const(g, float(scale_value), dtype))
+    scores = g.op("Mul", g.op("MatMul", query, g.op("Transpose", key, perm_i=perm)), scale_of)
     if causal:
         attn_mask, has_mask = _causal_mask(g, query, key), True
     boolean = has_mask and \
