@@ -126,8 +126,8 @@ def _symbolic(g: Any, query: Any, key: Any, value: Any, attn_mask: Any = None,
     if boolean:  # a row masked entirely: 0 (torch's safe softmax), not NaN
         weights = g.op("Where", g.op("IsNaN", weights), _const(g, 0.0, dtype), weights)
     if dropout > 0.0:
-        weights = g.op("Dropout", weights, _const(g, dropout, dtype),
-                       _const(g, True, torch.bool))
+        weights, _ = g.op("Dropout", weights, _const(g, dropout, dtype),
+                          _const(g, True, torch.bool), outputs=2)  # the mask: for the rule
     return g.op("MatMul", weights, value)
 
 

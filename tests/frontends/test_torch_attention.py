@@ -1,5 +1,5 @@
 """``scaled_dot_product_attention`` through the PyTorch frontend: grouped key/value heads
-(``enable_gqa=True``), ``is_causal``, boolean masks (a row masked entirely included) and a
+(``enable_gqa=True``), ``is_causal``, boolean masks (a row masked entirely included), dropout and a
 trained float mask, an explicit scale, and float64. Loss and every parameter gradient of the
 ngdist step (autodiff pass, onnxruntime) against torch autograd in float64, within 1e-4
 relative (ngdist in float32) and 1e-7 (ngdist in float64: onnxruntime's default graph
@@ -87,6 +87,55 @@ def test_sdpa_gradients_match_torch_autograd(variant, kv_heads, dtype):
     assert max(errors.values()) <= tol, errors
     if variant == "float_mask":  # the trained mask really gets a gradient
         assert np.abs(grads["bias"]).max() > 1e-3
+
+
+class AttentionDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 3 * HEADS * DIM)
+        self.out = nn.Linear(HEADS * DIM, 3)
+
+    def heads(self, x):
+        b, n, _ = x.shape
+        return self.qkv(x).view(b, n, 3, HEADS, DIM).permute(2, 0, 3, 1, 4)
+
+    def pool(self, y):
+        b, _, n, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(b, n, HEADS * DIM).mean(1))
+
+    def forward(self, x):
+        q, k, v = self.heads(x)
+        return self.pool(F.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.4 if self.training else 0.0))
+
+
+def test_sdpa_dropout_is_a_training_mode_dropout_with_torchs_math():
+    """dropout_p: a fresh mask per step on the attention weights, scaled by 1 / (1 - p); the
+    reference is torch's math formula in float64 with the mask ngdist drew."""
+    torch.manual_seed(0)
+    module = AttentionDropout()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, LENGTH, 16)).astype(np.float32)
+    y = rng.integers(0, 3, 3).astype(np.int64)
+    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]),
+                                       loss=nn.CrossEntropyLoss())
+    (drop,) = [n for n in model.training_info[0].algorithm.node if n.op_type == "Dropout"]
+    assert not [n for n in model.graph.node if n.op_type == "Dropout"]  # eval: no dropout
+    got = run_step(model, {exp.input_names[0]: x, "y": y}, extra=[drop.output[1]])
+    mask = got[drop.output[1]]
+    assert mask.shape == (3, HEADS, LENGTH, LENGTH) and 0.45 < mask.mean() < 0.75
+
+    ref = AttentionDropout().double()
+    ref.load_state_dict({k: v.double() for k, v in module.state_dict().items()})
+    q, k, v = ref.heads(torch.from_numpy(x.astype(np.float64)))
+    weights = torch.softmax(q @ k.transpose(-1, -2) / DIM ** 0.5, -1)
+    weights = weights * torch.from_numpy(mask.astype(np.float64)) / 0.6
+    loss = F.cross_entropy(ref.pool(weights @ v), torch.from_numpy(y))
+    loss.backward()
+    assert abs(float(got["loss"]) - float(loss.detach())) <= 1e-4 * float(loss.detach())
+    grads = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    errors = gradient_errors(got, grads)
+    assert max(errors.values()) <= 1e-4, errors
 
 
 def test_sdpa_export_leaves_torch_symbolic_registry_as_it_was():
