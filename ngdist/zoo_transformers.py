@@ -1,8 +1,9 @@
 """Small Hugging Face transformers built from configs (random init, nothing downloaded), each
 wrapped so that its output is its training loss, for ``ngdist.compile(..., loss=None)``.
 
-Models (by default 2 layers, hidden 32, 4 attention heads; vocabulary 64, at most 64 positions, ``attn_implementation`` the
-default ``"sdpa"``, dropout off so that a step is a deterministic function):
+Models (by default 2 layers, hidden 32, 4 attention heads; vocabulary 64, at most 64
+positions, ``attn_implementation`` the default ``"sdpa"``, dropout off so that a step is a
+deterministic function):
 
 * ``bert``: ``BertForSequenceClassification`` (3 classes, labels per sequence);
 * ``gpt2``: ``GPT2LMHeadModel`` (labels per token, tied LM head);
