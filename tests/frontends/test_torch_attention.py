@@ -1,8 +1,8 @@
 """``scaled_dot_product_attention`` through the PyTorch frontend: grouped key/value heads
 (``enable_gqa=True``), ``is_causal``, boolean masks (a row masked entirely included), a
-trained float mask, an explicit scale, dropout, and float64. Loss and every parameter gradient of the
-ngdist step (autodiff pass, onnxruntime) against torch autograd in float64, within 1e-4
-relative (ngdist in float32) and 1e-7 (ngdist in float64: onnxruntime's default graph
+trained float mask, an explicit scale, dropout, and float64. Loss and every parameter
+gradient of the ngdist step (autodiff pass, onnxruntime) against torch autograd in float64,
+within 1e-4 relative (ngdist in float32) and 1e-7 (ngdist in float64: onnxruntime's default graph
 optimizations fuse MatMul with the scale's Mul into a FusedMatMul whose ``alpha`` attribute
 is a float32, 1.7e-8 relative off for 1/sqrt(8); with only basic optimizations the gradients
 agree to 3e-16)."""
