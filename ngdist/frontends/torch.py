@@ -189,6 +189,19 @@ def _check_batchnorm(module: Any) -> None:
                                  "give it a momentum (e.g. 0.1)")
 
 
+def _check_not_hf_model(module: Any) -> None:
+    """A Hugging Face model returns a ModelOutput with a key/value cache, which the
+    TorchScript exporter cannot trace: refused with the wrapper to write instead."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+           for c in type(module).__mro__):
+        raise GraphError(
+            f"{type(module).__name__} is a Hugging Face model: its forward returns a "
+            "ModelOutput (with a key/value cache), which torch.onnx.export cannot trace. "
+            "Compile a module whose forward returns the loss, e.g. forward(self, input_ids, "
+            "labels): return self.model(input_ids=input_ids, labels=labels).loss, with "
+            "loss=None (ngdist.zoo_transformers.build wraps its models so)")
+
+
 def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
            output_names: Sequence[str] | None = None, opset: int = OPSET) -> TorchExport:
     """Exports ``module`` in training and eval mode; its parameters and buffers are untouched."""
@@ -198,6 +211,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     if opset < 15:
         raise ValueError("opset must be >= 15 (training-mode BatchNormalization)")
     _check_batchnorm(module)
+    _check_not_hf_model(module)
     args = _as_tuple(example_inputs)
     in_names = list(input_names) if input_names else _default_input_names(module, len(args))
     if len(in_names) != len(args):

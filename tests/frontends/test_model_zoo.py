@@ -68,6 +68,16 @@ def torch_gradients(module: nn.Module, feeds: dict[str, np.ndarray]):
                                   if p.grad is not None}
 
 
+def test_a_bare_hugging_face_model_is_refused_with_the_wrapper_to_write():
+    from ngdist.errors import GraphError
+
+    model = make("gpt2").model
+    with pytest.raises(GraphError, match=r"^GPT2LMHeadModel is a Hugging Face model: its "
+                       r"forward returns a ModelOutput .* Compile a module whose forward "
+                       r"returns the loss, e\.g\. forward\(self, input_ids, labels\)"):
+        ngdist.compile(model, torch.zeros(2, 8, dtype=torch.int64), loss=None)
+
+
 GRAD_CASES = [(n, "float32") for n in hfzoo.MODELS] + [(n, "float64") for n in FLOAT64]
 
 
