@@ -47,6 +47,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
+from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def _export_once(module: Any, args: tuple[Any, ...], mode: Any, input_names: lis
     torch = _torch()
     dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
     buf = io.BytesIO()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), sdpa_export(opset):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,
@@ -188,6 +189,19 @@ def _check_batchnorm(module: Any) -> None:
                                  "give it a momentum (e.g. 0.1)")
 
 
+def _check_not_hf_model(module: Any) -> None:
+    """A Hugging Face model returns a ModelOutput with a key/value cache, which the
+    TorchScript exporter cannot trace: refused with the wrapper to write instead."""
+    if any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+           for c in type(module).__mro__):
+        raise GraphError(
+            f"{type(module).__name__} is a Hugging Face model: its forward returns a "
+            "ModelOutput (with a key/value cache), which torch.onnx.export cannot trace. "
+            "Compile a module whose forward returns the loss, e.g. forward(self, input_ids, "
+            "labels): return self.model(input_ids=input_ids, labels=labels).loss, with "
+            "loss=None (ngdist.zoo_transformers.build wraps its models so)")
+
+
 def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
            output_names: Sequence[str] | None = None, opset: int = OPSET) -> TorchExport:
     """Exports ``module`` in training and eval mode; its parameters and buffers are untouched."""
@@ -197,6 +211,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     if opset < 15:
         raise ValueError("opset must be >= 15 (training-mode BatchNormalization)")
     _check_batchnorm(module)
+    _check_not_hf_model(module)
     args = _as_tuple(example_inputs)
     in_names = list(input_names) if input_names else _default_input_names(module, len(args))
     if len(in_names) != len(args):
