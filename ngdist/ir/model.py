@@ -32,17 +32,29 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ngdist.errors import GraphError, ModelLoadError
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
-from ngdist.ir.modelfile import read_model_bytes, resolve_external_data
+from ngdist.ir.modelfile import (check_tensor_data, check_text, read_model_bytes,
+                                 resolve_external_data)
 
 logger = logging.getLogger(__name__)
 
 IR_VERSION = 10  # onnxruntime 1.31 reads at most 13; onnx 1.23 would write 14
 ROLES = ("data", "param", "buffer", "state", "hyper")
 MODEL_LEVEL = ("param", "buffer")  # roles whose values live in model.graph.initializer
+# element types of the values a step is fed or updates (held as numpy arrays and OrtValues)
+NUMPY_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+                             TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.INT32,
+                             TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
+                             TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
+                             TensorProto.BOOL})
+_TYPE_NAMES = frozenset(TensorProto.DataType.values())
+
+
+def _numpy_type_names() -> str:
+    return ", ".join(sorted(TensorProto.DataType.Name(t) for t in NUMPY_TYPES))
 
 
 @dataclass
@@ -118,7 +130,9 @@ def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelLoadError(
             f"{path}: parsed, but holds no ONNX graph (ir_version={model.ir_version}, "
             f"{len(model.graph.node)} nodes); the file is truncated or not ONNX")
+    check_text(model, str(path))
     resolve_external_data(model, Path(os.path.abspath(path)).parent, path)
+    check_tensor_data(model, str(path))
     check_proto(model, str(path))
     return model
 
@@ -174,6 +188,12 @@ def check_training_model(model: onnx.ModelProto) -> None:
             raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) reads "
                              f"{missing}, which no input, initializer or node of the training "
                              "step defines")
+    for inp in alg.input:
+        elem = inp.type.tensor_type.elem_type
+        if inp.name not in main_inits | alg_inits and elem not in NUMPY_TYPES:
+            shown = TensorProto.DataType.Name(elem) if elem in _TYPE_NAMES else elem
+            raise GraphError(f"the training step's data input {inp.name!r} has element type "
+                             f"{shown}; ngdist feeds tensors of the types {_numpy_type_names()}")
     outputs = [o.name for o in alg.output]
     if not outputs:
         raise GraphError("training_info[0].algorithm has no outputs (the loss comes first)")
@@ -190,6 +210,13 @@ def check_training_model(model: onnx.ModelProto) -> None:
     if unknown:
         raise GraphError(f"update_binding names {unknown}, which are initializers of neither "
                          "the main graph nor the algorithm graph")
+    tensors = {t.name: t for t in [*model.graph.initializer, *alg.initializer]}
+    odd = {k: TensorProto.DataType.Name(tensors[k].data_type) if tensors[k].data_type in
+           _TYPE_NAMES else tensors[k].data_type for k in keys
+           if tensors[k].data_type not in NUMPY_TYPES}
+    if odd:
+        raise GraphError(f"update_binding names {odd}: ngdist updates tensors of the types "
+                         f"{_numpy_type_names()}")
     bad = {kv.key: kv.value for kv in info.update_binding if kv.value not in outputs}
     if bad:
         raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "
@@ -321,6 +348,7 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Model]:
     """ModelProto with training_info -> (inference model, step graph as onnx_ir model)."""
+    check_training_model(model)
     if not model.training_info:
         raise GraphError(
             "the model has no training_info: it is a forward-only model. Build a training "

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
-from onnx import TensorProto
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from onnx import TensorProto, numpy_helper
 
 from ngdist.errors import ModelLoadError
 
@@ -222,6 +224,64 @@ def _open_inside(folder: Path, location: str, where: str) -> int:
         raise
 
 
+def check_text(model: onnx.ModelProto, where: str) -> None:
+    """Every string field of the model (names, op types, metadata...) is UTF-8 text.
+    protobuf hands a field that is not as ``bytes``, which nothing downstream expects."""
+    stack: list[Message] = [model]
+    while stack:
+        msg = stack.pop()
+        for desc, value in msg.ListFields():
+            if desc.type == FieldDescriptor.TYPE_MESSAGE:
+                if _is_repeated(desc):
+                    stack.extend(value)
+                else:
+                    stack.append(value)
+            elif desc.type == FieldDescriptor.TYPE_STRING:
+                for item in (value if _is_repeated(desc) else (value,)):
+                    if not isinstance(item, str):
+                        raise ModelLoadError(
+                            f"{where}: the {type(msg).__name__} field {desc.name!r} holds "
+                            f"{bytes(item)[:40]!r}, which is not UTF-8 text; the file is "
+                            "damaged or was not written by an ONNX exporter")
+
+
+def _is_repeated(desc: FieldDescriptor) -> bool:
+    repeated = getattr(desc, "is_repeated", None)  # protobuf >= 5.29
+    return bool(repeated) if repeated is not None else \
+        desc.label == FieldDescriptor.LABEL_REPEATED
+
+
+def check_tensor_data(model: onnx.ModelProto, where: str) -> None:
+    """Every tensor's data fits its element type and dims (raw bytes by their size, typed
+    fields by decoding them), so that no later step meets a tensor it cannot read."""
+    for tensor in iter_tensors(model):
+        what = f"{where}: tensor {tensor.name!r}"
+        if any(d < 0 for d in tensor.dims):
+            raise ModelLoadError(f"{what} has negative dims {list(tensor.dims)}")
+        if tensor.data_location == TensorProto.EXTERNAL:
+            continue
+        if tensor.data_type not in _KNOWN_TYPES:
+            raise ModelLoadError(f"{what} has the unknown element type {tensor.data_type}")
+        if tensor.HasField("raw_data"):
+            expected = _tensor_bytes(tensor)
+            if expected is not None and len(tensor.raw_data) != expected:
+                raise ModelLoadError(
+                    f"{what}: {len(tensor.raw_data):,} bytes of data, but its type "
+                    f"{TensorProto.DataType.Name(tensor.data_type)} and dims "
+                    f"{list(tensor.dims)} need {expected:,} bytes")
+            continue
+        try:
+            numpy_helper.to_array(tensor)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - numpy/onnx raise several kinds here
+            raise ModelLoadError(f"{what}: its data do not fit its type and dims "
+                                 f"{list(tensor.dims)} ({exc})") from None
+
+
+_KNOWN_TYPES = frozenset(v for k, v in TensorProto.DataType.items() if k != "UNDEFINED")
+
+
 def _int_field(value: str, key: str, where: str) -> int:
     try:
         number = int(value)
@@ -272,5 +332,6 @@ def resolve_external_data(model: onnx.ModelProto, folder: str | os.PathLike,
         tensor.data_location = TensorProto.DEFAULT
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "iter_tensors", "max_model_bytes",
+__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "check_tensor_data", "check_text",
+           "iter_tensors", "max_model_bytes",
            "read_model_bytes", "refuse_external_data", "resolve_external_data"]
