@@ -329,7 +329,7 @@ def resolve_external_data(model: onnx.ModelProto, folder: str | os.PathLike,
                                  f"of {length:,} bytes; the data file is truncated")
         tensor.raw_data = data
         del tensor.external_data[:]
-        tensor.data_location = TensorProto.DEFAULT
+        tensor.ClearField("data_location")  # as a tensor saved without external data
 
 
 __all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "check_tensor_data", "check_text",
