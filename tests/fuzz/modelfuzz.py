@@ -361,11 +361,12 @@ def m_external(rng, model, data, folder):
 
 def m_huge_chain(rng, model, data, folder, light=False):
     """A chain of unary nodes between the logits and the graph output: 10^4 or 2*10^4
-    Identity nodes (the loaders, checkers and clean-up at scale), or 10^3 or 2*10^3 Relu/Neg
-    nodes that the autodiff differentiates (300 or 600 when ``light``)."""
+    Identity nodes (the loaders, checkers and clean-up at scale), or 500 or 1000 Relu/Neg
+    nodes that the autodiff differentiates (300 or 600 when ``light``): onnxruntime's session
+    set-up grows about quadratically with them (docs/ARCHITECTURE.md)."""
     g = model.graph
     op = _pick(rng, ["Identity", "Relu", "Neg"])
-    lengths = [10_000, 20_000] if op == "Identity" else [300, 600] if light else [1000, 2000]
+    lengths = [10_000, 20_000] if op == "Identity" else [300, 600] if light else [500, 1000]
     length = int(_pick(rng, lengths))
     out = g.output[0].name
     producer = next(n for n in g.node if out in n.output)
@@ -407,8 +408,10 @@ def m_deep_nesting(rng, model, data, folder):
                                  (b"else_branch", leaf.SerializeToString())))
         node = _field(1, b"c") + _field(2, output) + _field(4, b"If") + attrs
         graph = _field(1, node) + _field(2, b"g") + _field(12, out_vi)
+    condition = helper.make_node("Constant", [], ["c"], value=helper.make_tensor(
+        "c", TensorProto.BOOL, [], [True])).SerializeToString()
     # field 7 of ModelProto is the graph, field 1 of GraphProto its nodes
-    return data + _field(7, _field(1, node)), f"depth {depth}"
+    return data + _field(7, _field(1, condition) + _field(1, node)), f"depth {depth}"
 
 
 def m_special(rng, model, data, folder):
