@@ -25,6 +25,7 @@ import re
 import secrets
 import socket
 import stat
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +47,10 @@ ROLES = ("data", "param", "buffer", "state", "hyper")
 MODEL_LEVEL = ("param", "buffer")  # roles whose values live in model.graph.initializer
 # element types of the values a step is fed or updates (held as numpy arrays and OrtValues)
 NUMPY_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
-                             TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.INT32,
-                             TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
-                             TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
-                             TensorProto.BOOL})
+                         TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.INT32,
+                         TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
+                         TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
+                         TensorProto.BOOL})
 _TYPE_NAMES = frozenset(TensorProto.DataType.values())
 
 
@@ -203,7 +204,7 @@ def check_training_model(model: onnx.ModelProto) -> None:
     keys = [kv.key for kv in info.update_binding]
     if not keys:
         raise GraphError("training_info[0].update_binding is empty: the step updates nothing")
-    twice = sorted({k for k in keys if keys.count(k) > 1})
+    twice = sorted(k for k, n in Counter(keys).items() if n > 1)
     if twice:
         raise GraphError(f"update_binding binds {twice} more than once")
     unknown = [k for k in keys if k not in main_inits | alg_inits]
@@ -220,35 +221,42 @@ def check_training_model(model: onnx.ModelProto) -> None:
     bad = {kv.key: kv.value for kv in info.update_binding if kv.value not in outputs}
     if bad:
         raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "
-                         f"algorithm graph (its outputs: {outputs[:8]}"
-                         f"{' ...' if len(outputs) > 8 else ''})")
+                         f"algorithm graph (its outputs: {_listing(outputs)})")
     props = {p.key: p.value for p in model.metadata_props}
-    raw = props.get("ngdist.roles")
-    if raw is not None:
-        try:
-            roles = json.loads(raw)
-        except ValueError as exc:
-            raise GraphError(f"metadata ngdist.roles is not valid JSON ({exc})") from None
-        if not isinstance(roles, dict) or \
-                not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
-            raise GraphError("metadata ngdist.roles must be a JSON object of name -> role")
-        wrong = {k: v for k, v in roles.items() if v not in ROLES}
-        if wrong:
-            raise GraphError(f"metadata ngdist.roles gives unknown roles {wrong}; roles are "
-                             f"{', '.join(ROLES)}")
-        absent = [k for k in roles if k not in defined]
-        if absent:
-            raise GraphError(f"metadata ngdist.roles names {absent}, which are not values of "
-                             "the training step")
-        misplaced = [k for k, v in roles.items()
-                     if v in MODEL_LEVEL and k not in main_inits]
-        if misplaced:
-            raise GraphError(f"metadata ngdist.roles makes {misplaced} parameters or buffers, "
-                             "but they are not initializers of the main graph")
+    if "ngdist.roles" in props:
+        _check_roles(props["ngdist.roles"], defined, main_inits)
     loss = props.get("ngdist.loss")
     if loss is not None and loss not in outputs:
         raise GraphError(f"metadata ngdist.loss names {loss!r}, which is not an output of the "
-                         f"algorithm graph (its outputs: {outputs[:8]})")
+                         f"algorithm graph (its outputs: {_listing(outputs)})")
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    return f"{names[:limit]}{' ...' if len(names) > limit else ''}"
+
+
+def _check_roles(raw: str, defined: set[str], main_inits: set[str]) -> None:
+    """``ngdist.roles``: a JSON object of known roles naming values of the step."""
+    try:
+        roles = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
+        raise GraphError(f"metadata ngdist.roles is not valid JSON ({exc})") from None
+    if not isinstance(roles, dict) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
+        raise GraphError("metadata ngdist.roles must be a JSON object of name -> role")
+    wrong = {k: v for k, v in roles.items() if v not in ROLES}
+    if wrong:
+        raise GraphError(f"metadata ngdist.roles gives unknown roles {wrong}; roles are "
+                         f"{', '.join(ROLES)}")
+    absent = [k for k in roles if k not in defined]
+    if absent:
+        raise GraphError(f"metadata ngdist.roles names {absent}, which are not values of "
+                         "the training step")
+    misplaced = [k for k, v in roles.items()
+                 if v in MODEL_LEVEL and k not in main_inits]
+    if misplaced:
+        raise GraphError(f"metadata ngdist.roles makes {misplaced} parameters or buffers, "
+                         "but they are not initializers of the main graph")
 
 
 _TMP_MARK = ".ngdist-tmp-"  # .<name>.ngdist-tmp-<pid>-<host>-<random>: a save in progress

@@ -223,6 +223,8 @@ def tamper(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
             {**json.loads(props["ngdist.roles"]), "fc0.bias": "weights"})})
     elif how == "bad roles json":
         helper.set_model_props(model, {**props, "ngdist.roles": '{"fc0.weight": "param"'})
+    elif how == "roles nested too deep":
+        helper.set_model_props(model, {**props, "ngdist.roles": "[" * 100_000})
     elif how == "roles not a mapping":
         helper.set_model_props(model, {**props, "ngdist.roles": '["param"]'})
     elif how == "role of a missing name":
@@ -262,6 +264,8 @@ TAMPERED = {
     "bad roles json": "metadata ngdist.roles is not valid JSON (Expecting ',' delimiter: line 1 "
                       "column 23 (char 22))",
     "roles not a mapping": "metadata ngdist.roles must be a JSON object of name -> role",
+    "roles nested too deep": "metadata ngdist.roles is not valid JSON (maximum recursion depth "
+                             "exceeded while decoding a JSON array from a unicode string)",
     "role of a missing name": "metadata ngdist.roles names ['fc9.weight'], which are not "
                               "values of the training step",
     "binding to a missing output": "update_binding maps {'fc0.weight': 'fc0.weight.newer'} to "
@@ -280,7 +284,7 @@ TAMPERED = {
                           "algorithm graph (its outputs: ['ngdist.loss', 'fc0.weight.new', "
                           "'fc0.bias.new', 'fc1.weight.new', 'fc1.bias.new', "
                           "'fc0.weight.momentum.new', 'fc0.bias.momentum.new', "
-                          "'fc1.weight.momentum.new'])",
+                          "'fc1.weight.momentum.new'] ...)",
     "string parameter": "update_binding names {'fc0.weight': 'STRING'}: ngdist updates tensors "
                         "of the types BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT16, INT32, "
                         "INT64, INT8, UINT16, UINT32, UINT64, UINT8",
