@@ -37,7 +37,7 @@ from onnx import TensorProto, numpy_helper
 
 from ngdist.errors import GraphError, ModelLoadError
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
-from ngdist.ir.modelfile import (check_tensor_data, check_text, read_model_bytes,
+from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
                                  resolve_external_data)
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
             f"{path}: parsed, but holds no ONNX graph (ir_version={model.ir_version}, "
             f"{len(model.graph.node)} nodes); the file is truncated or not ONNX")
     check_text(model, str(path))
+    check_nodes(model, str(path))
     resolve_external_data(model, Path(os.path.abspath(path)).parent, path)
     check_tensor_data(model, str(path))
     check_proto(model, str(path))

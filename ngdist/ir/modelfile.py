@@ -94,15 +94,41 @@ def _refuse_too_large(path: str | os.PathLike, size: int, limit: int) -> None:
 
 # --------------------------------------------------------------------------- external data
 
-def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Every TensorProto of the model: initializers (sparse ones too), tensor attributes, those
-    of subgraphs at any depth, and those of the training_info graphs (no recursion, so a deeply
-    nested model cannot exhaust the stack)."""
+def iter_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The main graph, the training_info graphs and every subgraph of theirs at any depth
+    (no recursion, so a deeply nested model cannot exhaust the stack)."""
     graphs = [model.graph]
     for info in model.training_info:
         graphs += [info.algorithm, info.initialization]
     while graphs:
         graph = graphs.pop()
+        yield graph
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+
+
+def check_nodes(model: onnx.ModelProto, where: str) -> None:
+    """Every node of every graph names its op and every attribute has a name and a type
+    (onnx's checker passes nodes of domains it has no schema for, and training_info's)."""
+    for graph in iter_graphs(model):
+        for idx, node in enumerate(graph.node):
+            what = f"{where}: node {node.name or idx!r} of graph {graph.name!r}"
+            if not node.op_type:
+                raise ModelLoadError(f"{what} has no op type; the file is damaged")
+            for attr in node.attribute:
+                if not attr.name or attr.type == onnx.AttributeProto.UNDEFINED:
+                    raise ModelLoadError(f"{what} ({node.op_type}) has an attribute without "
+                                         f"{'a name' if not attr.name else 'a type'} "
+                                         f"({attr.name!r}); the file is damaged")
+
+
+def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto of the model: initializers (sparse ones too) and tensor attributes of
+    every graph (:func:`iter_graphs`)."""
+    for graph in iter_graphs(model):
         yield from graph.initializer
         for sparse in graph.sparse_initializer:
             yield sparse.values
@@ -118,9 +144,6 @@ def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
                 for sparse in attr.sparse_tensors:
                     yield sparse.values
                     yield sparse.indices
-                if attr.HasField("g"):
-                    graphs.append(attr.g)
-                graphs.extend(attr.graphs)
 
 
 def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
@@ -332,6 +355,6 @@ def resolve_external_data(model: onnx.ModelProto, folder: str | os.PathLike,
         tensor.ClearField("data_location")  # as a tensor saved without external data
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "check_tensor_data", "check_text",
-           "iter_tensors", "max_model_bytes",
+__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "check_nodes", "check_tensor_data",
+           "check_text", "iter_graphs", "iter_tensors", "max_model_bytes",
            "read_model_bytes", "refuse_external_data", "resolve_external_data"]

@@ -344,3 +344,21 @@ def test_what_rewrite_writes_loads_back_and_runs(tmp_path, strategy):
                             strategy=strategy)
     for _ in range(2):
         assert loaded.step(batch).loss == pytest.approx(oracle.step(batch).loss, rel=1e-6)
+
+
+def test_damaged_nodes_are_refused(tmp_path, training):
+    """A node without op type or with an untyped attribute: onnx's checker lets them through
+    in the training step (they made onnx_ir fail to serialize the step)."""
+    bad = copy.deepcopy(training)
+    node = next(n for n in bad.training_info[0].algorithm.node if n.op_type == "Momentum")
+    node.op_type = ""
+    path = tmp_path / "no_op.onnx"
+    save_proto(bad, path)
+    refused(path, f"{path}: node 'ngdist/momentum' of graph 'ngdist_step' has no op type; the "
+                  "file is damaged")
+    bad = copy.deepcopy(training)
+    bad.graph.node[0].attribute.add(name="alpha")  # no type
+    path = tmp_path / "untyped.onnx"
+    save_proto(bad, path)
+    refused(path, f"{path}: node 'fc0' of graph 'mlp' (Gemm) has an attribute without a type "
+                  "('alpha'); the file is damaged")
