@@ -13,7 +13,8 @@ import onnx
 from ngdist import optim
 from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.onnx import build_training_model
-from ngdist.ir.model import load_proto, split_training_model
+from ngdist.ir.model import check_training_model, load_proto, split_training_model
+from ngdist.ir.modelfile import refuse_external_data
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
 from ngdist.comm import world_group, world_rank_size
@@ -92,7 +93,12 @@ def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any =
                       frozen: list[str] | None = None, output: str | None = None
                       ) -> onnx.ModelProto:
     """A training model from a path or ModelProto: used as is if it already is one."""
-    proto = model if isinstance(model, onnx.ModelProto) else load_proto(model)
+    if isinstance(model, onnx.ModelProto):
+        proto = model
+        refuse_external_data(proto)  # its folder is unknown: nothing is read from a guess
+        check_training_model(proto)
+    else:
+        proto = load_proto(model)
     if proto.training_info:
         if loss is not _UNSET or optimizer is not _UNSET or params or frozen:
             raise GraphError("the model is already a training model (it has training_info); "

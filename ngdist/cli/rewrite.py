@@ -128,11 +128,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ngdist.ir.model import save_proto
+    from ngdist.ir.model import check_training_model, save_proto
     from ngdist.passes.pipeline import rewrite
 
     options = chosen_options(args, "ngdist rewrite")  # before any model is read
     out = rewrite(training_model(args), options)
+    check_training_model(out)  # what is written loads back: the same checks as on reading
     save_proto(out, args.output)
     print(f"wrote {args.output} (strategy {args.strategy})")
     return 0

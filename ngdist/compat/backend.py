@@ -43,7 +43,7 @@ from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupl
 
 from ngdist.errors import GraphError, InputError
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.ir.model import IR_VERSION, StepMeta, set_meta
+from ngdist.ir.model import IR_VERSION, StepMeta, load_proto, set_meta
 from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
@@ -295,8 +295,9 @@ class NgdistBackend(Backend):
                 **kwargs: Any) -> BackendRep:
         _check_device(device)
         if isinstance(model, (str, bytes)) and not isinstance(model, onnx.ModelProto):
+            # a path is read as ngdist reads every model file (ir/modelfile.py)
             model = onnx.load_model_from_string(model) if isinstance(model, bytes) \
-                else onnx.load(model)
+                else load_proto(model)
         mode = kwargs.pop("mode", "train")
         if model.training_info and mode == "train":
             return TrainingRep(model, **{k: v for k, v in kwargs.items()

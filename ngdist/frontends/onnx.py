@@ -230,6 +230,9 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
         raise GraphError(f"buffers {unknown} are not initializers of the model")
     chosen = choose_params(model, params, frozen, {*running, *explicit}, fixed_stats)
     outputs = {o.name: o for o in g.output}
+    if not outputs:
+        raise GraphError("the model has no outputs; ngdist trains the loss computed from its "
+                         "first output (the logits), so the graph must declare one")
     out_name = output or g.output[0].name
     if out_name not in outputs:
         raise GraphError(f"output {out_name!r} is not an output of the model "

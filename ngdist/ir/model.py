@@ -25,6 +25,7 @@ import re
 import secrets
 import socket
 import stat
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,16 +33,29 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 from google.protobuf.message import DecodeError
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from ngdist.errors import GraphError, ModelLoadError
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
+from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
+                                 resolve_external_data)
 
 logger = logging.getLogger(__name__)
 
 IR_VERSION = 10  # onnxruntime 1.31 reads at most 13; onnx 1.23 would write 14
 ROLES = ("data", "param", "buffer", "state", "hyper")
 MODEL_LEVEL = ("param", "buffer")  # roles whose values live in model.graph.initializer
+# element types of the values a step is fed or updates (held as numpy arrays and OrtValues)
+NUMPY_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+                         TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.INT32,
+                         TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16,
+                         TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
+                         TensorProto.BOOL})
+_TYPE_NAMES = frozenset(TensorProto.DataType.values())
+
+
+def _numpy_type_names() -> str:
+    return ", ".join(sorted(TensorProto.DataType.Name(t) for t in NUMPY_TYPES))
 
 
 @dataclass
@@ -98,17 +112,18 @@ def set_meta(model: ir.Model, meta: StepMeta) -> None:
 # --------------------------------------------------------------------------- files
 
 def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
-    """Read an ONNX file, with an error that says what is wrong and what to do."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    data = path.read_bytes()
+    """Read an ONNX file, with an error that says what is wrong and what to do.
+
+    Only a regular file within the size limit is read (ir/modelfile.py); external data come
+    from files inside the model's folder; a training model's algorithm is validated
+    (:func:`check_training_model`)."""
+    data = read_model_bytes(path)
     if not data:
         raise ModelLoadError(f"{path}: the file is empty; it is not an ONNX model")
     model = onnx.ModelProto()
     try:
         model.ParseFromString(data)
-    except (DecodeError, ValueError, RuntimeError) as exc:
+    except (DecodeError, ValueError, RuntimeError, RecursionError) as exc:
         raise ModelLoadError(
             f"{path}: not a valid ONNX file ({exc}); the file is truncated or not ONNX. "
             "Re-export the model or check the path.") from None
@@ -116,13 +131,133 @@ def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelLoadError(
             f"{path}: parsed, but holds no ONNX graph (ir_version={model.ir_version}, "
             f"{len(model.graph.node)} nodes); the file is truncated or not ONNX")
+    check_text(model, str(path))
+    check_nodes(model, str(path))
+    resolve_external_data(model, Path(os.path.abspath(path)).parent, path)
+    check_tensor_data(model, str(path))
+    check_proto(model, str(path))
+    return model
+
+
+def check_proto(model: onnx.ModelProto, where: str) -> None:
+    """onnx's checker, then :func:`check_training_model`; a ModelLoadError naming ``where``."""
     try:
         onnx.checker.check_model(model)
-    except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"{path}: the ONNX model is invalid ({first}); the file may be "
+    except (onnx.checker.ValidationError, ValueError, RuntimeError, RecursionError,
+            UnicodeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(f"{where}: the ONNX model is invalid ({first}); the file may be "
                              "truncated or produced by a broken exporter") from None
-    return model
+    try:
+        check_training_model(model)
+    except GraphError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+
+
+def check_training_model(model: onnx.ModelProto) -> None:
+    """Refuses (GraphError naming what is wrong) a training model that ngdist could not run:
+    an algorithm that reads values nothing defines, an update_binding to a value the algorithm
+    does not output, unknown roles or bad ``ngdist.*`` metadata. Forward-only models pass."""
+    if not model.training_info:
+        return
+    if len(model.training_info) > 1:
+        raise GraphError(f"the model holds {len(model.training_info)} training_info entries; "
+                         "ngdist trains with exactly one")
+    info = model.training_info[0]
+    if len(info.initialization.node) or len(info.initialization_binding):
+        raise GraphError("training_info[0] has an initialization graph, which ngdist does not "
+                         "run; initialize the state as initializers of the algorithm graph")
+    alg = info.algorithm
+    if not alg.node:
+        raise GraphError("training_info[0].algorithm has no nodes: the training step is empty")
+    main_inits = {t.name for t in model.graph.initializer}
+    alg_inits = {t.name for t in alg.initializer}
+    inputs = {i.name for i in alg.input}
+    defined = main_inits | alg_inits | inputs
+    produced: set[str] = set()
+    for idx, node in enumerate(alg.node):
+        for out in node.output:
+            if not out:
+                continue
+            if out in produced or out in alg_inits or out in inputs:
+                raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) "
+                                 f"defines {out!r} a second time")
+            produced.add(out)
+    defined |= produced
+    for idx, node in enumerate(alg.node):
+        missing = [i for i in node.input if i and i not in defined]
+        if missing:
+            raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) reads "
+                             f"{missing}, which no input, initializer or node of the training "
+                             "step defines")
+    for inp in alg.input:
+        elem = inp.type.tensor_type.elem_type
+        if inp.name not in main_inits | alg_inits and elem not in NUMPY_TYPES:
+            shown = TensorProto.DataType.Name(elem) if elem in _TYPE_NAMES else elem
+            raise GraphError(f"the training step's data input {inp.name!r} has element type "
+                             f"{shown}; ngdist feeds tensors of the types {_numpy_type_names()}")
+    outputs = [o.name for o in alg.output]
+    if not outputs:
+        raise GraphError("training_info[0].algorithm has no outputs (the loss comes first)")
+    undefined = [o for o in outputs if o not in defined]
+    if undefined:
+        raise GraphError(f"algorithm outputs {undefined} are produced by no node of the step")
+    keys = [kv.key for kv in info.update_binding]
+    if not keys:
+        raise GraphError("training_info[0].update_binding is empty: the step updates nothing")
+    twice = sorted(k for k, n in Counter(keys).items() if n > 1)
+    if twice:
+        raise GraphError(f"update_binding binds {twice} more than once")
+    unknown = [k for k in keys if k not in main_inits | alg_inits]
+    if unknown:
+        raise GraphError(f"update_binding names {unknown}, which are initializers of neither "
+                         "the main graph nor the algorithm graph")
+    tensors = {t.name: t for t in [*model.graph.initializer, *alg.initializer]}
+    odd = {k: TensorProto.DataType.Name(tensors[k].data_type) if tensors[k].data_type in
+           _TYPE_NAMES else tensors[k].data_type for k in keys
+           if tensors[k].data_type not in NUMPY_TYPES}
+    if odd:
+        raise GraphError(f"update_binding names {odd}: ngdist updates tensors of the types "
+                         f"{_numpy_type_names()}")
+    bad = {kv.key: kv.value for kv in info.update_binding if kv.value not in outputs}
+    if bad:
+        raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "
+                         f"algorithm graph (its outputs: {_listing(outputs)})")
+    props = {p.key: p.value for p in model.metadata_props}
+    if "ngdist.roles" in props:
+        _check_roles(props["ngdist.roles"], defined, main_inits)
+    loss = props.get("ngdist.loss")
+    if loss is not None and loss not in outputs:
+        raise GraphError(f"metadata ngdist.loss names {loss!r}, which is not an output of the "
+                         f"algorithm graph (its outputs: {_listing(outputs)})")
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    return f"{names[:limit]}{' ...' if len(names) > limit else ''}"
+
+
+def _check_roles(raw: str, defined: set[str], main_inits: set[str]) -> None:
+    """``ngdist.roles``: a JSON object of known roles naming values of the step."""
+    try:
+        roles = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested too deep
+        raise GraphError(f"metadata ngdist.roles is not valid JSON ({exc})") from None
+    if not isinstance(roles, dict) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in roles.items()):
+        raise GraphError("metadata ngdist.roles must be a JSON object of name -> role")
+    wrong = {k: v for k, v in roles.items() if v not in ROLES}
+    if wrong:
+        raise GraphError(f"metadata ngdist.roles gives unknown roles {wrong}; roles are "
+                         f"{', '.join(ROLES)}")
+    absent = [k for k in roles if k not in defined]
+    if absent:
+        raise GraphError(f"metadata ngdist.roles names {absent}, which are not values of "
+                         "the training step")
+    misplaced = [k for k, v in roles.items()
+                 if v in MODEL_LEVEL and k not in main_inits]
+    if misplaced:
+        raise GraphError(f"metadata ngdist.roles makes {misplaced} parameters or buffers, "
+                         "but they are not initializers of the main graph")
 
 
 _TMP_MARK = ".ngdist-tmp-"  # .<name>.ngdist-tmp-<pid>-<host>-<random>: a save in progress
@@ -241,6 +376,7 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
 
 def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Model]:
     """ModelProto with training_info -> (inference model, step graph as onnx_ir model)."""
+    check_training_model(model)
     if not model.training_info:
         raise GraphError(
             "the model has no training_info: it is a forward-only model. Build a training "

@@ -56,7 +56,8 @@ def test_malformed_timeout_in_process(model, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["inspect", "adir"], "adir: Is a directory"),
+    (["inspect", "adir"], "adir: is a directory, not a regular file; give the path of an "
+                          ".onnx file"),
     (["rewrite", "training.onnx", "-o", "adir"], "adir: Is a directory"),
     (["rewrite", "training.onnx", "-o", "afile/dist.onnx"], "afile/dist.onnx: Not a directory"),
 ])
@@ -69,10 +70,14 @@ def test_os_error_is_one_line_naming_the_path(cli, model, tmp_path, args, messag
 
 
 def test_permission_denied_is_one_line_naming_the_path(model, capsys, monkeypatch):
-    def denied(self):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "read_bytes", denied)
+    def denied(path, *args, **kwargs):
+        if str(path) == str(model):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
     assert main(["inspect", str(model)]) == 1
     assert capsys.readouterr().err == f"ngdist: error: {model}: Permission denied\n"
 
@@ -92,14 +97,16 @@ def test_debug_shows_the_traceback(cli, tmp_path, monkeypatch, how):
     proc = cli(*(["--debug"] if how == "flag" else []), "inspect", "adir", cwd=tmp_path)
     assert proc.returncode == 1
     assert proc.stderr.startswith("Traceback (most recent call last):")
-    assert proc.stderr.splitlines()[-1] == "IsADirectoryError: [Errno 21] Is a directory: 'adir'"
+    assert proc.stderr.splitlines()[-1] == ("ngdist.errors.ModelLoadError: adir: is a directory, "
+                                            "not a regular file; give the path of an .onnx file")
 
 
 def test_debug_off_with_zero(tmp_path, capsys, monkeypatch):
     (tmp_path / "adir").mkdir()
     monkeypatch.setenv("NGDIST_DEBUG", "0")
     assert main(["inspect", str(tmp_path / "adir")]) == 1
-    assert capsys.readouterr().err == f"ngdist: error: {tmp_path / 'adir'}: Is a directory\n"
+    assert capsys.readouterr().err == (f"ngdist: error: {tmp_path / 'adir'}: is a directory, not "
+                                       "a regular file; give the path of an .onnx file\n")
 
 
 def test_debug_reraises_ngdist_errors_in_process(tmp_path, monkeypatch):
