@@ -138,8 +138,8 @@ def _torchvision_model(name: str, full: bool) -> Any:
                         stochastic_depth_prob=0.0, **k)
     if name == "vit":
         from torchvision.models.vision_transformer import VisionTransformer
-        if full:  # ViT-S/8 at 64x64: 64 patches, 6 heads of 64
-            vit = VisionTransformer(image_size=64, patch_size=8, num_layers=12, num_heads=6,
+        if full:  # ViT-S/16 at 64x64: 16 patches and the class token, 6 heads of 64
+            vit = VisionTransformer(image_size=64, patch_size=16, num_layers=12, num_heads=6,
                                     hidden_dim=384, mlp_dim=1536, **k)
         else:
             vit = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
@@ -170,7 +170,7 @@ def _timm_model(name: str, full: bool) -> Any:
         return timm.create_model("convnext_atto", **k)
     if name == "timm_vit":
         if full:
-            return timm.create_model("vit_small_patch16_224", img_size=64, patch_size=8, **k)
+            return timm.create_model("vit_small_patch16_224", img_size=64, **k)
         return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
                                  embed_dim=32, num_heads=2, **k)
     raise ValueError(f"unknown vision zoo model {name!r}; valid: {', '.join(MODELS)}")
