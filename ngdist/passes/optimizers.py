@@ -149,23 +149,25 @@ def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
     """torch.optim.Adam / AdamW (single-tensor path) on one parameter: new x, m, v (and v_max
     with AMSGrad)."""
 
+    like = x  # the parameter: its rank shapes the scalars (the decayed x has no shape)
+
     def scalar(name: str) -> ir.Value:
-        return k.memo(("torch_adam", name), x,
-                      lambda: k._shape(ctx.op("CastLike", scalars[name], x), x))
+        return k.memo(("torch_adam", name), like,
+                      lambda: k._shape(ctx.op("CastLike", scalars[name], like), like))
 
     al, be = float(a["alpha"]), float(a["beta"])  # type: ignore[arg-type]
     wd = float(a.get("norm_coefficient") or 0.0)  # type: ignore[arg-type]
     if wd and decoupled:  # param.mul_(1 - lr * weight_decay)
         x = ctx.op("Mul", x, scalar("decay"))
     elif wd:  # grad = grad.add(param, alpha=weight_decay)
-        g = ctx.op("Add", g, ctx.op("Mul", k.const(wd, x), x))
-    m_new = ctx.op("Add", m, ctx.op("Mul", k.const(1 - al, x), ctx.op("Sub", g, m)))  # lerp
-    v_new = ctx.op("Add", ctx.op("Mul", k.const(be, x), v),
-                   ctx.op("Mul", k.const(1 - be, x), ctx.op("Mul", g, g)))
+        g = ctx.op("Add", g, ctx.op("Mul", k.const(wd, like), x))
+    m_new = ctx.op("Add", m, ctx.op("Mul", k.const(1 - al, like), ctx.op("Sub", g, m)))  # lerp
+    v_new = ctx.op("Add", ctx.op("Mul", k.const(be, like), v),
+                   ctx.op("Mul", k.const(1 - be, like), ctx.op("Mul", g, g)))
     v_max_new = None if v_max is None else ctx.op("Max", v_max, v_new)
     second = v_new if v_max_new is None else v_max_new
     denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", second), scalar("bc2_sqrt")),
-                   k.const(float(a["epsilon"]), x))  # type: ignore[arg-type]
+                   k.const(float(a["epsilon"]), like))  # type: ignore[arg-type]
     x_new = ctx.op("Sub", x, ctx.op("Mul", scalar("step_size"), ctx.op("Div", m_new, denom)))
     return (x_new, m_new, v_new) if v_max_new is None else (x_new, m_new, v_new, v_max_new)
 
