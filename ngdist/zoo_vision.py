@@ -149,9 +149,11 @@ def _torchvision_model(name: str, full: bool) -> Any:
         torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
         return vit
     if name == "swin":
-        if full:
-            return m.swin_t(stochastic_depth_prob=0.0, **k)
         from torchvision.models.swin_transformer import SwinTransformer
+        if full:  # swin_t (whose builder fixes stochastic_depth_prob at 0.2)
+            return SwinTransformer(patch_size=[4, 4], embed_dim=96, depths=[2, 2, 6, 2],
+                                   num_heads=[3, 6, 12, 24], window_size=[7, 7],
+                                   stochastic_depth_prob=0.0, **k)
         return SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2],
                                num_heads=[2, 4], window_size=[4, 4],
                                stochastic_depth_prob=0.0, **k)
