@@ -29,6 +29,7 @@ from ngdist.errors import NgdistError
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_RANKS = 1  # ngdist run and ngdist train, as torchrun's --nproc-per-node
 ALL_RANKS_UP_TO = 16  # a larger job's table leaves out the ranks that exited 0
 _STOPPED_BY = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)",
                signal.SIGHUP: "hung up (SIGHUP)"}
@@ -47,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "checkpoint. Across machines pass --hostfile (one host "
                        "per line, optionally host:slots) and make sure every host has the same "
                        "Python environment.")
-    p.add_argument("-n", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("-n", type=int, default=DEFAULT_RANKS,
+                   help=f"number of ranks (default {DEFAULT_RANKS})")
     p.add_argument("--hostfile", help="MPICH hostfile for several machines")
     p.add_argument("--hosts", help="comma-separated host list (alternative to --hostfile)")
     p.add_argument("--servers", type=int, default=0,

@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 
 from ngdist.cli.rewrite import OptionParser, add_strategy_arguments, chosen_options
-from ngdist.cli.run import (add_checkpoint_arguments, add_launch_arguments,
+from ngdist.cli.run import (DEFAULT_RANKS, add_checkpoint_arguments, add_launch_arguments,
                             add_timeline_argument, timeline_env)
 from ngdist.cli.rewrite import training_model as _training_model
 from ngdist.errors import InputError
@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default="y", help="name of the labels array/input (default y)")
     p.add_argument("--optimizer", help="e.g. sgd:lr=0.05,momentum=0.9 or adam:lr=1e-3 "
                    f"(default {DEFAULT_OPTIMIZER}); not for a training model")
-    p.add_argument("-n", type=int, default=1, help="number of ranks (default 1)")
+    p.add_argument("-n", type=int, default=DEFAULT_RANKS,
+                   help=f"number of ranks (default {DEFAULT_RANKS})")
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per rank and step "
                    "(default 32)")

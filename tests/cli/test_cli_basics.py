@@ -113,3 +113,12 @@ def test_debug_reraises_ngdist_errors_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("NGDIST_TIMEOUT", "abc")
     with pytest.raises(ngdist.CommError, match="NGDIST_TIMEOUT='abc'"):
         main(["--debug", "inspect", str(tmp_path / "missing.onnx")])
+
+
+def test_run_and_train_launch_the_same_number_of_ranks_by_default():
+    from ngdist.cli import build_parser
+
+    parser = build_parser()
+    run = parser.parse_args(["run", "--", "python", "train.py"])
+    train = parser.parse_args(["train", "mlp.onnx", "--data", "d.npz"])
+    assert run.n == train.n == 1
