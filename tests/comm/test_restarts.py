@@ -116,7 +116,7 @@ def test_a_killed_rank_restarts_the_job_which_resumes_bit_for_bit(tmp_path, unin
 
 
 @pytest.mark.mpi
-def test_without_restarts_a_killed_rank_fails_the_job_as_before(tmp_path):
+def test_without_restarts_a_killed_rank_fails_the_job(tmp_path):
     proc, state = train(tmp_path, "once", "--max-restarts", "0", kill=True)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert state is None
