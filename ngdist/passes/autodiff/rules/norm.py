@@ -9,20 +9,23 @@ node's mask (added when absent), so the seed and random stream stay the forward 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
-from ngdist.passes.autodiff.rules._common import ensure_output, known_rank
+from ngdist.passes.autodiff.rules._common import dims, ensure_output, known_rank
 
 
 def _moments(ctx, x, axes, eps: float):
-    """(mean, 1/sqrt(var + eps)) over ``axes``, kept as broadcastable dims."""
+    """(mean, x - mean, 1/sqrt(var + eps)) over ``axes``, kept as broadcastable dims."""
     mean = ctx.op("ReduceMean", x, axes, keepdims=1)
     centered = ctx.op("Sub", x, mean)
     var = ctx.op("ReduceMean", ctx.op("Mul", centered, centered), axes, keepdims=1)
     one = ctx.scalar(1.0, x)
-    return mean, ctx.op("Div", one, ctx.op("Sqrt", ctx.op("Add", var, ctx.scalar(eps, x))))
+    return mean, centered, ctx.op("Div", one, ctx.op("Sqrt", ctx.op("Add", var,
+                                                                     ctx.scalar(eps, x))))
 
 
 def _normalized_grad(ctx, gxhat, xhat, invstd, axes):
@@ -32,8 +35,23 @@ def _normalized_grad(ctx, gxhat, xhat, invstd, axes):
     return ctx.op("Mul", invstd, ctx.op("Sub", ctx.op("Sub", gxhat, m1), ctx.op("Mul", xhat, m2)))
 
 
+def _count(ctx, x, axes_list: list[int], rank: int) -> ir.Value:
+    """1 / (number of values per channel), shaped [1] * rank like x: a constant when the
+    reduced sizes are static, else Size(x) / Shape(x)[1] at run time."""
+    sizes = dims(x, "BatchNormalization input")
+    if all(sizes[a] is not None for a in axes_list):
+        return ctx.scalar(1.0 / math.prod(sizes[a] for a in axes_list), x)
+    n = ctx.op("Div", ctx.op("Size", x), ctx.op("Shape", x, start=1, end=2))
+    return ctx.op("Reshape", ctx.op("Div", ctx.scalar(1.0, x), ctx.op("CastLike", n, x)),
+                  ctx.ints([1] * rank))
+
+
 @register("BatchNormalization")
 def batch_norm(ctx, node, gys):
+    """Training mode: with per-channel sums gsum = sum(g), gc = sum(g * (x - mean)) and
+    a = scale * invstd, dx = a * g - (a * invstd^2 * gc / n) * (x - mean) - a * gsum / n:
+    three full-size products and two sums besides the statistics, the other terms per
+    channel (the textbook form through xhat and gxhat takes twice the full-size passes)."""
     x, scale, bias, mean_in, var_in = node.inputs[:5]
     g = gys[0]
     if g is None:  # only the running statistics are used: they are state, not differentiable
@@ -43,33 +61,44 @@ def batch_norm(ctx, node, gys):
     axes_list = [0, *range(2, rank)]
     axes = ctx.ints(axes_list)  # also the axes that unsqueeze [C] to [1, C, 1, ...]
     scale_b = ctx.op("Unsqueeze", scale, axes)
-    training = attr(node, "training_mode", 0)
-    if training:
-        mean, invstd = _moments(ctx, x, axes, eps)
-    else:
-        mean = ctx.op("Unsqueeze", mean_in, axes)
-        var = ctx.op("Unsqueeze", var_in, axes)
-        invstd = ctx.op("Div", ctx.const(1.0, like=x),
-                        ctx.op("Sqrt", ctx.op("Add", var, ctx.const(eps, like=x))))
-    centered = ctx.op("Sub", x, mean)
-    xhat = ctx.op("Mul", centered, invstd)
     out = [None] * 5
+    if attr(node, "training_mode", 0):
+        mean, centered, invstd = _moments(ctx, x, axes, eps)
+        flat = ctx.ints([-1])
+        gsum = ctx.op("ReduceSum", g, axes, keepdims=1)
+        gc = None
+        if ctx.needs(scale) or ctx.needs(x):
+            gc = ctx.op("ReduceSum", ctx.op("Mul", g, centered), axes, keepdims=1)
+        if ctx.needs(scale):
+            out[1] = ctx.op("Reshape", ctx.op("Mul", gc, invstd), flat)
+        if ctx.needs(bias):
+            out[2] = ctx.op("Reshape", gsum, flat)
+        if ctx.needs(x):
+            a = ctx.op("Mul", scale_b, invstd)
+            a_n = ctx.op("Mul", a, _count(ctx, x, axes_list, rank))
+            k1 = ctx.op("Neg", ctx.op("Mul", ctx.op("Mul", a_n, gc),
+                                      ctx.op("Mul", invstd, invstd)))
+            k0 = ctx.op("Neg", ctx.op("Mul", a_n, gsum))
+            out[0] = ctx.op("Add", ctx.op("Add", ctx.op("Mul", g, a), k0),
+                            ctx.op("Mul", centered, k1))
+        return out
+    mean = ctx.op("Unsqueeze", mean_in, axes)
+    var = ctx.op("Unsqueeze", var_in, axes)
+    invstd = ctx.op("Div", ctx.const(1.0, like=x),
+                    ctx.op("Sqrt", ctx.op("Add", var, ctx.const(eps, like=x))))
+    centered = ctx.op("Sub", x, mean)
     if ctx.needs(x):
-        if training:
-            gxhat = ctx.op("Mul", g, scale_b)
-            out[0] = _normalized_grad(ctx, gxhat, xhat, invstd, axes)
-        else:
-            out[0] = ctx.op("Mul", g, ctx.op("Mul", scale_b, invstd))
+        out[0] = ctx.op("Mul", g, ctx.op("Mul", scale_b, invstd))
     if ctx.needs(scale):
-        out[1] = ctx.op("ReduceSum", ctx.op("Mul", g, xhat), axes, keepdims=0)
+        out[1] = ctx.op("ReduceSum", ctx.op("Mul", g, ctx.op("Mul", centered, invstd)), axes,
+                        keepdims=0)
     gsum = ctx.op("ReduceSum", g, axes, keepdims=0)
     if ctx.needs(bias):
         out[2] = gsum
-    if not training and ctx.needs(mean_in):
-        inv = ctx.op("Reshape", invstd, ctx.ints([-1]))
+    inv = ctx.op("Reshape", invstd, ctx.ints([-1]))
+    if ctx.needs(mean_in):
         out[3] = ctx.op("Neg", ctx.op("Mul", gsum, ctx.op("Mul", scale, inv)))
-    if not training and ctx.needs(var_in):
-        inv = ctx.op("Reshape", invstd, ctx.ints([-1]))
+    if ctx.needs(var_in):
         gc = ctx.op("ReduceSum", ctx.op("Mul", g, centered), axes, keepdims=0)
         cube = ctx.op("Mul", inv, ctx.op("Mul", inv, inv))
         out[4] = ctx.op("Mul", ctx.op("Mul", gc, scale),
@@ -96,7 +125,7 @@ def layer_norm(ctx, node, gys):
         mean = ctx.op("CastLike", ensure_output(node, 1, "mean", stash, stat_shape), x)
         invstd = ctx.op("CastLike", ensure_output(node, 2, "inv_std_dev", stash, stat_shape), x)
     else:  # e.g. float64 x with float32 statistics: recompute them at x's precision
-        mean, invstd = _moments(ctx, x, axes, attr(node, "epsilon", 1e-5))
+        mean, _, invstd = _moments(ctx, x, axes, attr(node, "epsilon", 1e-5))
     xhat = ctx.op("Mul", ctx.op("Sub", x, mean), invstd)
     out: list = [None, None, None]
     g = gys[0]
