@@ -21,6 +21,9 @@ interval rather than per step. Rank 0 then writes:
 
 Without tensorboard or matplotlib the CSV is still written and one warning says that the rest
 needs ``pip install 'ngdist[metrics]'``.
+
+``eval_loss`` and ``loss_terms`` give ``Trainer.evaluate`` the kind of the step's loss
+(softmax_cross_entropy or mse) and its sums over a validation batch, in float64.
 """
 from __future__ import annotations
 
@@ -32,15 +35,16 @@ import math
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
 from ngdist.comm import ProcessGroup
-from ngdist.errors import InputError
+from ngdist.errors import InputError, NgdistError
 from ngdist.ir.model import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -282,3 +286,46 @@ def plot_png(rows: Sequence[dict[str, Any]], title: str) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+def eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
+               label_checks: Mapping[str, tuple[str, int | None, int | None]]
+               ) -> tuple[str, str, str, int | None]:
+    """(kind, scores, labels, ignore_index) of the step's loss, for ``evaluate``: a
+    SoftmaxCrossEntropyLoss of model scores against labels (``softmax_cross_entropy``), or the
+    mean of the squared difference of an output and the labels (``mse``, as the ONNX frontend
+    builds it)."""
+    producers = {o.name: n for n in step.graph for o in n.outputs}
+    node = producers.get(loss)
+    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
+        for labels, (scores, ignore, _) in label_checks.items():
+            if scores == node.inputs[0].name:
+                return "softmax_cross_entropy", scores, labels, ignore
+    if node is not None and node.op_type == "ReduceMean":
+        square = node.inputs[0].producer() if node.inputs[0] is not None else None
+        sub = square.inputs[0].producer() if square is not None and square.op_type == "Mul" \
+            else None
+        if sub is not None and sub.op_type == "Sub" and sub.inputs[1].name in data_inputs:
+            return "mse", sub.inputs[0].name, sub.inputs[1].name, None
+    what = f"a {node.op_type} node" if node is not None else "no node of the step graph"
+    raise NgdistError(f"evaluate() computes the validation loss of softmax_cross_entropy and mse "
+                      f"losses against a labels input; this model's loss '{loss}' comes from "
+                      f"{what}: evaluate with trainer.predict() and your own metric instead")
+
+
+def loss_terms(kind: str, scores: np.ndarray, labels: np.ndarray, ignore: int | None
+                ) -> np.ndarray:
+    """[sum of losses, correct predictions, samples (or elements) counted], in float64."""
+    if kind == "mse":
+        diff = scores - np.asarray(labels, np.float64)
+        return np.array([float(np.sum(diff * diff)), 0.0, float(diff.size)])
+    # scores [N, C, d1...] as SoftmaxCrossEntropyLoss takes them (classes on axis 1), labels
+    # [N, d1...]: one row per labelled element
+    scores = np.moveaxis(scores, 1, -1).reshape(-1, scores.shape[1])
+    y = np.asarray(labels).astype(np.int64).reshape(-1)
+    if ignore is not None:
+        scores, y = scores[y != ignore], y[y != ignore]
+    top = scores.max(axis=1, keepdims=True)
+    log_z = np.log(np.exp(scores - top).sum(axis=1)) + top.squeeze(1)
+    picked = np.take_along_axis(scores, y[:, None], axis=1).squeeze(1)
+    correct = float(np.sum(scores.argmax(axis=1) == y))
+    return np.array([float(np.sum(log_z - picked)), correct, float(y.size)])

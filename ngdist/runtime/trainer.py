@@ -25,7 +25,9 @@ from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save
                              split_training_model)
 from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
-from ngdist.runtime.metrics import DEFAULT_EVERY, Evaluation, MetricsLog
+from ngdist.runtime.batch_checks import (check_label_values, check_same_size, infer_classes,
+                                         label_checks, leaf_sizes, np_type, shape_str)
+from ngdist.runtime.metrics import DEFAULT_EVERY, Evaluation, MetricsLog, eval_loss, loss_terms
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, make_session, placement_for
 from ngdist.runtime.timeline import Timeline, check_path, timeline_path
@@ -116,7 +118,7 @@ class Trainer:
         # the model's own inputs (not labels), named when a batch size is baked into the model
         self._model_inputs = [n for n in self.data_inputs if n in model_inputs] or \
             list(self.data_inputs)
-        self._label_checks = _label_checks(graph, self.data_inputs, inference)
+        self._label_checks = label_checks(graph, self.data_inputs, inference)
         self._classes_by_shape: dict[tuple, dict[str, int | None]] = {}
         self.steps_done = 0
         # inference sessions with the values of step ``[0]``, by the extra output they have
@@ -297,10 +299,10 @@ class Trainer:
     def _check_global_batch(self, batch: Any) -> None:
         """Every array of a global batch holds the same number of samples, at least one per
         training rank; uneven shards are allowed and logged once."""
-        sizes = _leaf_sizes(batch)
+        sizes = leaf_sizes(batch)
         if not sizes:
             return
-        _check_same_size(sizes, "the global batch")
+        check_same_size(sizes, "the global batch")
         n, w = next(iter(sizes.values())), self.num_workers
         m = self.micro_batch
         if m and n % m == 0:  # whole micro-batches to every rank
@@ -356,25 +358,25 @@ class Trainer:
             tt = info.type.tensor_type
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
             if name in self._label_checks:  # before the cast hides 2.5 as 2
-                _check_label_values(name, raw[name], None, *self._label_checks[name])
+                check_label_values(name, raw[name], None, *self._label_checks[name])
             arr = np.ascontiguousarray(raw[name], dtype=dtype)
             if tt.HasField("shape"):
                 dims = tt.shape.dim
                 if arr.ndim != len(dims):
                     raise InputError(f"input '{name}' has shape {arr.shape}, the model expects "
-                                     f"rank {len(dims)} ({_shape_str(dims)})")
+                                     f"rank {len(dims)} ({shape_str(dims)})")
                 for axis, d in enumerate(dims):
                     if axis and d.HasField("dim_value") and arr.shape[axis] != d.dim_value:
                         raise InputError(f"input '{name}' has shape {arr.shape}; the model "
-                                         f"expects {_shape_str(dims)} (axis {axis})")
+                                         f"expects {shape_str(dims)} (axis {axis})")
             arrays[name] = arr
         sizes = {n: a.shape[0] for n, a in arrays.items() if a.ndim}
-        _check_same_size(sizes, "the batch")
+        check_same_size(sizes, "the batch")
         samples = next(iter(sizes.values()), 1)
         self._check_fixed_batch(arrays)
         run_time = self._run_time_classes(arrays)
         for name, (scores, ignore_index, classes) in self._label_checks.items():
-            _check_label_values(name, raw[name], arrays[name], scores, ignore_index,
+            check_label_values(name, raw[name], arrays[name], scores, ignore_index,
                                 classes or run_time.get(name))
         feeds = {name: self.placement.value(arr) for name, arr in arrays.items()}
         return feeds, samples
@@ -389,7 +391,7 @@ class Trainer:
         if key not in self._classes_by_shape:
             if len(self._classes_by_shape) >= 16:
                 self._classes_by_shape.clear()
-            self._classes_by_shape[key] = _infer_classes(
+            self._classes_by_shape[key] = infer_classes(
                 self.inference, {n: arrays[n].shape for n in self._model_inputs}, unknown)
         return self._classes_by_shape[key]
 
@@ -461,7 +463,7 @@ class Trainer:
         ``ignore_index``; mse: mean over all elements); accuracy (arg-max over axis 1 equal
         to the label) only for softmax_cross_entropy. With ``log_dir`` the result is logged
         as a ``val`` row. A dedicated parameter-server rank evaluates the whole set alone."""
-        kind, scores, labels, ignore = _eval_loss(self.step_model, self.meta.loss,
+        kind, scores, labels, ignore = eval_loss(self.step_model, self.meta.loss,
                                                   self.data_inputs, self._label_checks)
         needed = [*self._model_inputs, labels]
         missing = [n for n in needed if n not in data]
@@ -470,8 +472,8 @@ class Trainer:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"evaluate(batch_size={batch_size!r}): give a whole number of "
                              "samples, at least 1")
-        sizes = _leaf_sizes({n: data[n] for n in needed})
-        _check_same_size(sizes, "the validation data")
+        sizes = leaf_sizes({n: data[n] for n in needed})
+        check_same_size(sizes, "the validation data")
         group = self.stats_group
         shard = {n: np.asarray(data[n]) if group is None else
                  np.array_split(np.asarray(data[n]), group.size)[group.rank] for n in needed}
@@ -480,15 +482,15 @@ class Trainer:
         count = next(iter(sizes.values()), 0)
         local = len(shard[labels])
         for i in range(0, local, batch_size):
-            feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=_np_type(
+            feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=np_type(
                 self.data_inputs[n])) for n in self._model_inputs}
             logits = np.asarray(sess.run([scores], feeds)[0], np.float64)
             y = shard[labels][i:i + batch_size]
             if kind == "softmax_cross_entropy":  # class ids in range, as a step checks them
-                _check_label_values(labels, y, None, scores, ignore, None)
-                _check_label_values(labels, y, y.astype(np.int64), scores, ignore,
+                check_label_values(labels, y, None, scores, ignore, None)
+                check_label_values(labels, y, y.astype(np.int64), scores, ignore,
                                     logits.shape[1])
-            totals += _loss_terms(kind, logits, y, ignore)
+            totals += loss_terms(kind, logits, y, ignore)
         if group is not None and group.size > 1:
             group.allreduce(totals, "evaluate(): loss and correct counts").wait()
         loss_sum, correct, counted = totals
@@ -649,185 +651,3 @@ class Trainer:
         if self.timeline is not None:
             self.timeline.close()
             self._attach_timeline(None)
-
-
-def _shape_str(dims) -> str:
-    return "[" + ", ".join(d.dim_param or str(d.dim_value) if (d.dim_param or d.HasField("dim_value"))
-                           else "?" for d in dims) + "]"
-
-
-def _leaf_sizes(batch: Any, prefix: str = "") -> dict[str, int]:
-    """Axis-0 size of every array of a (nested) batch, by a readable name ('x', '[1]')."""
-    if isinstance(batch, Mapping):
-        out: dict[str, int] = {}
-        for k, v in batch.items():
-            out.update(_leaf_sizes(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(batch, (tuple, list)):
-        out = {}
-        for i, v in enumerate(batch):
-            out.update(_leaf_sizes(v, f"{prefix}[{i}]"))
-        return out
-    shape = np.shape(batch)
-    return {prefix or "batch": shape[0]} if shape else {}
-
-
-def _check_same_size(sizes: Mapping[str, int], what: str) -> None:
-    items = list(sizes.items())
-    for name, n in items[1:]:
-        if n != items[0][1]:
-            first, n0 = items[0]
-            raise InputError(f"{what}'s inputs differ in size along axis 0: '{first}' has {n0} "
-                             f"samples, '{name}' has {n}; every input of a batch needs one row "
-                             "per sample")
-
-
-def _label_checks(graph: onnx.GraphProto, data_inputs: Mapping[str, Any],
-                  inference: onnx.ModelProto) -> dict[str, tuple[str, int | None, int | None]]:
-    """Data input holding the labels of a SoftmaxCrossEntropyLoss -> (its scores, its
-    ignore_index, the number of classes when the step graph or the model knows it: axis 1 of
-    the scores, the last dimension of an (N, C) output)."""
-    producers = {o: n for n in graph.node for o in n.output}
-    shapes = {v.name: v.type.tensor_type for v in
-              [*graph.value_info, *graph.output, *graph.input, *inference.graph.output,
-               *inference.graph.value_info]}
-    checks: dict[str, tuple[str, int | None, int | None]] = {}
-    for node in graph.node:
-        if node.op_type != "SoftmaxCrossEntropyLoss" or len(node.input) < 2:
-            continue
-        name = node.input[1]
-        while name not in data_inputs and name in producers and \
-                producers[name].op_type in ("Identity", "Cast", "Reshape", "Squeeze", "Flatten"):
-            name = producers[name].input[0]
-        if name not in data_inputs:
-            continue
-        ignore = next((a.i for a in node.attribute if a.name == "ignore_index"), None)
-        tt = shapes.get(node.input[0])
-        dims = tt.shape.dim if tt is not None and tt.HasField("shape") else []
-        classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
-        checks[name] = (node.input[0], ignore, classes or None)
-    return checks
-
-
-def _check_label_values(name: str, raw: np.ndarray, arr: np.ndarray | None, scores: str,
-                        ignore_index: int | None, classes: int | None) -> None:
-    """Labels of softmax_cross_entropy are class ids: integers in [0, classes), or the loss's
-    ignore_index. ``arr is None``: only the values before the cast (integer-valued)."""
-    what = f"labels '{name}' of softmax_cross_entropy"
-    if arr is None:
-        if raw.dtype.kind in "fc" and raw.size:
-            bad = ~np.isfinite(raw) | (raw != np.round(raw))
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                raise InputError(f"{what} must be integer class ids; value {raw.flat[i].item()} "
-                                 f"(flat index {i}) is not: pass the class index of each "
-                                 "sample (e.g. y.astype(np.int64)), not one-hot vectors or "
-                                 "probabilities")
-        return
-    if not arr.size:
-        return
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo >= 0 and (classes is None or hi < classes):
-        return
-    valid = arr >= 0 if classes is None else (arr >= 0) & (arr < classes)
-    if ignore_index is not None:
-        valid |= arr == ignore_index
-    if valid.all():
-        return
-    i = int(np.flatnonzero(~valid)[0])
-    v = int(arr.flat[i])
-    allowed = f"in [0, {classes})" if classes is not None else "0 or more"
-    ignore = (f"the loss ignores only {ignore_index}" if ignore_index is not None
-              else "the loss has no ignore_index")
-    if v < 0:
-        raise InputError(f"{what} hold {v} (flat index {i}); class ids must be {allowed} and "
-                         f"{ignore}: fix the labels, or give the loss an ignore_index for "
-                         "samples to skip")
-    raise InputError(f"{what} hold {v} (flat index {i}), but the model's output '{scores}' has "
-                     f"{classes} classes: class ids must be {allowed}; fix the labels or give "
-                     f"the model {v + 1} or more outputs")
-
-
-def _infer_classes(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]],
-                   scores: Mapping[str, str]) -> dict[str, int | None]:
-    """labels -> axis 1 of their scores, by shape inference of ``model``'s graph with concrete
-    input shapes; float initializers become shaped inputs (their values are not needed)."""
-    g = model.graph
-    graph = onnx.GraphProto(name=g.name)
-    graph.node.extend(g.node)
-    inits = {t.name for t in g.initializer}
-    for inp in g.input:
-        if inp.name in inits:
-            continue
-        shape = shapes.get(inp.name)
-        graph.input.append(onnx.helper.make_tensor_value_info(
-            inp.name, inp.type.tensor_type.elem_type, list(shape) if shape is not None else None))
-    for t in g.initializer:
-        if t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):  # shapes, axes
-            graph.initializer.append(t)
-        else:
-            graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims))
-    graph.output.extend(g.output)
-    probe = onnx.helper.make_model(graph, opset_imports=model.opset_import,
-                                   ir_version=model.ir_version)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(probe, data_prop=True).graph
-    except Exception as exc:  # the check is a help: without the classes it checks less
-        logger.debug("shape inference for the label check failed: %s", exc)
-        return {}
-    known = {v.name: v.type.tensor_type for v in [*inferred.value_info, *inferred.output]}
-    out: dict[str, int | None] = {}
-    for labels, name in scores.items():
-        tt = known.get(name)
-        dims = tt.shape.dim if tt is not None and tt.HasField("shape") else []
-        out[labels] = (dims[1].dim_value or None) if len(dims) > 1 and \
-            dims[1].HasField("dim_value") else None
-    return out
-
-
-def _np_type(info: onnx.ValueInfoProto) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.type.tensor_type.elem_type))
-
-
-def _eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
-               label_checks: Mapping[str, tuple[str, int | None, int | None]]
-               ) -> tuple[str, str, str, int | None]:
-    """(kind, scores, labels, ignore_index) of the step's loss, for ``evaluate``: a
-    SoftmaxCrossEntropyLoss of model scores against labels (``softmax_cross_entropy``), or the
-    mean of the squared difference of an output and the labels (``mse``, as the ONNX frontend
-    builds it)."""
-    producers = {o.name: n for n in step.graph for o in n.outputs}
-    node = producers.get(loss)
-    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
-        for labels, (scores, ignore, _) in label_checks.items():
-            if scores == node.inputs[0].name:
-                return "softmax_cross_entropy", scores, labels, ignore
-    if node is not None and node.op_type == "ReduceMean":
-        square = node.inputs[0].producer() if node.inputs[0] is not None else None
-        sub = square.inputs[0].producer() if square is not None and square.op_type == "Mul" \
-            else None
-        if sub is not None and sub.op_type == "Sub" and sub.inputs[1].name in data_inputs:
-            return "mse", sub.inputs[0].name, sub.inputs[1].name, None
-    what = f"a {node.op_type} node" if node is not None else "no node of the step graph"
-    raise NgdistError(f"evaluate() computes the validation loss of softmax_cross_entropy and mse "
-                      f"losses against a labels input; this model's loss '{loss}' comes from "
-                      f"{what}: evaluate with trainer.predict() and your own metric instead")
-
-
-def _loss_terms(kind: str, scores: np.ndarray, labels: np.ndarray, ignore: int | None
-                ) -> np.ndarray:
-    """[sum of losses, correct predictions, samples (or elements) counted], in float64."""
-    if kind == "mse":
-        diff = scores - np.asarray(labels, np.float64)
-        return np.array([float(np.sum(diff * diff)), 0.0, float(diff.size)])
-    # scores [N, C, d1...] as SoftmaxCrossEntropyLoss takes them (classes on axis 1), labels
-    # [N, d1...]: one row per labelled element
-    scores = np.moveaxis(scores, 1, -1).reshape(-1, scores.shape[1])
-    y = np.asarray(labels).astype(np.int64).reshape(-1)
-    if ignore is not None:
-        scores, y = scores[y != ignore], y[y != ignore]
-    top = scores.max(axis=1, keepdims=True)
-    log_z = np.log(np.exp(scores - top).sum(axis=1)) + top.squeeze(1)
-    picked = np.take_along_axis(scores, y[:, None], axis=1).squeeze(1)
-    correct = float(np.sum(scores.argmax(axis=1) == y))
-    return np.array([float(np.sum(log_z - picked)), correct, float(y.size)])
