@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -117,12 +118,19 @@ def _worker(bench: Bench, args: argparse.Namespace) -> None:
         json.dumps(result))
 
 
-def _launch(bench: Bench, system: str, n: int, args: argparse.Namespace, out: str,
-            port: int) -> dict:
+def _free_port() -> int:
+    """A TCP port that nothing listens on now, for gloo's rendezvous (a port derived from the
+    pid could be taken by another job on the machine, and gloo's bind would fail)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(bench: Bench, system: str, n: int, args: argparse.Namespace, out: str) -> dict:
     from ngdist.comm.launch import mpiexec_cmd
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "NGDIST_BENCH_PORT": str(port)}
+           "NGDIST_BENCH_PORT": str(_free_port())}
     cmd = [*mpiexec_cmd(n), sys.executable, bench.script, "--worker", system, "--out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     subprocess.run(cmd, check=True, env=env, timeout=900)
@@ -148,13 +156,11 @@ def main(bench: Bench) -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory() as out:
-        port = 29500 + os.getpid() % 1000
         for n in args.ranks:
             best: dict[str, dict | None] = {"ngdist": None, "torch": None}
-            for rep in range(args.repeats):
+            for _ in range(args.repeats):
                 for system in ("ngdist", "torch"):
-                    r = _launch(bench, system, n, args, out,
-                                port + 2 * (n * args.repeats + rep) + (system == "torch"))
+                    r = _launch(bench, system, n, args, out)
                     if best[system] is None or r["steps_per_s"] > best[system]["steps_per_s"]:
                         best[system] = r
             rows.append((n, best["ngdist"], best["torch"]))
