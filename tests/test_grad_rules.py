@@ -266,6 +266,10 @@ def _cases() -> list[Case]:
     c("Conv-8ch-stride-dilation-pads", "Conv", lambda g: [g.n(1, 8, 7, 6), g.n(2, 8, 3, 2)],
       strides=[2, 3], dilations=[2, 1], pads=[1, 0, 2, 1])
     c("Conv-8ch-1x1", "Conv", lambda g: [g.n(2, 8, 3, 3), g.n(3, 8, 1, 1)])
+    # few output positions, many output channels: the weight gradient is one im2col product
+    c("Conv-8ch-columns", "Conv", lambda g: [g.n(2, 8, 3, 3), g.n(16, 8, 3, 3), g.n(16)])
+    c("Conv-8ch-columns-stride-pads", "Conv", lambda g: [g.n(2, 8, 4, 4), g.n(64, 8, 3, 2)],
+      strides=[2, 2], pads=[1, 0, 1, 1])
     c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
       strides=[2, 2], symbolic="batch")
     # sizes known only at run time: read with Shape in the backward graph
@@ -705,6 +709,22 @@ def test_conv_weight_gradient_is_one_matmul_per_kernel_tap(cid: str, by_tap: boo
         assert ops.count("MatMul") == taps and ops.count("Conv") == data_conv
     else:
         assert "MatMul" not in ops and ops.count("Conv") == 1 + data_conv
+
+
+@pytest.mark.parametrize("cid", ["Conv-8ch-columns", "Conv-8ch-columns-stride-pads"])
+def test_conv_weight_gradient_on_few_positions_is_one_product(cid: str) -> None:
+    """Output positions x 16 <= output channels: the taps' slices are stacked as im2col
+    columns and the weight gradient is one MatMul, already in W's layout (no Transpose of it
+    and no second Conv)."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    nodes = [n for n in lowered.graph.node if n.name.startswith("node0/grad/")]
+    ops = [n.op_type for n in nodes]
+    data_conv = "ConvTranspose" not in ops
+    assert ops.count("MatMul") == 1 and ops.count("Conv") == data_conv
+    # no [M, taps, C] -> [M, C, taps] transpose of the weight gradient
+    assert not [n for n in nodes if n.op_type == "Transpose"
+                and list(n.attribute[0].ints) == [0, 2, 1]]
 
 
 @pytest.mark.parametrize("cid", ["MatMul-batched-left", "MatMul-batched-left-4d",

@@ -35,6 +35,9 @@ MAX_TAPS = 64  # kernels with more taps keep the single-Conv weight gradient (fe
 # weight gradient, 1 thread: 4 channels 0.89x, 6 channels 0.97x, 8 channels 1.09-1.21x, 16-256
 # channels 1.5-2.8x the single Conv; a 7x7 stem on 3 channels 0.57x).
 MIN_TAP_CHANNELS = 8
+# the one-product (im2col) weight gradient when output positions * this <= output channels:
+# its columns (N*out*C*taps values) are then smaller than the weight at batch sizes up to this
+COLUMNS_ROWS_PER_POSITION = 16
 
 
 def by_tap(group: int, kernel: list[int], channels: int | None,
@@ -53,22 +56,29 @@ def channel_rows(ctx: GradContext, gy: ir.Value, rank: int) -> ir.Value:
 def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
                 channels: int | None, kernel: list[int], spatial: list[int | None],
                 strides: list[int], dilations: list[int], begin: list[int], end: list[int],
-                gy_rows: ir.Value | None = None) -> ir.Value:
+                gy_rows: ir.Value | None = None, out_channels: int | None = None) -> ir.Value:
     """dW [M, C/group, *kernel] of ``y = Conv(x, W)``, x [N, C, *spatial], gy [N, M, *out];
     ``gy_rows``: ``channel_rows`` of gy when the caller has it already. ``channels`` and
-    entries of ``spatial`` are None where not static: those sizes are read at run time."""
+    entries of ``spatial`` are None where not static: those sizes are read at run time;
+    ``out_channels`` (M) when known picks the one-product form on small maps."""
     window_args: dict[str, list[int]] = dict(kernel=kernel, spatial=spatial, strides=strides,
                                              dilations=dilations, begin=begin, end=end)
     if by_tap(group, kernel, channels, spatial):
         assert channels is not None
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
-        return _weight_grad_taps(ctx, x, rows, channels=channels, **window_args)
+        out = [(n + b + e - ((k - 1) * d + 1)) // s + 1  # type: ignore[operator]
+               for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+        columns = out_channels is not None and \
+            math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
+        return _weight_grad_taps(ctx, x, rows, channels=channels, columns=columns,
+                                 **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
 
 def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: int,
                       kernel: list[int], spatial: list[int], strides: list[int],
-                      dilations: list[int], begin: list[int], end: list[int]) -> ir.Value:
+                      dilations: list[int], begin: list[int], end: list[int],
+                      columns: bool = False) -> ir.Value:
     """group == 1: one matrix product per kernel tap, gy [M, N*out] @ x_tap [N*out, C].
 
     x goes channels-last (and padded) once; each tap is a strided Slice of it. This is the
@@ -76,6 +86,10 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     GEMM per tap), and 2x faster on onnxruntime's CPU than a Conv whose kernel is gy (that
     Conv's im2col GEMMs have only prod(kernel) columns): 8.2 -> 3.9 ms for x [128, 32, 8, 8],
     W [64, 32, 3, 3] at one thread.
+    ``columns`` (small maps, many output channels): the taps' slices are stacked as columns
+    [N*out, C, taps] (im2col, N*out*C*taps values) and multiplied once into [M, C*taps],
+    W's own layout; the per-tap products would need a [M, taps, C] -> [M, C, taps]
+    transpose of the whole weight gradient.
     """
     rank = len(kernel) + 2
     axes = list(range(1, rank - 1))
@@ -95,7 +109,14 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
             ends = [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]
             xt = ctx.op("Slice", xp, ctx.ints(starts), ctx.ints(ends), ctx.ints(axes),
                         *steps)  # [N, *out, C]
-        parts.append(ctx.op("MatMul", m, ctx.op("Reshape", xt, flat)))  # [M, C]
+        if columns:
+            parts.append(ctx.op("Unsqueeze", ctx.op("Reshape", xt, flat), ctx.ints([2])))
+        else:
+            parts.append(ctx.op("MatMul", m, ctx.op("Reshape", xt, flat)))  # [M, C]
+    if columns:  # [N*out, C, taps] -> [N*out, C*taps]: one product in W's layout
+        cols = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=2)
+        gw = ctx.op("MatMul", m, ctx.op("Reshape", cols, ctx.ints([-1, channels * len(parts)])))
+        return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
     gw = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)  # [M, taps*C]
     gw = ctx.op("Reshape", gw, ctx.ints([0, len(parts), channels]))
     gw = ctx.op("Transpose", gw, perm=[0, 2, 1])  # [M, C, taps]
@@ -227,7 +248,8 @@ def conv(ctx, node, gys):
             rows = channel_rows(ctx, g, len(kernel) + 2)
         out[1] = weight_grad(ctx, x, g, group=group, channels=channels, kernel=kernel,
                              spatial=spatial, strides=strides, dilations=dilations,
-                             begin=begin, end=end, gy_rows=rows)
+                             begin=begin, end=end, gy_rows=rows,
+                             out_channels=dims(w, "Conv weight")[0])
     if ctx.needs(b):  # a sum along rows is cheaper than over axes 0, 2, 3 of NCHW
         out[2] = _bias_grad(ctx, g, len(kernel) + 2) if rows is None else \
             ctx.op("ReduceSum", rows, ctx.ints([1]), keepdims=0)
