@@ -19,6 +19,7 @@ is set to 1 when unset.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -30,6 +31,11 @@ MODELS = ("bert", "gpt2", "t5", "llama", "llama_padded")
 
 def _transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model comes from a config
+    if importlib.util.find_spec("torchvision") is not None:
+        # transformers imports torchvision when it is installed; the vision extra's wheel
+        # beside the CPU torch needs the import of ngdist.zoo_vision (its docstring says why)
+        from ngdist.zoo_vision import import_torchvision
+        import_torchvision()
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
