@@ -66,11 +66,7 @@ def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
     if by_tap(group, kernel, channels, spatial):
         assert channels is not None
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
-        out = [(n + b + e - ((k - 1) * d + 1)) // s + 1  # type: ignore[operator]
-               for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
-        columns = out_channels is not None and \
-            math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
-        return _weight_grad_taps(ctx, x, rows, channels=channels, columns=columns,
+        return _weight_grad_taps(ctx, x, rows, channels=channels, out_channels=out_channels,
                                  **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
@@ -78,7 +74,7 @@ def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
 def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: int,
                       kernel: list[int], spatial: list[int], strides: list[int],
                       dilations: list[int], begin: list[int], end: list[int],
-                      columns: bool = False) -> ir.Value:
+                      out_channels: int | None = None) -> ir.Value:
     """group == 1: one matrix product per kernel tap, gy [M, N*out] @ x_tap [N*out, C].
 
     x goes channels-last (and padded) once; each tap is a strided Slice of it. This is the
@@ -86,7 +82,8 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     GEMM per tap), and 2x faster on onnxruntime's CPU than a Conv whose kernel is gy (that
     Conv's im2col GEMMs have only prod(kernel) columns): 8.2 -> 3.9 ms for x [128, 32, 8, 8],
     W [64, 32, 3, 3] at one thread.
-    ``columns`` (small maps, many output channels): the taps' slices are stacked as columns
+    Small maps with many output channels (output positions * ``COLUMNS_ROWS_PER_POSITION``
+    <= ``out_channels``, when known): the taps' slices are stacked as columns
     [N*out, C, taps] (im2col, N*out*C*taps values) and multiplied once into [M, C*taps],
     W's own layout; the per-tap products would need a [M, taps, C] -> [M, C, taps]
     transpose of the whole weight gradient.
@@ -97,6 +94,8 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
     out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
            for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+    columns = out_channels is not None and \
+        math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
     strided = any(s != 1 for s in strides)
     steps = [ctx.ints(strides)] if strided else []
     flat = ctx.ints([-1, channels])
@@ -158,9 +157,9 @@ def _weight_grad_conv(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int
 FLIP_MAX_POSITIONS = 16
 
 
-def _flipped_data_grad(w: ir.Value, group: int, spatial: list[int | None], kernel: list[int],
-                       strides: list[int], dilations: list[int], begin: list[int],
-                       end: list[int]) -> bool:
+def _use_flipped_data_grad(w: ir.Value, group: int, spatial: list[int | None],
+                           kernel: list[int], strides: list[int], dilations: list[int],
+                           begin: list[int], end: list[int]) -> bool:
     """Whether the data gradient takes the flipped-Conv form: stride 1, a small static map,
     group 1 or depthwise (one input and one output channel a group), end pads that fit."""
     if any(s != 1 for s in strides) or None in spatial or \
@@ -233,7 +232,7 @@ def conv(ctx, node, gys):
                                              dilations=dilations,
                                              pads=[*begin, *[0] * len(kernel)], group=group),
                                  x, len(kernel))
-        elif _flipped_data_grad(w, group, spatial, kernel, strides, dilations, begin, end):
+        elif _use_flipped_data_grad(w, group, spatial, kernel, strides, dilations, begin, end):
             out[0] = _data_grad_flipped(ctx, g, w, group, len(kernel), kernel, dilations,
                                         begin, end)
         else:

@@ -95,7 +95,8 @@ def batch_norm(ctx, node, gys):
     gsum = ctx.op("ReduceSum", g, axes, keepdims=0)
     if ctx.needs(bias):
         out[2] = gsum
-    inv = ctx.op("Reshape", invstd, ctx.ints([-1]))
+    if ctx.needs(mean_in) or ctx.needs(var_in):
+        inv = ctx.op("Reshape", invstd, ctx.ints([-1]))
     if ctx.needs(mean_in):
         out[3] = ctx.op("Neg", ctx.op("Mul", gsum, ctx.op("Mul", scale, inv)))
     if ctx.needs(var_in):
