@@ -16,6 +16,9 @@ A checkpoint folder holds ``step-<8 digits>.npz`` files and ``manifest.json``:
   name; both are removed when the next job resumes from the folder.
 - The manifest keeps the newest ``keep`` checkpoints (3 by default); older files are deleted
   after the manifest that drops them is in place.
+- Rank 0 alone writes and reads them, so only a strategy under which every rank holds the same
+  state can checkpoint (``check_checkpointable``); at start-up ``resume`` loads the newest one
+  on rank 0 and tells every rank its step count (or the same error).
 """
 from __future__ import annotations
 
@@ -30,8 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 
+from ngdist.comm import ProcessGroup
 from ngdist.errors import CheckpointError
+from ngdist.ir.domain import DOMAIN, GRAD_SCALE
 from ngdist.ir.model import remove_stale_temps_in, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -183,5 +189,59 @@ def clean(folder: str | os.PathLike) -> None:
         _remove_unlisted(folder, {str(e.get("file")) for e in read_manifest(folder)})
 
 
-__all__ = ["Checkpoint", "DEFAULT_KEEP", "MANIFEST", "check_model", "clean",
-           "file_name", "latest", "write"]
+def check_checkpointable(graph: onnx.GraphProto, ranks: int) -> None:
+    """Checkpoints are written by rank 0 alone: only where every rank holds the same
+    state (allreduce, simple; any strategy on one rank)."""
+    comm = {n.op_type for n in graph.node if n.domain == DOMAIN}
+    why = None
+    if "PushSum" in comm:
+        why = "under pushsum every rank holds its own parameters and push-sum weights"
+    elif "PSPushPull" in comm:
+        why = "under ps the optimizer state lives with the shard owners"
+    elif not comm and ranks > 1:
+        why = "without communication (strategy local) every rank trains its own model"
+    if why:
+        raise CheckpointError(
+            f"checkpoint_dir: {why}, and a checkpoint holds one copy of the state written "
+            "by rank 0; use the allreduce or simple strategy, or save per rank yourself "
+            "(trainer.save(path, all_ranks=True); under ps trainer.sync_state() first)")
+
+
+def resume(folder: Path, host: dict[str, np.ndarray], group: ProcessGroup,
+           micro_batch: int) -> int:
+    """Collective: rank 0 loads the newest complete checkpoint of ``folder`` into ``host``
+    (which the caller broadcasts); every rank gets its step count, or the same
+    CheckpointError. ``micro_batch``: the reproducible mode's micro-batch size of this job."""
+    status, steps, message = 0, 0, b""
+    if group.rank == 0:
+        try:
+            clean(folder)
+            ckpt = latest(folder)
+            if ckpt is not None:
+                check_model(ckpt, {n: a for n, a in host.items() if n != GRAD_SCALE})
+                for name, arr in ckpt.values.items():
+                    host[name][...] = arr.reshape(host[name].shape)
+                status, steps = 1, ckpt.steps_done
+                if ckpt.micro_batch != micro_batch:
+                    logger.warning(
+                        "%s was written with reproducible_micro_batch=%d, this trainer "
+                        "runs with %d: training goes on, but not bit-for-bit as without "
+                        "the interruption", ckpt.path, ckpt.micro_batch, micro_batch)
+                logger.info("resuming from %s (step %d, written by %d rank(s)) on %d "
+                            "rank(s)", ckpt.path, steps, ckpt.ranks, group.size)
+        except CheckpointError as exc:
+            status, message = 2, str(exc).encode()
+    header = np.array([status, steps, len(message)], np.int64)
+    if group.size > 1:
+        group.broadcast(header, 0, "checkpoint resume").wait()
+        if header[0] == 2:
+            text = np.frombuffer(message.ljust(int(header[2]), b"\0"), np.uint8).copy()
+            group.broadcast(text, 0, "checkpoint resume").wait()
+            message = text.tobytes()
+    if header[0] == 2:
+        raise CheckpointError(message.decode(errors="replace"))
+    return int(header[1])
+
+
+__all__ = ["Checkpoint", "DEFAULT_KEEP", "MANIFEST", "check_checkpointable", "check_model",
+           "clean", "file_name", "latest", "resume", "write"]

@@ -1,4 +1,11 @@
-"""The Trainer: holds parameters and optimizer state as OrtValues and runs training steps."""
+"""The Trainer: holds parameters and optimizer state as OrtValues and runs training steps.
+
+Here: start-up (executor, broadcast of rank 0's values, resuming from ``checkpoint_dir``),
+sharding global batches, the step, periodic checkpoints, the timeline and close(). The step's
+feeds are checked and placed by runtime/feeds.py; evaluate(), predict() and the inference model
+come from runtime/inference.py; reading, loading, saving and writing back the state from
+runtime/state.py; the checkpoint files and the collective resume live in runtime/checkpoint.py.
+"""
 from __future__ import annotations
 
 import copy
@@ -18,18 +25,19 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ngdist.comm import ProcessGroup, world_group
-from ngdist.errors import CheckpointError, InputError, NgdistError
-from ngdist.ir.domain import DOMAIN, GRAD_SCALE
+from ngdist.errors import InputError, NgdistError
+from ngdist.ir.domain import GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
-from ngdist.ir.model import (assemble_training_model, debias_map, get_meta, save_proto,
-                             split_training_model)
+from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
-from ngdist.runtime.batch_checks import (check_label_values, check_same_size, infer_classes,
-                                         label_checks, leaf_sizes, np_type, shape_str)
-from ngdist.runtime.metrics import DEFAULT_EVERY, Evaluation, MetricsLog, eval_loss, loss_terms
+from ngdist.runtime.batch_checks import check_same_size, label_checks, leaf_sizes
+from ngdist.runtime.feeds import BatchFeeds
+from ngdist.runtime.inference import Inference
+from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
-from ngdist.runtime.sessions import Placement, make_session, placement_for
+from ngdist.runtime.sessions import Placement, placement_for
+from ngdist.runtime.state import StateAccess
 from ngdist.runtime.timeline import Timeline, check_path, timeline_path
 
 logger = logging.getLogger(__name__)
@@ -57,7 +65,7 @@ def _default_threads(group: ProcessGroup) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
 
 
-class Trainer:
+class Trainer(BatchFeeds, Inference, StateAccess):
     """Trains a rewritten training model on this rank; every rank runs the same program."""
 
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
@@ -128,7 +136,7 @@ class Trainer:
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
         if self.checkpoint_dir is not None:
-            self._check_checkpointable(graph)
+            checkpoint.check_checkpointable(graph, self.group.size)
         # every rank: same graph (structure and constants), then rank 0's values, broadcast
         # in host memory before they are placed
         self.group.check_same(self._graph_fingerprint(proto), "step graph")
@@ -140,7 +148,8 @@ class Trainer:
                 for name, role in self.meta.roles.items() if role != "data"}
         self.resumed_from = 0  # the step the newest checkpoint of checkpoint_dir ended
         if self.checkpoint_dir is not None:
-            self.resumed_from = self.steps_done = self._resume(host)
+            self.resumed_from = self.steps_done = checkpoint.resume(
+                self.checkpoint_dir, host, self.group, self.micro_batch)
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
         # the training ranks' own group for metrics and evaluation: made here (collective)
@@ -171,59 +180,6 @@ class Trainer:
                     len(self.executor.comm_nodes))
 
     # ------------------------------------------------------------------ checkpoints
-    def _check_checkpointable(self, graph: onnx.GraphProto) -> None:
-        """Checkpoints are written by rank 0 alone: only where every rank holds the same
-        state (allreduce, simple; any strategy on one rank)."""
-        comm = {n.op_type for n in graph.node if n.domain == DOMAIN}
-        why = None
-        if "PushSum" in comm:
-            why = "under pushsum every rank holds its own parameters and push-sum weights"
-        elif "PSPushPull" in comm:
-            why = "under ps the optimizer state lives with the shard owners"
-        elif not comm and self.group.size > 1:
-            why = "without communication (strategy local) every rank trains its own model"
-        if why:
-            raise CheckpointError(
-                f"checkpoint_dir: {why}, and a checkpoint holds one copy of the state written "
-                "by rank 0; use the allreduce or simple strategy, or save per rank yourself "
-                "(trainer.save(path, all_ranks=True); under ps trainer.sync_state() first)")
-
-    def _resume(self, host: dict[str, np.ndarray]) -> int:
-        """Collective: rank 0 loads the newest complete checkpoint of ``checkpoint_dir`` into
-        ``host`` (which the caller broadcasts); every rank gets its step count, or the same
-        CheckpointError."""
-        assert self.checkpoint_dir is not None
-        status, steps, message = 0, 0, b""
-        if self.rank == 0:
-            try:
-                checkpoint.clean(self.checkpoint_dir)
-                ckpt = checkpoint.latest(self.checkpoint_dir)
-                if ckpt is not None:
-                    checkpoint.check_model(ckpt, {n: a for n, a in host.items()
-                                                  if n != GRAD_SCALE})
-                    for name, arr in ckpt.values.items():
-                        host[name][...] = arr.reshape(host[name].shape)
-                    status, steps = 1, ckpt.steps_done
-                    if ckpt.micro_batch != self.micro_batch:
-                        logger.warning(
-                            "%s was written with reproducible_micro_batch=%d, this trainer "
-                            "runs with %d: training goes on, but not bit-for-bit as without "
-                            "the interruption", ckpt.path, ckpt.micro_batch, self.micro_batch)
-                    logger.info("resuming from %s (step %d, written by %d rank(s)) on %d "
-                                "rank(s)", ckpt.path, steps, ckpt.ranks, self.group.size)
-            except CheckpointError as exc:
-                status, message = 2, str(exc).encode()
-        header = np.array([status, steps, len(message)], np.int64)
-        if self.group.size > 1:
-            self.group.broadcast(header, 0, "checkpoint resume").wait()
-            if header[0] == 2:
-                text = np.frombuffer(message.ljust(int(header[2]), b"\0"), np.uint8).copy()
-                self.group.broadcast(text, 0, "checkpoint resume").wait()
-                message = text.tobytes()
-        if header[0] == 2:
-            raise CheckpointError(message.decode(errors="replace"))
-        return int(header[1])
-
     def checkpoint(self) -> Path | None:
         """Collective: rank 0 writes a checkpoint of the current state to ``checkpoint_dir``
         while the others wait on a barrier; the file's path on rank 0, else None. ``step()``
@@ -340,75 +296,6 @@ class Trainer:
                              "arrays along axis 0: give every input one row per sample")
         return np.array_split(arr, self.num_workers)[self.rank]
 
-    def _feeds(self, batch: Mapping[str, Any]) -> tuple[dict[str, ort.OrtValue], int]:
-        if not isinstance(batch, Mapping):
-            raise InputError(f"step() takes a dict of input name -> array; got "
-                             f"{type(batch).__name__}. Inputs: {sorted(self.data_inputs)}")
-        missing = [n for n in self.data_inputs if n not in batch]
-        if missing:
-            raise InputError(f"the batch is missing input(s) {missing}; the model's data inputs "
-                             f"are {sorted(self.data_inputs)}")
-        unknown = [n for n in batch if n not in self.data_inputs]
-        if unknown:
-            raise InputError(f"the batch has unknown input(s) {unknown}; the model's data inputs "
-                             f"are {sorted(self.data_inputs)}")
-        raw = {name: np.asarray(batch[name]) for name in self.data_inputs}
-        arrays: dict[str, np.ndarray] = {}
-        for name, info in self.data_inputs.items():
-            tt = info.type.tensor_type
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-            if name in self._label_checks:  # before the cast hides 2.5 as 2
-                check_label_values(name, raw[name], None, *self._label_checks[name])
-            arr = np.ascontiguousarray(raw[name], dtype=dtype)
-            if tt.HasField("shape"):
-                dims = tt.shape.dim
-                if arr.ndim != len(dims):
-                    raise InputError(f"input '{name}' has shape {arr.shape}, the model expects "
-                                     f"rank {len(dims)} ({shape_str(dims)})")
-                for axis, d in enumerate(dims):
-                    if axis and d.HasField("dim_value") and arr.shape[axis] != d.dim_value:
-                        raise InputError(f"input '{name}' has shape {arr.shape}; the model "
-                                         f"expects {shape_str(dims)} (axis {axis})")
-            arrays[name] = arr
-        sizes = {n: a.shape[0] for n, a in arrays.items() if a.ndim}
-        check_same_size(sizes, "the batch")
-        samples = next(iter(sizes.values()), 1)
-        self._check_fixed_batch(arrays)
-        run_time = self._run_time_classes(arrays)
-        for name, (scores, ignore_index, classes) in self._label_checks.items():
-            check_label_values(name, raw[name], arrays[name], scores, ignore_index,
-                                classes or run_time.get(name))
-        feeds = {name: self.placement.value(arr) for name, arr in arrays.items()}
-        return feeds, samples
-
-    def _run_time_classes(self, arrays: Mapping[str, np.ndarray]) -> dict[str, int | None]:
-        """The classes that the graphs leave unknown (a dynamic last dimension), from shape
-        inference of the forward graph with this batch's input shapes (once per shape)."""
-        unknown = {n: c[0] for n, c in self._label_checks.items() if c[2] is None}
-        if not unknown:
-            return {}
-        key = tuple(arrays[n].shape for n in self._model_inputs)
-        if key not in self._classes_by_shape:
-            if len(self._classes_by_shape) >= 16:
-                self._classes_by_shape.clear()
-            self._classes_by_shape[key] = infer_classes(
-                self.inference, {n: arrays[n].shape for n in self._model_inputs}, unknown)
-        return self._classes_by_shape[key]
-
-    def _check_fixed_batch(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """A batch size baked into the model (a static axis 0) that the shard does not have is
-        reported on the model's input, whichever value (often the labels) inherited it."""
-        for name, info in self.data_inputs.items():
-            tt, arr = info.type.tensor_type, arrays[name]
-            if not (tt.HasField("shape") and tt.shape.dim and arr.ndim):
-                continue
-            d = tt.shape.dim[0]
-            if d.HasField("dim_value") and arr.shape[0] != d.dim_value:
-                shown = name if name in self._model_inputs else self._model_inputs[0]
-                raise InputError(f"input '{shown}' has a fixed batch size of {d.dim_value} in "
-                                 f"the model; this rank's shard has {arr.shape[0]} samples: "
-                                 "export the model with a dynamic batch axis")
-
     # ------------------------------------------------------------------ training
     def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats | None:
         """One training step on this rank's batch. ``fetch_stats=False`` returns None without
@@ -453,74 +340,6 @@ class Trainer:
         """The epoch that the metrics rows logged from now on carry (``log_dir``)."""
         self.epoch = epoch
 
-    def evaluate(self, data: Mapping[str, Any], batch_size: int = 1024) -> Evaluation:
-        """Validation loss and accuracy of the current parameters on ``data`` (the whole
-        set, the same on every rank: input arrays and the labels). Collective over the training
-        ranks: each evaluates its ``np.array_split`` shard with the inference graph, and the
-        sums of per-sample losses and of correct predictions over the ranks are divided by the
-        total count, so the result is the whole set's (on every rank). The loss is the
-        training loss's formula (softmax_cross_entropy: mean over the samples that are not
-        ``ignore_index``; mse: mean over all elements); accuracy (arg-max over axis 1 equal
-        to the label) only for softmax_cross_entropy. With ``log_dir`` the result is logged
-        as a ``val`` row. A dedicated parameter-server rank evaluates the whole set alone."""
-        kind, scores, labels, ignore = eval_loss(self.step_model, self.meta.loss,
-                                                  self.data_inputs, self._label_checks)
-        needed = [*self._model_inputs, labels]
-        missing = [n for n in needed if n not in data]
-        if missing:
-            raise InputError(f"evaluate() needs arrays {needed}; {missing} missing")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"evaluate(batch_size={batch_size!r}): give a whole number of "
-                             "samples, at least 1")
-        sizes = leaf_sizes({n: data[n] for n in needed})
-        check_same_size(sizes, "the validation data")
-        group = self.stats_group
-        shard = {n: np.asarray(data[n]) if group is None else
-                 np.array_split(np.asarray(data[n]), group.size)[group.rank] for n in needed}
-        sess = self._inference_session(scores)
-        totals = np.zeros(3, np.float64)  # loss sum, correct, counted (samples or elements)
-        count = next(iter(sizes.values()), 0)
-        local = len(shard[labels])
-        for i in range(0, local, batch_size):
-            feeds = {n: np.ascontiguousarray(shard[n][i:i + batch_size], dtype=np_type(
-                self.data_inputs[n])) for n in self._model_inputs}
-            logits = np.asarray(sess.run([scores], feeds)[0], np.float64)
-            y = shard[labels][i:i + batch_size]
-            if kind == "softmax_cross_entropy":  # class ids in range, as a step checks them
-                check_label_values(labels, y, None, scores, ignore, None)
-                check_label_values(labels, y, y.astype(np.int64), scores, ignore,
-                                    logits.shape[1])
-            totals += loss_terms(kind, logits, y, ignore)
-        if group is not None and group.size > 1:
-            group.allreduce(totals, "evaluate(): loss and correct counts").wait()
-        loss_sum, correct, counted = totals
-        loss_sum, correct, counted = float(loss_sum), float(correct), float(counted)
-        result = Evaluation(loss=loss_sum / counted if counted else float("nan"),
-                            accuracy=(correct / counted if counted else float("nan"))
-                            if kind == "softmax_cross_entropy" else None, samples=count)
-        if self.metrics is not None:
-            self.metrics.validation(self.steps_done, self.epoch, result)
-        return result
-
-    def _inference_session(self, output: str | None = None) -> ort.InferenceSession:
-        """A session of the inference graph with the current values; ``output`` (a value of
-        the step graph, e.g. the scores of the loss) is added as an output if the model does
-        not have it."""
-        if self._sessions[0] != self.steps_done:
-            self._sessions = (self.steps_done, {})
-        sessions = self._sessions[1]
-        if output in {o.name for o in self.inference.graph.output}:
-            output = None  # the model's own session has it
-        if output not in sessions:
-            model = self.inference_model()
-            if output is not None:
-                dtype = next((o.dtype for n in self.step_model.graph for o in n.outputs
-                              if o.name == output and o.dtype is not None), None)
-                model.graph.output.append(onnx.helper.make_tensor_value_info(
-                    output, int(dtype) if dtype is not None else onnx.TensorProto.FLOAT, None))
-            sessions[output] = make_session(model, self.placement)
-        return sessions[output]
-
     def _record_step(self, start: float, samples: int, sent0: int, loss: float | None) -> None:
         args = {"step": self.steps_done, "samples": samples,
                 "bytes_sent": self.group.bytes_sent - sent0}
@@ -532,113 +351,6 @@ class Trainer:
         if "ngdist.lr" not in self.values:
             raise KeyError("this model has no ngdist.lr hyper-parameter")
         self.values["ngdist.lr"] = self.placement.value(np.array(lr, np.float32))
-
-    # ------------------------------------------------------------------ access
-    def parameters(self) -> dict[str, np.ndarray]:
-        """Copies of the trainable parameters (de-biased under pushsum), by initializer name."""
-        values = self._deployable()
-        return {n: np.array(values[n]) for n in self.meta.names("param")}
-
-    def _deployable(self) -> dict[str, np.ndarray]:
-        """Current values with pushsum's numerators replaced by z = x / w (and w by 1)."""
-        values = {n: v.numpy() for n, v in self.values.items()}
-        for p, w in self.debias.items():
-            values[p] = (values[p] / values[w]).astype(values[p].dtype)
-        for w in set(self.debias.values()):
-            values[w] = np.ones_like(values[w])
-        if GRAD_SCALE in values:  # the runtime sets it from the rank count; files hold 1
-            values[GRAD_SCALE] = np.ones_like(values[GRAD_SCALE])
-        return values
-
-    def flush(self) -> None:
-        """Complete communication still in flight (pushsum with overlap) and add what it
-        brings to the bound values. Call it on every rank, e.g. before reading state_dict()."""
-        bound = {out: name for name, out in self.meta.binding.items()}
-        for out, arr in self.executor.drain().items():
-            name = bound[out]
-            self.values[name] = self.placement.value(np.asarray(self.values[name].numpy() + arr))
-            self._sessions = (-1, {})
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of everything the step updates or reads (params, buffers, optimizer state,
-        hyper-parameters), without ``ngdist.grad_scale``, which the runtime sets from the
-        number of ranks."""
-        return {n: v.numpy().copy() for n, v in self.values.items() if n != GRAD_SCALE}
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        state = {n: v for n, v in state.items() if n != GRAD_SCALE}  # a fact of this job
-        unknown = set(state) - set(self.values)
-        if unknown:
-            raise KeyError(f"unknown names in state: {sorted(unknown)}")
-        for n, v in state.items():
-            self.values[n] = self.placement.value(
-                np.array(v, dtype=self.values[n].numpy().dtype))
-
-    def to_onnx(self) -> onnx.ModelProto:
-        """The training model with the current values: deployable graph + training_info."""
-        return assemble_training_model(self.inference, self.step_model, self._deployable())
-
-    def inference_model(self) -> onnx.ModelProto:
-        model = copy.deepcopy(self.inference)
-        values = self._deployable()
-        for t in model.graph.initializer:
-            if t.name in values:
-                t.CopyFrom(numpy_helper.from_array(values[t.name], t.name))
-        return model
-
-    def predict(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Runs the inference graph with the current parameters."""
-        return self._inference_session().run(None, dict(inputs))
-
-    def sync_state(self) -> None:
-        """Collective over the workers; needed only under ``ps``.
-
-        There the optimizer state (momentum, Adam moments) lives with the shard owners, and a
-        worker's own copy stays as it was at start-up. This gathers the owners' live state into
-        rank 0's values, so that ``save()`` and ``state_dict()`` on rank 0 hold it. Call it on
-        every worker (dedicated servers answer it by themselves) before saving; with other
-        strategies it does nothing.
-        """
-        rt = ps_server.runtime(self)
-        if rt is None or (self.role == "server" and not rt.lockstep):
-            return
-        owned = ps_server.gather_state(self)
-        if owned:
-            self.load_state_dict(owned)
-        self._state_synced_at = self.steps_done
-
-    def save(self, path: str | os.PathLike, all_ranks: bool = False) -> None:
-        """Writes the trained model atomically; by default only rank 0 writes (ranks agree).
-        Under ``ps``, call ``sync_state()`` on every worker first to include the live
-        optimizer state."""
-        if self.rank == 0 or all_ranks:
-            if self.steps_done != self._state_synced_at and self.role == "worker":
-                if ps_server.runtime(self) is not None:
-                    logger.warning(
-                        "ps: %s gets the parameters of step %d but the optimizer state of step "
-                        "%d (it lives with the shard owners); call trainer.sync_state() on "
-                        "every worker before save() to include it", path, self.steps_done,
-                        self._state_synced_at)
-            save_proto(self.to_onnx(), path)
-
-    def to_torch(self, module: Any = None, **kwargs: Any) -> Any:
-        """Writes the trained parameters and buffers into the torch module this trainer was
-        compiled from (or ``module``), and the optimizer state into a torch optimizer
-        (``optimizer=``, by default the one compiled with). Returns the module."""
-        if self._write_back is None or self._write_back.framework != "torch":
-            source = "a Keras model" if self._write_back else "an ONNX model"
-            raise NgdistError(f"to_torch() needs a trainer compiled from a torch.nn.Module; "
-                              f"this one was compiled from {source}")
-        return self._write_back(self.state_dict(), self.steps_done, module, **kwargs)
-
-    def to_keras(self, model: Any = None) -> Any:
-        """Writes the trained weights into the Keras model this trainer was compiled from (or
-        ``model``). Returns the model."""
-        if self._write_back is None or self._write_back.framework != "keras":
-            source = "a torch.nn.Module" if self._write_back else "an ONNX model"
-            raise NgdistError(f"to_keras() needs a trainer compiled from a Keras model; this "
-                              f"one was compiled from {source}")
-        return self._write_back(self.state_dict(), self.steps_done, model)
 
     def close(self) -> None:
         """Collective: ends training on this rank: the last metrics rows and the PNG (with

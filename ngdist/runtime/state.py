@@ -1,0 +1,138 @@
+"""A Trainer's state from outside: the parameters and everything the step updates or reads as
+numpy arrays (pushsum's values de-biased), loading them back, the trained model as ONNX (file
+or ModelProto), ps's owners' optimizer state gathered, and the write-back into the torch module
+or Keras model compiled from."""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from ngdist.errors import NgdistError
+from ngdist.ir.domain import GRAD_SCALE
+from ngdist.ir.model import StepMeta, assemble_training_model, save_proto
+from ngdist.ir.writeback import WriteBack
+from ngdist.runtime import ps_server
+from ngdist.runtime.executor import Executor
+from ngdist.runtime.replicas import ReplicatedExecutor
+from ngdist.runtime.sessions import Placement
+
+logger = logging.getLogger(__name__)
+
+
+class StateAccess:
+    """The Trainer's values read, loaded, saved and written back."""
+
+    values: dict[str, ort.OrtValue]
+    placement: Placement
+    inference: onnx.ModelProto
+    step_model: ir.Model
+    meta: StepMeta
+    executor: Executor | ReplicatedExecutor
+    debias: dict[str, str]
+    steps_done: int
+    role: str
+    rank: int
+    _sessions: tuple[int, dict[str | None, ort.InferenceSession]]
+    _state_synced_at: int
+    _write_back: WriteBack | None
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable parameters (de-biased under pushsum), by initializer name."""
+        values = self._deployable()
+        return {n: np.array(values[n]) for n in self.meta.names("param")}
+
+    def _deployable(self) -> dict[str, np.ndarray]:
+        """Current values with pushsum's numerators replaced by z = x / w (and w by 1)."""
+        values = {n: v.numpy() for n, v in self.values.items()}
+        for p, w in self.debias.items():
+            values[p] = (values[p] / values[w]).astype(values[p].dtype)
+        for w in set(self.debias.values()):
+            values[w] = np.ones_like(values[w])
+        if GRAD_SCALE in values:  # the runtime sets it from the rank count; files hold 1
+            values[GRAD_SCALE] = np.ones_like(values[GRAD_SCALE])
+        return values
+
+    def flush(self) -> None:
+        """Complete communication still in flight (pushsum with overlap) and add what it
+        brings to the bound values. Call it on every rank, e.g. before reading state_dict()."""
+        bound = {out: name for name, out in self.meta.binding.items()}
+        for out, arr in self.executor.drain().items():
+            name = bound[out]
+            self.values[name] = self.placement.value(np.asarray(self.values[name].numpy() + arr))
+            self._sessions = (-1, {})
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of everything the step updates or reads (params, buffers, optimizer state,
+        hyper-parameters), without ``ngdist.grad_scale``, which the runtime sets from the
+        number of ranks."""
+        return {n: v.numpy().copy() for n, v in self.values.items() if n != GRAD_SCALE}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        state = {n: v for n, v in state.items() if n != GRAD_SCALE}  # a fact of this job
+        unknown = set(state) - set(self.values)
+        if unknown:
+            raise KeyError(f"unknown names in state: {sorted(unknown)}")
+        for n, v in state.items():
+            self.values[n] = self.placement.value(
+                np.array(v, dtype=self.values[n].numpy().dtype))
+
+    def to_onnx(self) -> onnx.ModelProto:
+        """The training model with the current values: deployable graph + training_info."""
+        return assemble_training_model(self.inference, self.step_model, self._deployable())
+
+    def sync_state(self) -> None:
+        """Collective over the workers; needed only under ``ps``.
+
+        There the optimizer state (momentum, Adam moments) lives with the shard owners, and a
+        worker's own copy stays as it was at start-up. This gathers the owners' live state into
+        rank 0's values, so that ``save()`` and ``state_dict()`` on rank 0 hold it. Call it on
+        every worker (dedicated servers answer it by themselves) before saving; with other
+        strategies it does nothing.
+        """
+        rt = ps_server.runtime(self)
+        if rt is None or (self.role == "server" and not rt.lockstep):
+            return
+        owned = ps_server.gather_state(self)
+        if owned:
+            self.load_state_dict(owned)
+        self._state_synced_at = self.steps_done
+
+    def save(self, path: str | os.PathLike, all_ranks: bool = False) -> None:
+        """Writes the trained model atomically; by default only rank 0 writes (ranks agree).
+        Under ``ps``, call ``sync_state()`` on every worker first to include the live
+        optimizer state."""
+        if self.rank == 0 or all_ranks:
+            if self.steps_done != self._state_synced_at and self.role == "worker":
+                if ps_server.runtime(self) is not None:
+                    logger.warning(
+                        "ps: %s gets the parameters of step %d but the optimizer state of step "
+                        "%d (it lives with the shard owners); call trainer.sync_state() on "
+                        "every worker before save() to include it", path, self.steps_done,
+                        self._state_synced_at)
+            save_proto(self.to_onnx(), path)
+
+    def to_torch(self, module: Any = None, **kwargs: Any) -> Any:
+        """Writes the trained parameters and buffers into the torch module this trainer was
+        compiled from (or ``module``), and the optimizer state into a torch optimizer
+        (``optimizer=``, by default the one compiled with). Returns the module."""
+        if self._write_back is None or self._write_back.framework != "torch":
+            source = "a Keras model" if self._write_back else "an ONNX model"
+            raise NgdistError(f"to_torch() needs a trainer compiled from a torch.nn.Module; "
+                              f"this one was compiled from {source}")
+        return self._write_back(self.state_dict(), self.steps_done, module, **kwargs)
+
+    def to_keras(self, model: Any = None) -> Any:
+        """Writes the trained weights into the Keras model this trainer was compiled from (or
+        ``model``). Returns the model."""
+        if self._write_back is None or self._write_back.framework != "keras":
+            source = "a torch.nn.Module" if self._write_back else "an ONNX model"
+            raise NgdistError(f"to_keras() needs a trainer compiled from a Keras model; this "
+                              f"one was compiled from {source}")
+        return self._write_back(self.state_dict(), self.steps_done, model)
