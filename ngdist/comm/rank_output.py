@@ -13,7 +13,9 @@ unfinished (a prompt, the last state of a progress bar) is written after ``IDLE_
 what follows continues it, unless another rank wrote in between: then that rank's text starts
 on a new line, and the continuation too, with its prefix again. Every line of rank N is
 written with the prefix ``[rank N] `` (unless ``prefix=False``), into ``LOG_DIR/rank.N.log``
-unprefixed when a log directory is given, and scanned (``RankScan``). The wrapper's marker
+unprefixed when a log directory is given, and scanned (``RankScan``). A log file takes a
+progress bar's redraws as lines, at most one every ``LOG_REDRAW_S`` and the last state before
+the bar's own line ends, instead of every redraw (tqdm redraws ten times a second). The wrapper's marker
 lines (comm/rankwrap.py) are handed to a callback and not written anywhere.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ LABEL_PATTERN = "\x1e%r\x1f"  # for mpiexec -prepend-pattern: %r is the rank
 _LABEL = re.compile(rb"\x1e(\d+)\x1f")
 _BREAK = re.compile(rb"\r\n|\r|\n")
 IDLE_S = 0.25
+LOG_REDRAW_S = 10.0  # a rank's log keeps a progress bar's state this often
 
 MarkerCallback = Callable[[int, dict[str, int]], None]
 
@@ -101,6 +104,11 @@ class OutputRouter:
         self._logs: dict[int, BinaryIO] = {}
         self._broken: set[str] = set()
         self._open: dict[str, _Line | None] = {s: None for s in outputs}  # written up to mid-line
+        # per (stream, rank), for the rank's log: the last progress-bar state not logged yet,
+        # when the log last took one, and the unfinished line
+        self._redraw: dict[tuple[str, int], bytes] = {}
+        self._redraw_logged: dict[tuple[str, int], float] = {}
+        self._log_partial: dict[tuple[str, int], bytes] = {}
 
     def scan(self, rank: int) -> RankScan:
         return self.scans.get(rank) or RankScan()
@@ -138,6 +146,12 @@ class OutputRouter:
                 self._complete(stream, label, line, b"")
             if line.text and label is not None:  # a last line without its newline
                 self._scan(stream, label, line)
+        for (_, rank), content in self._redraw.items():  # a bar that never ended its line
+            self._log(rank).write(content + b"\n")
+        for (_, rank), content in self._log_partial.items():  # a last line without newline
+            self._log(rank).write(content)
+        self._redraw.clear()
+        self._log_partial.clear()
         for stream in self.outputs:
             self._flush(stream)
         for fh in self._logs.values():
@@ -201,7 +215,7 @@ class OutputRouter:
             line.started = not end
             return
         if self.log_dir is not None:
-            self._log(label).write(content + end)
+            self._log_piece(stream, label, content, end)
         line.text += content
         line.started = not end
         if end:
@@ -214,6 +228,26 @@ class OutputRouter:
         scan.line(stream, text)
         if scan.abort_code is not None and label not in self.aborted:
             self.aborted.append(label)
+
+    def _log_piece(self, stream: str, rank: int, content: bytes, end: bytes) -> None:
+        """Into the rank's log, by whole lines: a redraw (``\\r``) as a line when
+        ``LOG_REDRAW_S`` have passed since the last one logged, else kept until the next; a
+        line's end as it came. A piece written early to the terminal waits for its line."""
+        key = (stream, rank)
+        content = self._log_partial.pop(key, b"") + content
+        if not end:
+            self._log_partial[key] = content
+        elif end != b"\r":
+            self._redraw.pop(key, None)
+            self._log(rank).write(content + end)
+        elif content:
+            now = time.monotonic()
+            if now - self._redraw_logged.get(key, -LOG_REDRAW_S) >= LOG_REDRAW_S:
+                self._redraw.pop(key, None)
+                self._redraw_logged[key] = now
+                self._log(rank).write(content + b"\n")
+            else:
+                self._redraw[key] = content
 
     def _log(self, rank: int) -> BinaryIO:
         fh = self._logs.get(rank)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ngdist.comm import rankwrap
+from ngdist.comm import rank_output
 from ngdist.comm.rank_output import OutputRouter, RankScan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -342,6 +343,31 @@ def test_router_progress_bar_redraws_and_idle_lines():
     router.flush_idle(time.monotonic() + 1)  # unfinished for a while: written as it is
     router.feed("stdout", b"\x1e1\x1fother\n\x1e0\x1fanswer\n")
     assert buf.getvalue() == b"[rank 0] prompt> \n[rank 1] other\n[rank 0] answer\n"
+
+
+def test_rank_log_keeps_a_progress_bar_sampled_not_every_redraw(tmp_path, monkeypatch):
+    bar = [("stderr", b"\x1e0\x1f\r 10%\x1e0\x1f\r 50%\x1e0\x1f\r 90%\x1e0\x1f\r100%\n"),
+           ("stdout", b"\x1e0\x1fdone\n")]
+    _, err, _, _ = route(bar, log_dir=tmp_path / "a")
+    assert err == "\r[rank 0]  10%\r[rank 0]  50%\r[rank 0]  90%\r[rank 0] 100%\n"  # terminal
+    assert (tmp_path / "a" / "rank.0.log").read_text() == " 10%\n100%\ndone\n"
+    monkeypatch.setattr(rank_output, "LOG_REDRAW_S", 0.0)  # every redraw is due
+    route(bar, log_dir=tmp_path / "b")
+    assert (tmp_path / "b" / "rank.0.log").read_text() == " 10%\n 50%\n 90%\n100%\ndone\n"
+    monkeypatch.setattr(rank_output, "LOG_REDRAW_S", 3600.0)
+    route([("stderr", b"\x1e1\x1f\r 10%\x1e1\x1f\r 20%\x1e1\x1f\r")], log_dir=tmp_path / "c")
+    assert (tmp_path / "c" / "rank.1.log").read_text() == " 10%\n 20%\n"  # cut short: its last
+
+
+def test_rank_log_joins_a_line_written_early_to_the_terminal(tmp_path):
+    buf = io.BytesIO()
+    router = OutputRouter({"stdout": buf}, log_dir=tmp_path)
+    router.feed("stdout", b"\x1e0\x1fprompt> ")
+    router.flush_idle(time.monotonic() + 1)
+    router.feed("stdout", b"\x1e0\x1fanswer\n")
+    router.close()
+    assert buf.getvalue() == b"[rank 0] prompt> answer\n"
+    assert (tmp_path / "rank.0.log").read_text() == "prompt> answer\n"
 
 
 def test_router_takes_out_markers_and_logs_per_rank(tmp_path):
