@@ -89,6 +89,17 @@ def test_batch_errors():
     assert not all(np.array_equal(before[k], v) for k, v in tr.parameters().items())
 
 
+def test_a_declared_extent_far_beyond_any_batch_is_refused_at_the_step_not_in_memory():
+    """The shape probe of the ONNX frontend does not allocate a declared [batch, 10^13]
+    input (13.6 PiB); the trainer builds, and a batch of another extent gets its error."""
+    model = zoo.mlp((64, 16, 10))
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 10 ** 13
+    tr = ngdist.compile(model, optimizer=ngdist.optim.SGD(lr=0.1))
+    with pytest.raises(InputError, match=r"input 'x' has shape \(4, 64\); the model expects "
+                                         r"\[batch, 10000000000000\] \(axis 1\)"):
+        tr.step({"x": np.zeros((4, 64), np.float32), "y": np.zeros(4, np.int64)})
+
+
 def test_save_is_atomic(tmp_path, monkeypatch):
     tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=ngdist.optim.SGD(lr=0.1))
     path = tmp_path / "trained.onnx"

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _SHAPE_SOURCES = {"Shape", "Size"}
 BATCH_SIZES = (3, 4, 7)  # different parities and residues: a batch-dependent value differs
+PROBE_MAX_BYTES = 256 << 20  # probe inputs larger than this (all inputs of one probe) are not made
 
 
 def _shape_only_values(model: onnx.ModelProto) -> list[str]:
@@ -141,7 +142,8 @@ def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     symbolic or unknown extent takes each of ``BATCH_SIZES`` (a differently rotated sequence
     per dimension name, so up to three named axes never move in lockstep); floats are normal
     noise, other types zeros (valid indices for an embedding). Empty when an input has no
-    declared shape (nothing to probe with: the graph stays as it is)."""
+    declared shape, or when one probe's inputs would take more than ``PROBE_MAX_BYTES`` (a
+    declared extent far beyond any batch): the graph then stays as it is."""
     g = model.graph
     inits = {t.name for t in g.initializer}
     rng = np.random.default_rng(0)
@@ -153,7 +155,7 @@ def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
             continue
         if not tt.HasField("shape") or not tt.elem_type:
             return []
-        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
         for k, feed in enumerate(feeds):
             dims = []
             for d in tt.shape.dim:
@@ -162,6 +164,11 @@ def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
                     continue
                 j = symbols.setdefault(d.dim_param or f"?{inp.name}/{len(dims)}", len(symbols))
                 dims.append(BATCH_SIZES[(k + j) % len(BATCH_SIZES)])
+            held = sum(v.nbytes for v in feed.values())
+            if held + np.prod(dims, dtype=float) * max(dtype.itemsize, 1) > PROBE_MAX_BYTES:
+                logger.info("input %r of declared shape %s is too large to probe the graph's "
+                            "shapes with; they stay as declared", inp.name, dims)
+                return []
             feed[inp.name] = rng.standard_normal(dims).astype(dtype) \
                 if np.issubdtype(dtype, np.floating) else np.zeros(dims, dtype)
     return feeds
