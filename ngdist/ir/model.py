@@ -223,6 +223,12 @@ def check_training_model(model: onnx.ModelProto) -> None:
     if bad:
         raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "
                          f"algorithm graph (its outputs: {_listing(outputs)})")
+    fed = {kv.key: kv.value for kv in info.update_binding
+           if kv.value in inputs and kv.value not in main_inits | alg_inits}
+    if fed:
+        raise GraphError(f"update_binding maps {fed} to data inputs of the step, which a batch "
+                         "feeds, not values the step computes; bind each to the output of its "
+                         "update")
     props = {p.key: p.value for p in model.metadata_props}
     if "ngdist.roles" in props:
         _check_roles(props["ngdist.roles"], defined, main_inits)

@@ -232,6 +232,9 @@ def tamper(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
             {**json.loads(props["ngdist.roles"]), "fc9.weight": "param"})})
     elif how == "binding to a missing output":
         info.update_binding[0].value = "fc0.weight.newer"
+    elif how == "binding to a data input":  # the labels, returned as an output too
+        info.algorithm.output.add().CopyFrom(helper.make_tensor_value_info("y", 0, None))
+        info.update_binding[1].value = "y"
     elif how == "binding of a missing name":
         info.update_binding[0].key = "fc9.weight"
     elif how == "binding twice":
@@ -273,6 +276,9 @@ TAMPERED = {
                                    "outputs: ['ngdist.loss', 'fc0.weight.new', 'fc0.bias.new', "
                                    "'fc1.weight.new', 'fc1.bias.new', 'fc0.weight.momentum.new',"
                                    " 'fc0.bias.momentum.new', 'fc1.weight.momentum.new'] ...)",
+    "binding to a data input": "update_binding maps {'fc0.bias': 'y'} to data inputs of the "
+                               "step, which a batch feeds, not values the step computes; bind "
+                               "each to the output of its update",
     "binding of a missing name": "update_binding names ['fc9.weight'], which are initializers "
                                  "of neither the main graph nor the algorithm graph",
     "binding twice": "update_binding binds ['fc0.weight'] more than once",
