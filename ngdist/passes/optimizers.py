@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 from onnx import defs
 
+from ngdist.errors import GraphError
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 
@@ -32,12 +33,30 @@ TORCH_ADAM, TORCH_ADAMW = "torch_adam", "torch_adamw"
 AMSGRAD_ATTR = "ngdist_amsgrad"
 
 
+_ATTR_KINDS = {defs.OpSchema.AttrType.FLOAT: ((float, int), "a float"),
+               defs.OpSchema.AttrType.INT: ((int,), "an int"),
+               defs.OpSchema.AttrType.STRING: ((str,), "a string")}
+
+
 def _attrs(node: ir.Node) -> dict[str, object]:
+    """The node's attributes by the operator's schema, defaults filled in; a required one
+    that is missing or one of the wrong kind is a GraphError naming the node."""
     schema = defs.get_schema(node.op_type, 1, PREVIEW_TRAINING)
     out: dict[str, object] = {}
     for name, a in schema.attributes.items():
-        default = onnx_default(a)
-        out[name] = attr(node, name, default)
+        value = attr(node, name, onnx_default(a))
+        kinds, what = _ATTR_KINDS.get(a.type, ((object,), ""))
+        if value is None and a.required:
+            raise GraphError(f"optimizer node {node.name!r} ({node.op_type}) lacks its required "
+                             f"attribute {name!r}; ai.onnx.preview.training.{node.op_type} "
+                             f"needs {sorted(n for n, s in schema.attributes.items() if s.required)}")
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise GraphError(f"optimizer node {node.name!r} ({node.op_type}): attribute "
+                             f"{name!r} is {value!r}, not {what}")
+        out[name] = value
+    if node.op_type == "Momentum" and out["mode"] not in ("standard", "nesterov"):
+        raise GraphError(f"optimizer node {node.name!r} (Momentum): mode is {out['mode']!r}; "
+                         "the modes are 'standard' and 'nesterov'")
     return out
 
 
@@ -177,10 +196,10 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
     formula = attr(node, FORMULA_ATTR, None)
     if formula is not None and (node.op_type != "Adam" or
                                 formula not in (TORCH_ADAM, TORCH_ADAMW)):
-        raise ValueError(f"optimizer node {node.name!r}: {FORMULA_ATTR}={formula!r} is not "
+        raise GraphError(f"optimizer node {node.name!r}: {FORMULA_ATTR}={formula!r} is not "
                          f"one of {TORCH_ADAM!r}, {TORCH_ADAMW!r} on an Adam node")
     if attr(node, AMSGRAD_ATTR, 0) and formula is None:
-        raise ValueError(f"optimizer node {node.name!r}: {AMSGRAD_ATTR} needs "
+        raise GraphError(f"optimizer node {node.name!r}: {AMSGRAD_ATTR} needs "
                          f"{FORMULA_ATTR} (AMSGrad is implemented with PyTorch's formula)")
     r, t, groups = split_optimizer_inputs(node)
     xs, gs, states = groups[0], groups[1], groups[2:]

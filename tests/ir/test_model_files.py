@@ -235,6 +235,13 @@ def tamper(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
     elif how == "binding to a data input":  # the labels, returned as an output too
         info.algorithm.output.add().CopyFrom(helper.make_tensor_value_info("y", 0, None))
         info.update_binding[1].value = "y"
+    elif how in ("optimizer without alpha", "optimizer mode unknown"):
+        node = next(n for n in info.algorithm.node if n.op_type == "Momentum")
+        kept = [a for a in node.attribute if a.name != ("alpha" if "alpha" in how else "mode")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        if "mode" in how:
+            node.attribute.append(helper.make_attribute("mode", "heavy"))
     elif how == "binding of a missing name":
         info.update_binding[0].key = "fc9.weight"
     elif how == "binding twice":
@@ -315,6 +322,28 @@ def test_invalid_training_model_is_refused(tmp_path, training, how, capsys):
     out = tmp_path / "out.onnx"
     assert main(["rewrite", str(path), "-o", str(out)]) == 1
     assert capsys.readouterr().err == f"ngdist: error: {path}: {TAMPERED[how]}\n"
+    assert not out.exists()
+
+
+BAD_OPTIMIZER = {  # refused when the optimizer is lowered, before anything trains
+    "optimizer without alpha": "optimizer node 'ngdist/momentum' (Momentum) lacks its required "
+                               "attribute 'alpha'; ai.onnx.preview.training.Momentum needs "
+                               "['alpha', 'beta', 'mode', 'norm_coefficient']",
+    "optimizer mode unknown": "optimizer node 'ngdist/momentum' (Momentum): mode is 'heavy'; "
+                              "the modes are 'standard' and 'nesterov'",
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_OPTIMIZER))
+def test_optimizer_node_with_bad_attributes_is_refused(tmp_path, training, how, capsys):
+    bad = tamper(training, how)
+    with pytest.raises(GraphError) as info:
+        ngdist.compile(bad)
+    assert str(info.value) == BAD_OPTIMIZER[how]
+    path, out = tmp_path / "bad.onnx", tmp_path / "out.onnx"
+    save_proto(bad, path)
+    assert main(["rewrite", str(path), "-o", str(out)]) == 1
+    assert capsys.readouterr().err == f"ngdist: error: {BAD_OPTIMIZER[how]}\n"
     assert not out.exists()
 
 
