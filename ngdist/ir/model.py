@@ -219,6 +219,12 @@ def check_training_model(model: onnx.ModelProto) -> None:
     if odd:
         raise GraphError(f"update_binding names {odd}: ngdist updates tensors of the types "
                          f"{_numpy_type_names()}")
+    held = {t.name: t.data_type for t in tensors.values() if t.data_type not in NUMPY_TYPES}
+    if held:
+        shown = {k: TensorProto.DataType.Name(v) if v in _TYPE_NAMES else v
+                 for k, v in held.items()}
+        raise GraphError(f"the training step holds the initializers {shown}; ngdist holds "
+                         f"tensors of the types {_numpy_type_names()}")
     bad = {kv.key: kv.value for kv in info.update_binding if kv.value not in outputs}
     if bad:
         raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "

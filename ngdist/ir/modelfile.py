@@ -287,7 +287,11 @@ def check_tensor_data(model: onnx.ModelProto, where: str) -> None:
             raise ModelLoadError(f"{what} has the unknown element type {tensor.data_type}")
         if tensor.HasField("raw_data"):
             expected = _tensor_bytes(tensor)
-            if expected is not None and len(tensor.raw_data) != expected:
+            if expected is None:  # STRING: ONNX keeps strings in string_data, never raw
+                raise ModelLoadError(
+                    f"{what} of type {TensorProto.DataType.Name(tensor.data_type)} holds raw "
+                    "bytes, which ONNX allows only for fixed-size types; the file is damaged")
+            if len(tensor.raw_data) != expected:
                 raise ModelLoadError(
                     f"{what}: {len(tensor.raw_data):,} bytes of data, but its type "
                     f"{TensorProto.DataType.Name(tensor.data_type)} and dims "

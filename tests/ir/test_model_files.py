@@ -259,6 +259,15 @@ def tamper(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
         t = model.graph.initializer[0]
         t.CopyFrom(helper.make_tensor(t.name, TensorProto.STRING, list(t.dims),
                                       [b"w"] * int(np.prod(t.dims))))
+    elif how in ("string hyper-parameter", "string with raw bytes"):
+        for coll in (model.graph.initializer, info.algorithm.initializer):
+            for t in coll:
+                if t.name == "ngdist.lr":
+                    if "raw" in how:  # a type changed under raw float bytes
+                        t.data_type = TensorProto.STRING
+                    else:
+                        t.CopyFrom(helper.make_tensor("ngdist.lr", TensorProto.STRING, [],
+                                                      [b"0.1"]))
     elif how == "string data input":
         info.algorithm.input[0].type.tensor_type.elem_type = TensorProto.STRING
     elif how == "initialization graph":
@@ -301,6 +310,10 @@ TAMPERED = {
     "string parameter": "update_binding names {'fc0.weight': 'STRING'}: ngdist updates tensors "
                         "of the types BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, INT16, INT32, "
                         "INT64, INT8, UINT16, UINT32, UINT64, UINT8",
+    "string hyper-parameter": "the training step holds the initializers {'ngdist.lr': "
+                              "'STRING'}; ngdist holds tensors of the types BFLOAT16, BOOL, "
+                              "DOUBLE, FLOAT, FLOAT16, INT16, INT32, INT64, INT8, UINT16, "
+                              "UINT32, UINT64, UINT8",
     "string data input": "the training step's data input 'x' has element type STRING; ngdist "
                          "feeds tensors of the types BFLOAT16, BOOL, DOUBLE, FLOAT, FLOAT16, "
                          "INT16, INT32, INT64, INT8, UINT16, UINT32, UINT64, UINT8",
@@ -397,3 +410,12 @@ def test_damaged_nodes_are_refused(tmp_path, training):
     save_proto(bad, path)
     refused(path, f"{path}: node 'fc0' of graph 'mlp' (Gemm) has an attribute without a type "
                   "('alpha'); the file is damaged")
+
+
+def test_string_tensor_with_raw_bytes_is_refused(tmp_path, training):
+    """A float's element type flipped to STRING over its raw bytes: ONNX keeps strings in
+    string_data, so the data cannot be read (it reached the trainer as a numpy reshape error)."""
+    path = tmp_path / "string_raw.onnx"
+    save_proto(tamper(training, "string with raw bytes"), path)
+    refused(path, f"{path}: tensor 'ngdist.lr' of type STRING holds raw bytes, which ONNX "
+                  "allows only for fixed-size types; the file is damaged")
