@@ -112,7 +112,7 @@ def main() -> None:
     table += [f"| {r['form']} | {r['ms_per_step']:.2f} | {r['ratio']:.2f}x |" for r in rows]
     logger.info("\n".join(table))
     if args.out:
-        from ngdist.ir.model import write_atomic
+        from ngdist.ir.atomic import write_atomic
 
         write_atomic(args.out, json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                            "rows": rows}, indent=1).encode())

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx
 
 from ngdist.ir.domain import DOMAIN
-from ngdist.ir.model import write_atomic
+from ngdist.ir.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 

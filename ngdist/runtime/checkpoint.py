@@ -38,7 +38,7 @@ import onnx
 from ngdist.comm import ProcessGroup
 from ngdist.errors import CheckpointError
 from ngdist.ir.domain import DOMAIN, GRAD_SCALE
-from ngdist.ir.model import remove_stale_temps_in, write_atomic
+from ngdist.ir.atomic import remove_stale_temps_in, write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ import onnx_ir as ir
 
 from ngdist.comm import ProcessGroup
 from ngdist.errors import InputError, NgdistError
-from ngdist.ir.model import write_atomic
+from ngdist.ir.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 

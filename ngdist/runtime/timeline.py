@@ -49,7 +49,7 @@ import numpy as np
 
 from ngdist.comm.group import ProcessGroup
 from ngdist.errors import InputError
-from ngdist.ir.model import write_atomic
+from ngdist.ir.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 
