@@ -1,6 +1,7 @@
 """The AllReduce inside a training step next to raw mpi4py ``Allreduce`` of the same bytes.
 
     python benchmarks/step_comm_cost.py [--ranks 2] [--sizes 4 16 64] [--rounds 5]
+        [--overlap | --no-overlap]
 
 Run plainly, it launches itself under the venv's mpiexec. For each size S (MiB of float32
 gradients) it builds an MLP 64-h-10 whose parameters take S MiB, compiles it twice in the same
@@ -42,7 +43,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(sizes: list[int], rounds: int, steps: int, batch: int, overlap: bool) -> None:
+def worker(sizes: list[int], rounds: int, steps: int, batch: int,
+           overlap: bool | None) -> None:
     from allreduce_algs import _max  # the slowest rank's time (this script's folder)
     from mpi4py import MPI
 
@@ -108,12 +110,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round")
     ap.add_argument("--batch", type=int, default=32, help="samples per rank")
+    ap.add_argument("--overlap", action="store_true",
+                    help="comm nodes on a thread of their own (default: the library's choice, "
+                         "on only with more than one core per rank)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="run comm nodes in program order on the main thread")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.overlap and args.no_overlap:
+        ap.error("--overlap and --no-overlap exclude each other")
+    overlap = True if args.overlap else False if args.no_overlap else None
+    flag = {True: ["--overlap"], False: ["--no-overlap"], None: []}[overlap]
     if args.worker:
-        worker(args.sizes, args.rounds, args.steps, args.batch, not args.no_overlap)
+        worker(args.sizes, args.rounds, args.steps, args.batch, overlap)
         return 0
     from ngdist.comm.launch import mpiexec_cmd
 
@@ -121,7 +130,7 @@ def main() -> int:
            "OMP_NUM_THREADS": "1"}
     cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--rounds",
            str(args.rounds), "--steps", str(args.steps), "--batch", str(args.batch),
-           "--sizes", *map(str, args.sizes), *(["--no-overlap"] if args.no_overlap else [])]
+           "--sizes", *map(str, args.sizes), *flag]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -129,7 +138,7 @@ def main() -> int:
         return proc.returncode or 1
     rows = json.loads(line[7:])
     print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank, "
-          f"overlap {'off' if args.no_overlap else 'on'}")
+          f"overlap {({True: 'on', False: 'off', None: 'as the library chooses'})[overlap]}")
     print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce "
           "| local+mpi4py - local | vs mpi4py | vs compute+mpi4py | bound |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
