@@ -12,9 +12,12 @@ import onnx
 from onnx import TensorProto
 
 from ngdist.errors import GraphError
+from ngdist.ir.domain import PREVIEW_TRAINING
 
 ROLES = ("data", "param", "buffer", "state", "hyper")
 MODEL_LEVEL = ("param", "buffer")  # roles whose values live in model.graph.initializer
+# training ops whose inputs are all required (an empty name is no value)
+_ALL_INPUTS_REQUIRED = ("Momentum", "Adagrad", "Adam")
 # element types of the values a step is fed or updates (held as numpy arrays and OrtValues)
 NUMPY_TYPES = frozenset({TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
                          TensorProto.BFLOAT16, TensorProto.INT64, TensorProto.INT32,
@@ -64,6 +67,12 @@ def check_training_model(model: onnx.ModelProto) -> None:
             raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) reads "
                              f"{missing}, which no input, initializer or node of the training "
                              "step defines")
+        if node.domain == PREVIEW_TRAINING and node.op_type in _ALL_INPUTS_REQUIRED:
+            empty = [k for k, i in enumerate(node.input) if not i]
+            if empty:
+                raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) has "
+                                 f"empty inputs at positions {empty}; every input of "
+                                 f"{PREVIEW_TRAINING}.{node.op_type} is required")
     for inp in alg.input:
         elem = inp.type.tensor_type.elem_type
         if inp.name not in main_inits | alg_inits and elem not in NUMPY_TYPES:

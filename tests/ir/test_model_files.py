@@ -242,6 +242,10 @@ def tamper(model: onnx.ModelProto, how: str) -> onnx.ModelProto:
         node.attribute.extend(kept)
         if "mode" in how:
             node.attribute.append(helper.make_attribute("mode", "heavy"))
+    elif how == "optimizer input empty":  # a gradient renamed to '' (an omitted input)
+        for node in info.algorithm.node:
+            node.input[:] = ["" if i == "fc1.bias.grad" else i for i in node.input]
+            node.output[:] = ["" if o == "fc1.bias.grad" else o for o in node.output]
     elif how == "binding of a missing name":
         info.update_binding[0].key = "fc9.weight"
     elif how == "binding twice":
@@ -295,6 +299,9 @@ TAMPERED = {
     "binding to a data input": "update_binding maps {'fc0.bias': 'y'} to data inputs of the "
                                "step, which a batch feeds, not values the step computes; bind "
                                "each to the output of its update",
+    "optimizer input empty": "algorithm node 'ngdist/momentum' (Momentum) has empty inputs at "
+                             "positions [9]; every input of ai.onnx.preview.training.Momentum "
+                             "is required",
     "binding of a missing name": "update_binding names ['fc9.weight'], which are initializers "
                                  "of neither the main graph nor the algorithm graph",
     "binding twice": "update_binding binds ['fc0.weight'] more than once",
