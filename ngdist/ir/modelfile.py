@@ -112,7 +112,8 @@ def iter_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
 
 def check_nodes(model: onnx.ModelProto, where: str) -> None:
     """Every node of every graph names its op and every attribute has a name and a type
-    (onnx's checker passes nodes of domains it has no schema for, and training_info's)."""
+    (onnx's checker passes nodes of domains it has no schema for, and training_info's), and
+    every value's declared element type is one ONNX defines."""
     for graph in iter_graphs(model):
         for idx, node in enumerate(graph.node):
             what = f"{where}: node {node.name or idx!r} of graph {graph.name!r}"
@@ -123,6 +124,29 @@ def check_nodes(model: onnx.ModelProto, where: str) -> None:
                     raise ModelLoadError(f"{what} ({node.op_type}) has an attribute without "
                                          f"{'a name' if not attr.name else 'a type'} "
                                          f"({attr.name!r}); the file is damaged")
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            bad = _unknown_elem_type(value.type)
+            if bad is not None:
+                raise ModelLoadError(f"{where}: value {value.name!r} of graph {graph.name!r} has "
+                                     f"the unknown element type {bad}; the file is damaged")
+
+
+def _unknown_elem_type(tp: onnx.TypeProto) -> int | None:
+    """An element type in ``tp`` (tensors, and those inside sequences, optionals and maps)
+    that ONNX does not define, else None; 0 (unset) is allowed."""
+    stack = [tp]
+    while stack:
+        t = stack.pop()
+        kind = t.WhichOneof("value")
+        if kind in ("tensor_type", "sparse_tensor_type"):
+            elem = getattr(t, kind).elem_type
+            if elem and elem not in _KNOWN_TYPES:
+                return elem
+        elif kind in ("sequence_type", "optional_type"):
+            stack.append(getattr(t, kind).elem_type)
+        elif kind == "map_type":
+            stack.append(t.map_type.value_type)
+    return None
 
 
 def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:

@@ -426,3 +426,15 @@ def test_string_tensor_with_raw_bytes_is_refused(tmp_path, training):
     save_proto(tamper(training, "string with raw bytes"), path)
     refused(path, f"{path}: tensor 'ngdist.lr' of type STRING holds raw bytes, which ONNX "
                   "allows only for fixed-size types; the file is damaged")
+
+
+def test_value_of_an_unknown_element_type_is_refused(tmp_path, training):
+    """A bit flip in a declared element type of the step (onnx's checker lets it through; it
+    made onnx_ir fail to read the step)."""
+    bad = copy.deepcopy(training)
+    bad.training_info[0].algorithm.value_info.append(
+        helper.make_tensor_value_info("fc0.weight.grad", 65, [16, 64]))
+    path = tmp_path / "elem65.onnx"
+    save_proto(bad, path)
+    refused(path, f"{path}: value 'fc0.weight.grad' of graph 'ngdist_step' has the unknown "
+                  "element type 65; the file is damaged")
