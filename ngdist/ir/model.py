@@ -210,7 +210,15 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         step_proto = onnx.shape_inference.infer_shapes(step_proto)
     except Exception as exc:  # shapes help the autodiff; they are not required
         logger.debug("shape inference of the step graph failed: %s", exc)
-    step = ir.from_proto(step_proto)
+    try:
+        step = ir.from_proto(step_proto)
+    except ir.serde.SerdeError as exc:  # what the checks before did not foresee
+        cause: BaseException = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise GraphError(f"the training step cannot be read ({type(cause).__name__}: "
+                         f"{cause}); the file is damaged or was not written by an ONNX "
+                         "exporter") from None
     set_meta(step, StepMeta(roles, binding, loss))
     inference = copy.deepcopy(model)
     del inference.training_info[:]

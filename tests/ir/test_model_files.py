@@ -438,3 +438,8 @@ def test_value_of_an_unknown_element_type_is_refused(tmp_path, training):
     save_proto(bad, path)
     refused(path, f"{path}: value 'fc0.weight.grad' of graph 'ngdist_step' has the unknown "
                   "element type 65; the file is damaged")
+    with pytest.raises(GraphError) as info:  # the same model in memory, as onnx_ir reads it
+        ngdist.compile(bad)
+    assert str(info.value) == ("the training step cannot be read (ValueError: 65 is not a valid "
+                               "DataType); the file is damaged or was not written by an ONNX "
+                               "exporter")
