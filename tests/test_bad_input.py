@@ -183,3 +183,30 @@ def test_rank_dies_mid_training(ranks, how):
     else:
         assert (TIMED_OUT in out and "did not complete within 5 s on rank 0" in out) or \
             GONE in out, seen
+
+
+def _pool_model(kernel: list[int], strides: list[int]) -> onnx.ModelProto:
+    """x [batch, 1, 8, 8] -> Conv 1x1 -> MaxPool -> Flatten -> Gemm(10 classes)."""
+    w = numpy_helper.from_array(np.full((10, 1), 0.1, np.float32), "fc.weight")
+    c = numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float32), "conv.weight")
+    nodes = [helper.make_node("Conv", ["x", "conv.weight"], ["h"], name="conv"),
+             helper.make_node("MaxPool", ["h"], ["p"], name="pool", kernel_shape=kernel,
+                              strides=strides),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "fc.weight"], ["logits"], name="fc", transB=1)]
+    graph = helper.make_graph(
+        nodes, "pool", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], [w, c])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("kernel, strides, message", [
+    ([9, 1], [8, 1], "MaxPool 'pool': its window of 9 (kernel 9, dilation 1) does not fit spatial "
+                     "axis 0 of size 8 with pads 0 + 0; its output would be empty"),
+    ([8, 1], [0, 1], "MaxPool 'pool' has kernel [8, 1], strides [0, 1], dilations [1, 1], pads "
+                     "[0, 0, 0, 0]: kernel sizes, strides and dilations must be at least 1 and "
+                     "pads at least 0")])
+def test_pool_window_that_cannot_run_is_refused_naming_the_node(kernel, strides, message):
+    with pytest.raises(GradientError) as info:
+        ngdist.compile(_pool_model(kernel, strides), optimizer=ngdist.optim.SGD(lr=0.1))
+    assert str(info.value) == f"gradient rule of MaxPool failed on node 'pool': {message}"

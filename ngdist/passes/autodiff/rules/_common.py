@@ -60,7 +60,28 @@ def fit_spatial(ctx: GradContext, v: ir.Value, like: ir.Value, n_spatial: int) -
 def window(node: ir.Node, spatial: list[int | None], kernel: list[int]
            ) -> tuple[list[int], list[int], list[int], list[int]]:
     """(strides, dilations, pads_begin, pads_end) of a Conv/Pool node, auto_pad resolved
-    (auto_pad=SAME_* needs static spatial sizes: its pads depend on them)."""
+    (auto_pad=SAME_* needs static spatial sizes: its pads depend on them). A window that does
+    not fit a static spatial size (an empty output), a kernel, stride or dilation below 1 or a
+    negative pad is a ValueError naming the node."""
+    strides, dilations, begin, end = _window(node, spatial, kernel)
+    if any(v < 1 for v in (*kernel, *strides, *dilations)) or any(p < 0 for p in begin + end):
+        raise ValueError(f"{node.op_type} '{node.name}' has kernel {kernel}, strides {strides}, "
+                         f"dilations {dilations}, pads {begin + end}: kernel sizes, strides and "
+                         "dilations must be at least 1 and pads at least 0")
+    for axis, (size, k, d, b, e) in enumerate(zip(spatial, kernel, dilations, begin, end)):
+        if size is not None and size < 1:
+            raise ValueError(f"{node.op_type} '{node.name}': its input '{node.inputs[0].name}' "
+                             f"has extent {size} on spatial axis {axis}; a node before it "
+                             "leaves no positions there (a window larger than its input?)")
+        if size is not None and size + b + e < (k - 1) * d + 1:
+            raise ValueError(f"{node.op_type} '{node.name}': its window of {(k - 1) * d + 1} "
+                             f"(kernel {k}, dilation {d}) does not fit spatial axis {axis} of "
+                             f"size {size} with pads {b} + {e}; its output would be empty")
+    return strides, dilations, begin, end
+
+
+def _window(node: ir.Node, spatial: list[int | None], kernel: list[int]
+            ) -> tuple[list[int], list[int], list[int], list[int]]:
     n = len(kernel)
     strides = list(attr(node, "strides", None) or [1] * n)
     dilations = list(attr(node, "dilations", None) or [1] * n)

@@ -32,8 +32,14 @@ def max_pool(ctx, node, gys):
     indices = ensure_output(node, 1, "indices", ir.DataType.INT64, node.outputs[0].shape)
     g = gys[0]
     kernel = list(attr(node, "kernel_shape"))
-    strides = list(attr(node, "strides", None) or [1] * len(kernel))
-    dilations = list(attr(node, "dilations", None) or [1] * len(kernel))
+    spatial = dims(x, "MaxPool input", 2) if x.shape is not None else [None] * len(kernel)
+    auto_pad = attr(node, "auto_pad", "NOTSET")
+    same = (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad).startswith("SAME")
+    if same and None in spatial:  # pads known only at run time; this rule does not need them
+        strides = list(attr(node, "strides", None) or [1] * len(kernel))
+        dilations = list(attr(node, "dilations", None) or [1] * len(kernel))
+    else:  # refuses a window that cannot run
+        strides, dilations, _, _ = window(node, spatial, kernel)
     disjoint = all(s >= (k - 1) * d + 1 for k, s, d in zip(kernel, strides, dilations))
     if disjoint and x.dtype in UNPOOL_TYPES and _fits(x, node.outputs[0]):
         # no window shares an element, so each index occurs once: MaxUnpool's write is the
