@@ -31,6 +31,11 @@ def _numpy_type_names() -> str:
     return ", ".join(sorted(TensorProto.DataType.Name(t) for t in NUMPY_TYPES))
 
 
+def _type_name(elem: int) -> str | int:
+    """An element type by its ONNX name, or the number itself when ONNX defines none."""
+    return TensorProto.DataType.Name(elem) if elem in _TYPE_NAMES else elem
+
+
 def check_training_model(model: onnx.ModelProto) -> None:
     """Refuses (GraphError naming what is wrong) a training model that ngdist could not run:
     an algorithm that reads values nothing defines, an update_binding to a value the algorithm
@@ -50,7 +55,9 @@ def check_training_model(model: onnx.ModelProto) -> None:
     main_inits = {t.name for t in model.graph.initializer}
     alg_inits = {t.name for t in alg.initializer}
     inputs = {i.name for i in alg.input}
-    defined = main_inits | alg_inits | inputs
+    inits = main_inits | alg_inits
+    data_inputs = inputs - inits  # what a batch feeds
+    defined = inits | inputs
     produced: set[str] = set()
     for idx, node in enumerate(alg.node):
         for out in node.output:
@@ -75,10 +82,9 @@ def check_training_model(model: onnx.ModelProto) -> None:
                                  f"{PREVIEW_TRAINING}.{node.op_type} is required")
     for inp in alg.input:
         elem = inp.type.tensor_type.elem_type
-        if inp.name not in main_inits | alg_inits and elem not in NUMPY_TYPES:
-            shown = TensorProto.DataType.Name(elem) if elem in _TYPE_NAMES else elem
+        if inp.name in data_inputs and elem not in NUMPY_TYPES:
             raise GraphError(f"the training step's data input {inp.name!r} has element type "
-                             f"{shown}; ngdist feeds tensors of the types {_numpy_type_names()}")
+                             f"{_type_name(elem)}; ngdist feeds tensors of the types {_numpy_type_names()}")
     outputs = [o.name for o in alg.output]
     if not outputs:
         raise GraphError("training_info[0].algorithm has no outputs (the loss comes first)")
@@ -91,29 +97,26 @@ def check_training_model(model: onnx.ModelProto) -> None:
     twice = sorted(k for k, n in Counter(keys).items() if n > 1)
     if twice:
         raise GraphError(f"update_binding binds {twice} more than once")
-    unknown = [k for k in keys if k not in main_inits | alg_inits]
+    unknown = [k for k in keys if k not in inits]
     if unknown:
         raise GraphError(f"update_binding names {unknown}, which are initializers of neither "
                          "the main graph nor the algorithm graph")
     tensors = {t.name: t for t in [*model.graph.initializer, *alg.initializer]}
-    odd = {k: TensorProto.DataType.Name(tensors[k].data_type) if tensors[k].data_type in
-           _TYPE_NAMES else tensors[k].data_type for k in keys
+    odd = {k: _type_name(tensors[k].data_type) for k in keys
            if tensors[k].data_type not in NUMPY_TYPES}
     if odd:
         raise GraphError(f"update_binding names {odd}: ngdist updates tensors of the types "
                          f"{_numpy_type_names()}")
-    held = {t.name: t.data_type for t in tensors.values() if t.data_type not in NUMPY_TYPES}
+    held = {t.name: _type_name(t.data_type) for t in tensors.values()
+            if t.data_type not in NUMPY_TYPES}
     if held:
-        shown = {k: TensorProto.DataType.Name(v) if v in _TYPE_NAMES else v
-                 for k, v in held.items()}
-        raise GraphError(f"the training step holds the initializers {shown}; ngdist holds "
+        raise GraphError(f"the training step holds the initializers {held}; ngdist holds "
                          f"tensors of the types {_numpy_type_names()}")
     bad = {kv.key: kv.value for kv in info.update_binding if kv.value not in outputs}
     if bad:
         raise GraphError(f"update_binding maps {bad} to values that are not outputs of the "
                          f"algorithm graph (its outputs: {_listing(outputs)})")
-    fed = {kv.key: kv.value for kv in info.update_binding
-           if kv.value in inputs and kv.value not in main_inits | alg_inits}
+    fed = {kv.key: kv.value for kv in info.update_binding if kv.value in data_inputs}
     if fed:
         raise GraphError(f"update_binding maps {fed} to data inputs of the step, which a batch "
                          "feeds, not values the step computes; bind each to the output of its "
