@@ -80,14 +80,19 @@ def window(node: ir.Node, spatial: list[int | None], kernel: list[int]
     return strides, dilations, begin, end
 
 
-def _window(node: ir.Node, spatial: list[int | None], kernel: list[int]
-            ) -> tuple[list[int], list[int], list[int], list[int]]:
-    n = len(kernel)
+def window_attributes(node: ir.Node, n: int) -> tuple[list[int], list[int], str]:
+    """(strides, dilations, auto_pad) of a Conv/Pool node with ``n`` spatial axes, as given
+    (defaults filled in), before any check."""
     strides = list(attr(node, "strides", None) or [1] * n)
     dilations = list(attr(node, "dilations", None) or [1] * n)
     auto_pad = attr(node, "auto_pad", "NOTSET")
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
+    return strides, dilations, auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+
+
+def _window(node: ir.Node, spatial: list[int | None], kernel: list[int]
+            ) -> tuple[list[int], list[int], list[int], list[int]]:
+    n = len(kernel)
+    strides, dilations, auto_pad = window_attributes(node, n)
     if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
         if None in spatial:
             raise ValueError(f"{node.op_type} with auto_pad={auto_pad} needs static spatial "

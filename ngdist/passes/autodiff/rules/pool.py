@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
 from ngdist.passes.autodiff.rules._common import (dims, ensure_output, fit_spatial, known_rank,
-                                                  shape_text, window)
+                                                  shape_text, window, window_attributes)
 
 
 # element types of onnxruntime's CPU MaxUnpool and Resize kernels (no float64)
@@ -33,13 +33,9 @@ def max_pool(ctx, node, gys):
     g = gys[0]
     kernel = list(attr(node, "kernel_shape"))
     spatial = dims(x, "MaxPool input", 2) if x.shape is not None else [None] * len(kernel)
-    auto_pad = attr(node, "auto_pad", "NOTSET")
-    same = (auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad).startswith("SAME")
-    if same and None in spatial:  # pads known only at run time; this rule does not need them
-        strides = list(attr(node, "strides", None) or [1] * len(kernel))
-        dilations = list(attr(node, "dilations", None) or [1] * len(kernel))
-    else:  # refuses a window that cannot run
-        strides, dilations, _, _ = window(node, spatial, kernel)
+    strides, dilations, auto_pad = window_attributes(node, len(kernel))
+    if not (auto_pad.startswith("SAME") and None in spatial):  # pads known only at run time
+        window(node, spatial, kernel)  # refuses a window that cannot run; no pads needed here
     disjoint = all(s >= (k - 1) * d + 1 for k, s, d in zip(kernel, strides, dilations))
     if disjoint and x.dtype in UNPOOL_TYPES and _fits(x, node.outputs[0]):
         # no window shares an element, so each index occurs once: MaxUnpool's write is the
