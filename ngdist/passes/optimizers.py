@@ -141,6 +141,12 @@ def _adam_lr(ctx: GradContext, k: _Scalars, tpos: ir.Value, lr: ir.Value, t: ir.
     return ctx.op("Where", tpos, ctx.op("Mul", lr, corr), lr)
 
 
+def _decimal(value: object) -> float:
+    """A float attribute as the decimal it was written as: ONNX stores attributes as float32,
+    and 1 - float32(0.999) is 1.3e-5 off PyTorch's 1 - 0.999 (its betas are Python floats)."""
+    return float(str(np.float32(value)))  # the shortest decimal that rounds to it
+
+
 def _torch_adam_scalars(ctx: GradContext, tpos: ir.Value, r: ir.Value, t: ir.Value,
                         al: float, be: float, decay: float) -> dict[str, ir.Value]:
     """PyTorch's per-step Adam scalars, rank 0 and computed in float64 as torch computes them
@@ -166,7 +172,14 @@ def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
                     m: ir.Value, v: ir.Value, v_max: ir.Value | None
                     ) -> tuple[ir.Value, ...]:
     """torch.optim.Adam / AdamW (single-tensor path) on one parameter: new x, m, v (and v_max
-    with AMSGrad)."""
+    with AMSGrad).
+
+    The ops form chains that the runtime writes in place (runtime/inplace.py): every value is
+    read last by a descendant of its other readers, so the gradient's memory is free once
+    (1 - beta1) g and then g^2 are made, the first moment takes m's memory, the second moment
+    v's, and the denominator and the step reuse the gradient's. m is b1 m + (1 - b1) g and
+    v is b2 v + (1 - b2) / (1 - b1) ((1 - b1) g) g: PyTorch's values up to float rounding.
+    """
 
     like = x  # the parameter: its rank shapes the scalars (the decayed x has no shape)
 
@@ -174,20 +187,22 @@ def _torch_adam_one(ctx: GradContext, k: _Scalars, scalars: dict[str, ir.Value],
         return k.memo(("torch_adam", name), like,
                       lambda: k._shape(ctx.op("CastLike", scalars[name], like), like))
 
-    al, be = float(a["alpha"]), float(a["beta"])  # type: ignore[arg-type]
+    al, be = _decimal(a["alpha"]), _decimal(a["beta"])
     wd = float(a.get("norm_coefficient") or 0.0)  # type: ignore[arg-type]
     if wd and decoupled:  # param.mul_(1 - lr * weight_decay)
         x = ctx.op("Mul", x, scalar("decay"))
     elif wd:  # grad = grad.add(param, alpha=weight_decay)
         g = ctx.op("Add", g, ctx.op("Mul", k.const(wd, like), x))
-    m_new = ctx.op("Add", m, ctx.op("Mul", k.const(1 - al, like), ctx.op("Sub", g, m)))  # lerp
-    v_new = ctx.op("Add", ctx.op("Mul", k.const(be, like), v),
-                   ctx.op("Mul", k.const(1 - be, like), ctx.op("Mul", g, g)))
+    g1 = ctx.op("Mul", g, k.const(1 - al, like))  # (1 - b1) g
+    m_new = ctx.op("Add", ctx.op("Mul", m, k.const(al, like)), g1)
+    g2 = ctx.op("Mul", ctx.op("Mul", g1, g), k.const((1 - be) / (1 - al), like)) if al != 1 \
+        else ctx.op("Mul", ctx.op("Mul", g, g), k.const(1 - be, like))  # (1 - b2) g^2
+    v_new = ctx.op("Add", ctx.op("Mul", v, k.const(be, like)), g2)
     v_max_new = None if v_max is None else ctx.op("Max", v_max, v_new)
     second = v_new if v_max_new is None else v_max_new
     denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", second), scalar("bc2_sqrt")),
                    k.const(float(a["epsilon"]), like))  # type: ignore[arg-type]
-    x_new = ctx.op("Sub", x, ctx.op("Mul", scalar("step_size"), ctx.op("Div", m_new, denom)))
+    x_new = ctx.op("Sub", x, ctx.op("Mul", ctx.op("Div", m_new, denom), scalar("step_size")))
     return (x_new, m_new, v_new) if v_max_new is None else (x_new, m_new, v_new, v_max_new)
 
 
@@ -207,7 +222,7 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
     k = _Scalars(ctx)
     new_x, new_s = [], [[] for _ in states]
     torch_scalars = None if formula is None else _torch_adam_scalars(
-        ctx, tpos, r, t, a["alpha"], a["beta"],
+        ctx, tpos, r, t, _decimal(a["alpha"]), _decimal(a["beta"]),
         (a.get("norm_coefficient") or 0.0) if formula == TORCH_ADAMW else 0.0)
     for i, (x, g) in enumerate(zip(xs, gs)):
         if torch_scalars is not None:

@@ -9,13 +9,18 @@ a kernel to the next segment. A value is staged (copied) only when the kernel re
 memory than the placement's (a host kernel on a device placement). Comm nodes run on one
 background thread, in program order (the same order on every rank), so communication
 overlaps with the compute segments that do not need its result.
+
+With ``donate`` (the values the caller replaces after the step, each with the step output that
+replaces it) the optimizer update gets a segment of its own after every other reader of the
+parameters, and its elementwise results are written into the memory of the values that are
+dead by then: the old parameters and state, and the gradients (runtime/inplace.py).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +35,7 @@ from ngdist.errors import CommError, ExecutionError, NgdistError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels import CommNode, KernelSpec, get_kernel
+from ngdist.runtime.inplace import Buffer, plan_segment, plannable, static_shapes
 from ngdist.runtime.partition import CommCall, Segment, plan
 from ngdist.runtime.sessions import CPU, Placement, make_session
 
@@ -43,6 +49,9 @@ _ORT_TYPES = {
     "tensor(bool)": onnx.TensorProto.BOOL, "tensor(int16)": onnx.TensorProto.INT16,
 }
 BFLOAT16 = "tensor(bfloat16)"
+# inputs of at most this many elements go to in-place planning by value (shape inference
+# then knows the targets of Reshape nodes whose shape another segment made)
+SMALL_VALUE = 64
 
 
 @dataclass
@@ -106,10 +115,13 @@ class Executor:
 
     def __init__(self, model: onnx.ModelProto, group: ProcessGroup, *,
                  placement: Placement = CPU, intra_op_threads: int | None = None,
-                 overlap: bool = True, inline_alone: bool = True) -> None:
+                 overlap: bool = True, inline_alone: bool = True,
+                 donate: Mapping[str, str] | None = None) -> None:
         """``inline_alone``: on a group of one rank, comm ops that are the identity there run
         as Identity nodes inside a segment (one segment instead of a step cut at every comm
-        node: 1.5-2.3 ms of a 9-17 ms one-rank MLP/CNN step)."""
+        node: 1.5-2.3 ms of a 9-17 ms one-rank MLP/CNN step). ``donate``: {input: the step
+        output that replaces it}, values whose memory the step may reuse once they are dead
+        (the caller never reads them again)."""
         self.model = model
         self.group = group
         self.placement = placement
@@ -121,7 +133,18 @@ class Executor:
         graph = _live_only(graph)
         if group.size == 1 and inline_alone:  # identities on one rank stay inside a segment
             graph = _inline_identities(graph)
-        self.items = plan(graph, defer_comm=not overlap)
+        step_outputs = {o.name for o in graph.output}
+        comm_touched = {x for n in graph.node if n.domain == DOMAIN
+                        for x in (*n.input, *n.output)}
+        in_flight = any(get_kernel(n.op_type).drain is not None
+                        for n in graph.node if n.domain == DOMAIN)
+        # a value a comm node reads or makes may be in its hands beyond the segment (in flight)
+        self.donated = set() if in_flight else {
+            x for x, out in (donate or {}).items()
+            if x not in step_outputs and not comm_touched.intersection((x, out))}
+        self.items = plan(graph, defer_comm=not overlap,
+                          updated=frozenset((donate or {})[x] for x in self.donated),
+                          donated=frozenset(self.donated))
         self.constants = {t.name: t for t in graph.initializer
                           if t.name not in {i.name for i in graph.input}}
         self.outputs = [o.name for o in graph.output]
@@ -140,7 +163,6 @@ class Executor:
                 last[name] = item.index
             if isinstance(item, Segment):
                 produced_by_segment.update(item.outputs)
-        step_outputs = set(self.outputs)
         for item in self.items:
             if isinstance(item, CommCall):
                 n = item.node
@@ -167,8 +189,16 @@ class Executor:
                            for item in self.items if isinstance(item, Segment)}
         self.free_after: dict[int, list[str]] = {}
         for name, idx in last.items():
-            if name not in step_outputs:
+            if name not in step_outputs and name not in self.donated:
                 self.free_after.setdefault(idx, []).append(name)
+        # in-place results: per segment, the memory it may write into (planned on first run)
+        self._last_use = last
+        self._made_by_segment = produced_by_segment
+        self._comm_touched = comm_touched  # a comm node may still read these (in flight)
+        self._claimed: set[str] = set()  # donated values an earlier segment writes into
+        self._own: dict[int, set[str]] = {}  # the donated values each segment writes into
+        self._extra: dict[int, list[str]] = {}  # results a segment returns to write in place
+        self._inplace: dict[int, dict[tuple, dict[str, tuple[str, tuple[int, ...]]]]] = {}
 
     # ------------------------------------------------------------------ sessions
     def _session(self, seg: Segment, env: dict[str, ort.OrtValue]) -> ort.InferenceSession:
@@ -185,7 +215,10 @@ class Executor:
             else:
                 raise NgdistError(f"segment {seg.index} needs value '{name}', which nothing "
                                   "produced; the step graph is inconsistent")
-        outputs = [onnx.ValueInfoProto(name=o) for o in seg.outputs]
+        if self.donated:
+            self._extra[seg.index] = self._first_plan(seg, env)
+        outputs = [onnx.ValueInfoProto(name=o)
+                   for o in (*seg.outputs, *self._extra.get(seg.index, ()))]
         graph = helper.make_graph(seg.nodes, f"ngdist_segment_{seg.index}", inputs, outputs,
                                   initializer=inits)
         proto = helper.make_model(graph, opset_imports=self.opsets, ir_version=IR_VERSION)
@@ -197,6 +230,80 @@ class Executor:
         self.sessions[seg.index] = sess
         self.bindings[seg.index] = sess.io_binding()
         return sess
+
+    # ------------------------------------------------------------------ in place
+    def _buffers(self, seg: Segment, env: dict[str, ort.OrtValue],
+                 donated: Collection[str] | None = None) -> list[Buffer]:
+        """Memory segment ``seg`` may write into: donated values no later item reads (and no
+        earlier segment writes into; ``donated`` narrows them), and values an earlier segment
+        made that die here."""
+        if donated is None:
+            donated = [x for x in sorted(self.donated) if x not in self._claimed and
+                       self._last_use.get(x, -1) <= seg.index]
+        made = [x for x in seg.inputs if x in self._made_by_segment and x not in self.outputs
+                and self._last_use.get(x) == seg.index and x not in self._comm_touched]
+        out = []
+        for x in [*donated, *made]:
+            value = env.get(x)
+            if value is not None and value.data_type() in _ORT_TYPES:
+                # onnxruntime's own memory (a segment's result) may be viewed in other shapes
+                out.append(Buffer(x, tuple(value.shape()), _ORT_TYPES[value.data_type()],
+                                  any_shape=x in made and self.placement.device == "cpu"))
+        return out
+
+    def _shape_key(self, seg: Segment, env: dict[str, ort.OrtValue]) -> tuple:
+        return tuple(tuple(env[x].shape()) if x in env else None for x in seg.inputs)
+
+    def _make_plan(self, seg: Segment, env: dict[str, ort.OrtValue],
+                   results: Collection[str] | None = None,
+                   donated: Collection[str] | None = None
+                   ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{result: (buffer, the result's shape)} for segment ``seg`` at the shapes of ``env``."""
+        if not plannable(seg.nodes):
+            return {}
+        buffers = self._buffers(seg, env, donated)
+        if not buffers:
+            return {}
+        known = {x: (tuple(env[x].shape()), _ORT_TYPES[env[x].data_type()])
+                 for x in seg.inputs if x in env and env[x].data_type() in _ORT_TYPES}
+        consts = {x: self.constants[x] for x in seg.inputs if x not in env and x in self.constants}
+        for x in seg.inputs:  # small values (scalars, shape targets) by value: for Reshape
+            value = env.get(x)
+            if value is not None and x not in consts and value.data_type() in _ORT_TYPES \
+                    and int(np.prod(value.shape(), dtype=np.int64)) <= SMALL_VALUE and \
+                    value.data_type() != BFLOAT16:
+                consts[x] = numpy_helper.from_array(value.numpy(), x)
+                known.pop(x, None)
+        shapes = static_shapes(seg.nodes, known, consts, self.opsets, IR_VERSION)
+        if results is not None:
+            shapes = {k: v for k, v in shapes.items() if k in results}
+        plan = plan_segment(seg.nodes, buffers, shapes, keep=set(seg.outputs))
+        return {r: (b, shapes[r][0]) for r, b in plan.items()}
+
+    def _first_plan(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[str]:
+        """Plans segment ``seg`` for the shapes of its first run; the results it writes in
+        place become extra outputs of its session."""
+        plan = self._make_plan(seg, env)
+        self._own[seg.index] = {b for b, _ in plan.values() if b in self.donated}
+        self._claimed.update(self._own[seg.index])
+        if plan:  # (a segment with nothing to write in place is not planned again)
+            self._inplace[seg.index] = {self._shape_key(seg, env): plan}
+            logger.debug("segment %d writes %d results in place", seg.index, len(plan))
+        return [x for x in plan if x not in seg.outputs]
+
+    def _plan_for(self, seg: Segment, env: dict[str, ort.OrtValue]
+                  ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        plans = self._inplace.get(seg.index)
+        if not plans:
+            return {}
+        key = self._shape_key(seg, env)
+        plan = plans.get(key)
+        if plan is None:  # other shapes (a smaller last batch): plan again for them
+            extra = self._extra.get(seg.index, [])
+            plan = self._make_plan(seg, env, results={*extra, *seg.outputs},
+                                   donated=sorted(self._own[seg.index]))
+            plans[key] = plan
+        return plan
 
     @staticmethod
     def _ends(seg: Segment) -> str:
@@ -218,14 +325,27 @@ class Executor:
             if value is not None:
                 binding.bind_ortvalue_input(name, value)
         device = self.placement.ort_device
-        for name in seg.outputs:
-            binding.bind_output(name, device, self.placement.device_id)
+        inplace = self._plan_for(seg, env) if self.donated else {}
+        bound = {}
+        for name in (*seg.outputs, *self._extra.get(seg.index, ())):
+            where = inplace.get(name)
+            if where is None:
+                binding.bind_output(name, device, self.placement.device_id)
+                continue
+            value = env[where[0]]
+            if tuple(value.shape()) != where[1]:  # a view of the memory in the result's shape
+                value = self.placement.value(value.numpy().reshape(where[1]))
+            binding.bind_ortvalue_output(name, value)
+            bound[name] = value
         try:
             self.sessions[seg.index].run_with_iobinding(binding)
         except Exception as exc:
             raise ExecutionError(f"while executing segment {seg.index} "
                                  f"({self._describe(seg)}): {exc}") from None
-        return binding.get_outputs()
+        outs = binding.get_outputs()[:len(seg.outputs)]
+        if bound:  # the buffer's own OrtValue: it keeps the memory alive (a numpy array's)
+            outs = [bound.get(n, v) for n, v in zip(seg.outputs, outs)]
+        return outs
 
     # ------------------------------------------------------------------ comm
     def _views(self, spec: KernelSpec, values: list[ort.OrtValue]) -> list[Any]:

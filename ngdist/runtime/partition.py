@@ -8,6 +8,13 @@ backward pass runs while it is in flight, and the updates that need its result c
 With ``defer_comm`` (no overlap: communication runs on the calling thread) the comm nodes of a
 stage come after all of its compute instead, so the step has as few segments (and as few
 points where the ranks wait for each other) as the graph allows.
+
+With ``updated`` (the step outputs that replace values, such as the new parameters and
+optimizer state) the *update* nodes, the elementwise ops, views and constants that lead only
+to those outputs, come after the other nodes of their stage, and a segment is cut where its
+updates begin when a node before them reads one of ``donated`` (the values the step
+replaces). The update then runs after every other reader of a parameter has finished, so it
+may write the new values into the old ones' memory (runtime/inplace.py).
 """
 from __future__ import annotations
 
@@ -16,6 +23,10 @@ from dataclasses import dataclass, field
 import onnx
 
 from ngdist.ir.domain import is_comm_node
+from ngdist.runtime.inplace import ELEMENTWISE, VIEWS
+
+# what the update of a step may hold: it runs after every other reader of the parameters
+MOVABLE = ELEMENTWISE | VIEWS | {"Constant"}
 
 
 @dataclass
@@ -37,7 +48,32 @@ class CommCall:
 Item = Segment | CommCall
 
 
-def plan(graph: onnx.GraphProto, defer_comm: bool = False) -> list[Item]:
+def _updates(nodes: list[onnx.NodeProto], updated: frozenset[str], outputs: set[str]
+              ) -> list[bool]:
+    """Whether each node belongs to the update: an elementwise op, a view or a constant whose
+    results are read by update nodes only and are not step outputs, except ``updated`` ones
+    (the new values of what the step replaces)."""
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in n.input:
+            readers.setdefault(x, []).append(i)
+    out = [False] * len(nodes)
+
+    def leads_to_update(o: str) -> bool:  # (a reader outside the update would come before it)
+        return (o in updated or o not in outputs) and all(out[r] for r in readers.get(o, ()))
+
+    for i in reversed(range(len(nodes))):  # readers come after their producers
+        n = nodes[i]
+        if n.domain not in ("", "ai.onnx") or n.op_type not in MOVABLE:
+            continue
+        results = [o for o in n.output if o]
+        out[i] = all(leads_to_update(o) for o in results) and \
+            any(o in updated or o in readers for o in results)
+    return out
+
+
+def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[str] = frozenset(),
+         donated: frozenset[str] = frozenset()) -> list[Item]:
     nodes = list(graph.node)
     producer: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -51,13 +87,17 @@ def plan(graph: onnx.GraphProto, defer_comm: bool = False) -> list[Item]:
                 p = producer[name]
                 s = max(s, stage[p] + (1 if is_comm_node(nodes[p].domain, nodes[p].op_type) else 0))
         stage[i] = s
-    def key(i: int) -> tuple[int, bool, int]:
+    update = _updates(nodes, updated, {o.name for o in graph.output}) if updated else \
+        [False] * len(nodes)
+
+    def key(i: int) -> tuple[int, bool, bool, int]:
         late = defer_comm and is_comm_node(nodes[i].domain, nodes[i].op_type)
-        return stage[i], late, i
+        return stage[i], late, update[i], i
 
     order = sorted(range(len(nodes)), key=key)
     items: list[Item] = []
     current: list[onnx.NodeProto] = []
+    reads_donated = False  # a node of the current segment, not an update, reads a donated value
     for i in order:
         n = nodes[i]
         if is_comm_node(n.domain, n.op_type):
@@ -65,8 +105,13 @@ def plan(graph: onnx.GraphProto, defer_comm: bool = False) -> list[Item]:
                 items.append(Segment(len(items), current))
                 current = []
             items.append(CommCall(len(items), n))
-        else:
-            current.append(n)
+            reads_donated = False
+            continue
+        if update[i] and reads_donated and current:  # the updates begin: cut
+            items.append(Segment(len(items), current))
+            current = []
+        reads_donated = not update[i] and (reads_donated or any(x in donated for x in n.input))
+        current.append(n)
     if current:
         items.append(Segment(len(items), current))
     _wire(items, graph)

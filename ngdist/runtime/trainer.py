@@ -119,7 +119,8 @@ class Trainer(BatchFeeds, Inference, StateAccess):
                 placement=self.placement, intra_op_threads=threads, overlap=overlap)
         else:
             self.executor = Executor(proto, self.group, placement=self.placement,
-                                     intra_op_threads=threads, overlap=overlap)
+                                     intra_op_threads=threads, overlap=overlap,
+                                     donate=self.meta.binding)
         graph = proto.graph
         self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
         model_inputs = {i.name for i in inference.graph.input}
