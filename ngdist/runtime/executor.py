@@ -35,7 +35,8 @@ from ngdist.errors import CommError, ExecutionError, NgdistError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels import CommNode, KernelSpec, get_kernel
-from ngdist.runtime.inplace import Buffer, plan_segment, plannable, static_shapes
+from ngdist.runtime.inplace import (MIN_ELEMENTS, Buffer, plan_segment, plannable,
+                                     static_shapes)
 from ngdist.runtime.partition import CommCall, Segment, plan
 from ngdist.runtime.sessions import CPU, Placement, make_session
 
@@ -110,6 +111,21 @@ def _with_nodes(graph: onnx.GraphProto, nodes: Iterable[onnx.NodeProto]) -> onnx
     return out
 
 
+def _worth_in_place(graph: onnx.GraphProto, donated: set[str]) -> bool:
+    """Whether the update is worth a segment of its own, written in place: when the donated
+    values large enough to be written in place (``inplace.MIN_ELEMENTS``) hold at least half
+    of the donated elements. The cut costs a segment's inputs and outputs; models of many
+    small tensors lose more there than in place gains (benchmarks/inplace_ops.py)."""
+    sizes = {t.name: int(np.prod(t.dims, dtype=np.int64)) for t in graph.initializer}
+    for v in graph.input:
+        dims = v.type.tensor_type.shape.dim
+        if v.name not in sizes and all(d.HasField("dim_value") for d in dims):
+            sizes[v.name] = int(np.prod([d.dim_value for d in dims], dtype=np.int64))
+    known = [sizes[x] for x in donated if x in sizes]
+    large = sum(n for n in known if n >= MIN_ELEMENTS)
+    return large > 0 and 2 * large >= sum(known)
+
+
 class Executor:
     """Executes one step graph (an onnx ModelProto) again and again."""
 
@@ -142,6 +158,8 @@ class Executor:
         self.donated = set() if in_flight else {
             x for x, out in (donate or {}).items()
             if x not in step_outputs and not comm_touched.intersection((x, out))}
+        if not _worth_in_place(graph, self.donated):
+            self.donated = set()
         self.items = plan(graph, defer_comm=not overlap,
                           updated=frozenset((donate or {})[x] for x in self.donated),
                           donated=frozenset(self.donated))
@@ -151,6 +169,7 @@ class Executor:
         self.opsets = [o for o in model.opset_import if o.domain not in (DOMAIN,)]
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.bindings: dict[int, Any] = {}
+        self._bound_inputs: dict[int, dict[str, ort.OrtValue]] = {}
         self.kernels: dict[int, KernelSpec] = {}
         self.comm_nodes: dict[int, CommNode] = {}
         uses: dict[str, int] = {}  # how many items read a value
@@ -318,12 +337,13 @@ class Executor:
     def _run_segment(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[ort.OrtValue]:
         self._session(seg, env)
         binding = self.bindings[seg.index]
-        binding.clear_binding_inputs()
-        binding.clear_binding_outputs()
-        for name in seg.inputs:
+        binding.clear_binding_outputs()  # (an output still bound would be written over)
+        bound_in = self._bound_inputs.setdefault(seg.index, {})
+        for name in seg.inputs:  # an input bound to the same value as last time stays bound
             value = env.get(name)
-            if value is not None:
+            if value is not None and bound_in.get(name) is not value:
                 binding.bind_ortvalue_input(name, value)
+                bound_in[name] = value
         device = self.placement.ort_device
         inplace = self._plan_for(seg, env) if self.donated else {}
         bound = {}
