@@ -296,7 +296,9 @@ class Executor:
         shapes = static_shapes(seg.nodes, known, consts, self.opsets, IR_VERSION)
         if results is not None:
             shapes = {k: v for k, v in shapes.items() if k in results}
-        plan = plan_segment(seg.nodes, buffers, shapes, keep=set(seg.outputs))
+        small = {x: numpy_helper.to_array(t) for x, t in consts.items()
+                 if int(np.prod(t.dims, dtype=np.int64)) <= SMALL_VALUE}
+        plan = plan_segment(seg.nodes, buffers, shapes, keep=set(seg.outputs), constants=small)
         return {r: (b, shapes[r][0]) for r, b in plan.items()}
 
     def _first_plan(self, seg: Segment, env: dict[str, ort.OrtValue]) -> list[str]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import helper
 
 # onnxruntime CPU kernels whose output element i reads only input elements i (broadcast
@@ -104,22 +105,50 @@ def static_shapes(nodes: Sequence[onnx.NodeProto], inputs: Mapping[str, tuple[tu
     return out
 
 
+def _noop_input(n: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> str | None:
+    """The input that ``n`` passes through when onnxruntime's graph optimizer may remove it
+    as a no-op (x + 0, x - 0, x * 1, x / 1 with a constant operand): its output is then that
+    input's memory."""
+    neutral = {"Add": 0, "Sub": 0, "Mul": 1, "Div": 1}.get(n.op_type)
+    if neutral is None or len(n.input) != 2:
+        return None
+    for k, other in ((0, 1), (1, 0)):
+        c = values.get(n.input[other])
+        if c is not None and (k == 0 or n.op_type in ("Add", "Mul")) and \
+                bool(np.all(c == neutral)):
+            return n.input[k]
+    return None
+
+
 def plan_segment(nodes: Sequence[onnx.NodeProto], buffers: Sequence[Buffer],
                  shapes: Mapping[str, tuple[tuple[int, ...], int]],
-                 keep: Collection[str], min_elements: int = MIN_ELEMENTS) -> dict[str, str]:
+                 keep: Collection[str], min_elements: int = MIN_ELEMENTS,
+                 constants: Mapping[str, np.ndarray] | None = None) -> dict[str, str]:
     """{result: buffer name}: which results of ``nodes`` (one segment, in a topological order)
     are written into which of ``buffers``. ``shapes``: static shape and element type of the
     segment's values; ``keep``: values read after the segment or returned by the step (a buffer
     that receives one is not overwritten again); results of fewer than ``min_elements``
-    elements stay where onnxruntime puts them."""
+    elements stay where onnxruntime puts them; ``constants``: values of the segment's small
+    constants (a no-op such as ``x * 1`` counts as a view of x)."""
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    # a view (Reshape, Squeeze, ...) may share its input's memory: its readers read that memory
-    root: dict[str, str] = {}
+    values = dict(constants or {})
     for n in nodes:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            values[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
+    # a view (Reshape, Squeeze, a no-op ...) may share its input's memory: its readers read
+    # that memory
+    root: dict[str, str] = {}
+    passes: set[int] = set()  # nodes whose output may be their input's memory
+    for i, n in enumerate(nodes):
         pairs = ((0, 0),) if n.op_type in VIEWS else ALIASES.get(n.op_type, ())
-        for o, i in pairs:
-            if o < len(n.output) and i < len(n.input) and n.output[o] and n.input[i]:
-                root[n.output[o]] = root.get(n.input[i], n.input[i])
+        noop = _noop_input(n, values)
+        if noop is not None:
+            pairs = ((0, list(n.input).index(noop)),)
+        if pairs:
+            passes.add(i)
+        for o, k in pairs:
+            if o < len(n.output) and k < len(n.input) and n.output[o] and n.input[k]:
+                root[n.output[o]] = root.get(n.input[k], n.input[k])
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         for k, x in enumerate(n.input):
@@ -138,7 +167,8 @@ def plan_segment(nodes: Sequence[onnx.NodeProto], buffers: Sequence[Buffer],
     free = {b.name: b for b in buffers}
     plan: dict[str, str] = {}
     for i, n in enumerate(nodes):
-        if n.op_type not in ELEMENTWISE or n.domain not in ("", "ai.onnx") or len(n.output) != 1:
+        if n.op_type not in ELEMENTWISE or n.domain not in ("", "ai.onnx") or \
+                len(n.output) != 1 or i in passes:
             continue
         out = n.output[0]
         if shapes.get(out) is None or out in plan or \
