@@ -42,8 +42,8 @@ def chain(mib: int, repeat: int = 10) -> tuple[float, float]:
     from ngdist.runtime.sessions import make_session
 
     n = mib * 2 ** 20 // 4
-    nodes = [helper.make_node("Mul", ["x", "s"], ["t0"]), helper.make_node("Mul", ["t0", "s"], ["t1"]),
-             helper.make_node("Mul", ["t1", "s"], ["z"])]
+    nodes = [helper.make_node("Mul", [a, "s"], [b])
+             for a, b in (("x", "t0"), ("t0", "t1"), ("t1", "z"))]
     times = []
     for in_place in (False, True):
         outs = ["t0", "t1", "z"] if in_place else ["z"]

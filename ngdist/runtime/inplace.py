@@ -3,8 +3,8 @@
 onnxruntime gives each result of a session a buffer of its own, so an elementwise op over a
 parameter-sized tensor reads its inputs and writes a third buffer, which on a CPU costs a
 read for ownership of every line it writes. An op that writes into the memory of one of its
-inputs runs 1.5-2x faster (benchmarks/inplace_ops.py: three chained Muls over 128 MiB, one
-thread, 66 ms with onnxruntime's own buffers, 29 ms written in place), and the optimizer
+inputs runs about 2x faster (benchmarks/inplace_ops.py: three chained Muls over 128 MiB, one
+thread, 66-75 ms with onnxruntime's own buffers, 29-40 ms written in place), and the optimizer
 update is a chain of such ops over every parameter: PyTorch runs it in place (``add_``,
 ``mul_``, ``lerp_``).
 
@@ -82,9 +82,12 @@ class Buffer:
             int(np.prod(self.shape, dtype=np.int64)))
 
 
-def static_shapes(nodes: Sequence[onnx.NodeProto], inputs: Mapping[str, tuple[tuple[int, ...], int]],
-                   constants: Mapping[str, onnx.TensorProto], opsets: Sequence[onnx.OperatorSetIdProto],
-                   ir_version: int) -> dict[str, tuple[tuple[int, ...], int]]:
+Shapes = dict[str, tuple[tuple[int, ...], int]]  # value -> (static shape, ONNX element type)
+
+
+def static_shapes(nodes: Sequence[onnx.NodeProto], inputs: Shapes,
+                  constants: Mapping[str, onnx.TensorProto],
+                  opsets: Sequence[onnx.OperatorSetIdProto], ir_version: int) -> Shapes:
     """Shape and element type of every value of the segment whose shape is static, by ONNX
     shape inference from the inputs' actual shapes."""
     vi = [helper.make_tensor_value_info(n, t, list(s)) for n, (s, t) in inputs.items()]
