@@ -286,18 +286,19 @@ class Executor:
         known = {x: (tuple(env[x].shape()), _ORT_TYPES[env[x].data_type()])
                  for x in seg.inputs if x in env and env[x].data_type() in _ORT_TYPES}
         consts = {x: self.constants[x] for x in seg.inputs if x not in env and x in self.constants}
+        small = {x: numpy_helper.to_array(t) for x, t in consts.items()
+                 if int(np.prod(t.dims, dtype=np.int64)) <= SMALL_VALUE}
         for x in seg.inputs:  # small values (scalars, shape targets) by value: for Reshape
             value = env.get(x)
-            if value is not None and x not in consts and value.data_type() in _ORT_TYPES \
+            if value is not None and value.data_type() in _ORT_TYPES \
                     and int(np.prod(value.shape(), dtype=np.int64)) <= SMALL_VALUE and \
                     value.data_type() != BFLOAT16:
-                consts[x] = numpy_helper.from_array(value.numpy(), x)
+                small[x] = value.numpy()
+                consts[x] = numpy_helper.from_array(small[x], x)
                 known.pop(x, None)
         shapes = static_shapes(seg.nodes, known, consts, self.opsets, IR_VERSION)
         if results is not None:
             shapes = {k: v for k, v in shapes.items() if k in results}
-        small = {x: numpy_helper.to_array(t) for x, t in consts.items()
-                 if int(np.prod(t.dims, dtype=np.int64)) <= SMALL_VALUE}
         plan = plan_segment(seg.nodes, buffers, shapes, keep=set(seg.outputs), constants=small)
         return {r: (b, shapes[r][0]) for r, b in plan.items()}
 
