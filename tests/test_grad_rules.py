@@ -246,6 +246,15 @@ def _cases() -> list[Case]:
     c("Conv-group", "Conv", lambda g: [g.n(2, 4, 5, 5), g.n(6, 2, 3, 3), g.n(6)], group=2,
       strides=[2, 2], pads=[1, 1, 1, 1])
     c("Conv-depthwise", "Conv", lambda g: [g.n(2, 3, 6, 6), g.n(3, 1, 3, 3), g.n(3)], group=3)
+    # the depthwise weight gradient tap by tap: strides that drop rows, dilation, uneven pads
+    c("Conv-depthwise-stride-dilation-pads", "Conv",
+      lambda g: [g.n(2, 3, 8, 7), g.n(3, 1, 3, 2)], group=3, strides=[2, 3], dilations=[2, 1],
+      pads=[1, 0, 2, 1])
+    c("Conv-depthwise-same-centre", "Conv", lambda g: [g.n(2, 4, 5, 5), g.n(4, 1, 3, 3)],
+      group=4, pads=[1, 1, 1, 1])
+    c("Conv-depthwise-1d", "Conv", lambda g: [g.n(2, 3, 9), g.n(3, 1, 3)], group=3, strides=[2])
+    c("Conv-depthwise-multiplier-2", "Conv", lambda g: [g.n(2, 3, 6, 6), g.n(6, 1, 3, 3)],
+      group=3, pads=[1, 1, 1, 1])
     for pad in ("SAME_UPPER", "SAME_LOWER", "VALID"):
         c(f"Conv-{pad}", "Conv", lambda g: [g.n(1, 2, 7, 6), g.n(3, 2, 3, 4)], auto_pad=pad,
           strides=[2, 2])
@@ -767,7 +776,13 @@ def test_backward_reuses_the_forward_op(cid: str) -> None:
     case = next(c for c in CASES if c.id == cid)
     op = case.nodes[0].op_type
     lowered = grad_model(case, np.float32, weights_for(case))
-    assert sum(n.op_type == op for n in lowered.graph.node) == 1
+    # BatchNormalization's backward uses inference-mode BatchNormalization with epsilon 0 as
+    # a per-channel affine map; that is not the forward op run again
+    affine = [n for n in lowered.graph.node if n.op_type == "BatchNormalization"
+              and "/grad/" in n.name and any(a.name == "epsilon" and a.f == 0.0
+                                             for a in n.attribute)]
+    assert len(affine) == (2 if op == "BatchNormalization" else 0)
+    assert sum(n.op_type == op for n in lowered.graph.node) == 1 + len(affine)
     forward = next(n for n in lowered.graph.node if n.name == "node0")
     if op in ("MaxPool", "Dropout"):
         extra = forward.output[1]

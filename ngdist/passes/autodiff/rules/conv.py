@@ -5,7 +5,9 @@ restores the rows a strided forward pass dropped when its output size floored), 
 on a small map (group 1 or depthwise), a Conv of the spatially flipped output gradient with
 the channel-swapped weight, flipped back (faster in onnxruntime there); its weight
 gradient (group 1, at least 8 input channels) is one matrix product per kernel tap between
-the output gradient and a strided slice of the channels-last input; otherwise a Conv of the
+the output gradient and a strided slice of the channels-last input, a depthwise one a
+product and sum per tap of the same slices with the channels-last output gradient;
+otherwise a Conv of the
 input with the output gradient, batch and channels swapped, the forward stride becoming the
 dilation.
 ConvTranspose is the adjoint: its data gradient is a Conv, its weight gradient the same
@@ -68,6 +70,9 @@ def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
         rows = gy_rows if gy_rows is not None else channel_rows(ctx, gy, len(kernel) + 2)
         return _weight_grad_taps(ctx, x, rows, channels=channels, out_channels=out_channels,
                                  **window_args)
+    if group > 1 and channels == group and out_channels == group and \
+            math.prod(kernel) <= MAX_TAPS and None not in spatial:
+        return _weight_grad_depthwise(ctx, x, gy, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
 
@@ -92,22 +97,16 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     axes = list(range(1, rank - 1))
     xh = ctx.op("Transpose", x, perm=[0, *range(2, rank), 1])  # [N, *spatial, C]
     xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
-    out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
-           for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+    out, taps = _tap_windows(kernel, spatial, strides, dilations, begin, end)
     columns = out_channels is not None and \
         math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
-    strided = any(s != 1 for s in strides)
-    steps = [ctx.ints(strides)] if strided else []
+    steps = [ctx.ints(strides)] if any(s != 1 for s in strides) else []
     flat = ctx.ints([-1, channels])
     parts = []
-    for tap in itertools.product(*(range(k) for k in kernel)):
-        starts = [t * d for t, d in zip(tap, dilations)]
-        if not strided and starts == begin and out == spatial:
-            xt = xh  # this tap reads exactly the unpadded input (the centre of a 'same' conv)
-        else:
-            ends = [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]
-            xt = ctx.op("Slice", xp, ctx.ints(starts), ctx.ints(ends), ctx.ints(axes),
-                        *steps)  # [N, *out, C]
+    for window_ in taps:  # None: the tap reads exactly the unpadded input ('same' centre)
+        xt = xh if window_ is None else \
+            ctx.op("Slice", xp, ctx.ints(window_[0]), ctx.ints(window_[1]), ctx.ints(axes),
+                   *steps)  # [N, *out, C]
         if columns:
             parts.append(ctx.op("Unsqueeze", ctx.op("Reshape", xt, flat), ctx.ints([2])))
         else:
@@ -120,6 +119,51 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     gw = ctx.op("Reshape", gw, ctx.ints([0, len(parts), channels]))
     gw = ctx.op("Transpose", gw, perm=[0, 2, 1])  # [M, C, taps]
     return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
+
+
+def _tap_windows(kernel: list[int], spatial: list[int], strides: list[int],
+                 dilations: list[int], begin: list[int], end: list[int]):
+    """The output extents of a window and, per kernel tap, the (starts, ends) of the strided
+    slice of the padded input it reads, or None where it reads exactly the unpadded input."""
+    out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
+           for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+    strided = any(s != 1 for s in strides)
+    taps = []
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        starts = [t * d for t, d in zip(tap, dilations)]
+        if not strided and starts == begin and out == spatial:
+            taps.append(None)
+        else:
+            taps.append((starts, [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]))
+    return out, taps
+
+
+def _weight_grad_depthwise(ctx: GradContext, x: ir.Value, gy: ir.Value, *, kernel: list[int],
+                           spatial: list[int], strides: list[int], dilations: list[int],
+                           begin: list[int], end: list[int]) -> ir.Value:
+    """Depthwise (group == C == M): per kernel tap, the channels-last input's strided slice
+    times the channels-last output gradient, summed over batch and positions into [C].
+    2-7x faster on onnxruntime's CPU than the grouped Conv whose kernel is gy (x [8, 144, 16,
+    16], 3x3: 1.4 vs 4.8 ms; [8, 960, 2, 2]: 0.19 vs 0.68 ms), whose im2col GEMMs have one
+    row and prod(kernel) columns per group."""
+    rank = len(kernel) + 2
+    last = [0, *range(2, rank), 1]
+    xh = ctx.op("Transpose", x, perm=last)  # [N, *spatial, C]
+    gh = ctx.op("Transpose", gy, perm=last)  # [N, *out, C]
+    xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
+    _, taps = _tap_windows(kernel, spatial, strides, dilations, begin, end)
+    axes = ctx.ints(list(range(1, rank - 1)))
+    steps = [ctx.ints(strides)] if any(s != 1 for s in strides) else []
+    outer = ctx.ints(list(range(rank - 1)))
+    column = ctx.ints([1])
+    parts = []
+    for window_ in taps:
+        xt = xh if window_ is None else \
+            ctx.op("Slice", xp, ctx.ints(window_[0]), ctx.ints(window_[1]), axes, *steps)
+        total = ctx.op("ReduceSum", ctx.op("Mul", xt, gh), outer, keepdims=0)  # [C]
+        parts.append(ctx.op("Unsqueeze", total, column))
+    gw = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)  # [C, taps]
+    return ctx.op("Reshape", gw, ctx.ints([0, 1, *kernel]))
 
 
 def _weight_grad_conv(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
