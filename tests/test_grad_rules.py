@@ -253,6 +253,8 @@ def _cases() -> list[Case]:
     c("Conv-depthwise-same-centre", "Conv", lambda g: [g.n(2, 4, 5, 5), g.n(4, 1, 3, 3)],
       group=4, pads=[1, 1, 1, 1])
     c("Conv-depthwise-1d", "Conv", lambda g: [g.n(2, 3, 9), g.n(3, 1, 3)], group=3, strides=[2])
+    c("Conv-depthwise-7x7", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(2, 1, 7, 7)], group=2,
+      pads=[3, 3, 3, 3])
     c("Conv-depthwise-multiplier-2", "Conv", lambda g: [g.n(2, 3, 6, 6), g.n(6, 1, 3, 3)],
       group=3, pads=[1, 1, 1, 1])
     for pad in ("SAME_UPPER", "SAME_LOWER", "VALID"):
@@ -760,6 +762,20 @@ def test_elementwise_constants_have_the_rank_of_the_tensor(cid: str) -> None:
              if n.op_type == "Constant" and n.name.startswith("node0/grad/") for a in n.attribute
              if a.name == "value" and a.t.data_type in (TensorProto.FLOAT, TensorProto.DOUBLE)]
     assert ranks and set(ranks) == {rank}
+
+
+@pytest.mark.parametrize("cid,grouped", [("Conv-depthwise", False), ("Conv-depthwise-1d", False),
+                                         ("Conv-depthwise-7x7", True),
+                                         ("Conv-depthwise-multiplier-2", True)])
+def test_depthwise_weight_gradient_goes_tap_by_tap_up_to_5x5(cid: str, grouped: bool) -> None:
+    """A depthwise Conv's weight gradient is a product and sum per tap up to 25 taps; larger
+    kernels and channel multipliers keep the grouped Conv whose kernel is the output
+    gradient."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    convs = [n for n in lowered.graph.node if n.op_type == "Conv" and "/grad/" in n.name]
+    assert bool(convs) == grouped
+    assert any(a.name == "group" and a.i > 1 for n in convs for a in n.attribute) == grouped
 
 
 # ----------------------------------------------------------------------------- reuse

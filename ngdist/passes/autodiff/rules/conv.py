@@ -37,6 +37,10 @@ MAX_TAPS = 64  # kernels with more taps keep the single-Conv weight gradient (fe
 # weight gradient, 1 thread: 4 channels 0.89x, 6 channels 0.97x, 8 channels 1.09-1.21x, 16-256
 # channels 1.5-2.8x the single Conv; a 7x7 stem on 3 channels 0.57x).
 MIN_TAP_CHANNELS = 8
+# depthwise weight gradients tap by tap up to this many taps (5x5). Tap by tap / grouped Conv,
+# one thread, batch 8: 3x3 0.27-0.39 and 5x5 0.20-0.49 over 2x2 to 32x32 maps; 7x7 0.68-0.83
+# on 2x2 to 16x16 maps of 40-320 channels but 1.26-1.58 on [8, 768, 2, 2] and [8, 160, 4, 4]
+DEPTHWISE_MAX_TAPS = 25
 # the one-product (im2col) weight gradient when output positions * this <= output channels:
 # its columns (N*out*C*taps values) are then smaller than the weight at batch sizes up to this
 COLUMNS_ROWS_PER_POSITION = 16
@@ -71,7 +75,7 @@ def weight_grad(ctx: GradContext, x: ir.Value, gy: ir.Value, *, group: int,
         return _weight_grad_taps(ctx, x, rows, channels=channels, out_channels=out_channels,
                                  **window_args)
     if group > 1 and channels == group and out_channels == group and \
-            math.prod(kernel) <= MAX_TAPS and None not in spatial:
+            math.prod(kernel) <= DEPTHWISE_MAX_TAPS and None not in spatial:
         return _weight_grad_depthwise(ctx, x, gy, **window_args)
     return _weight_grad_conv(ctx, x, gy, group=group, channels=channels, **window_args)
 
