@@ -242,7 +242,8 @@ class Executor:
                                   initializer=inits)
         proto = helper.make_model(graph, opset_imports=self.opsets, ir_version=IR_VERSION)
         try:
-            sess = make_session(proto, self.placement, self.intra_op_threads)
+            sess = make_session(proto, self.placement, self.intra_op_threads,
+                                shapes={n: env[n].shape() for n in seg.inputs if n in env})
         except Exception as exc:
             raise NgdistError(f"onnxruntime rejected segment {seg.index} "
                               f"({self._describe(seg)}): {exc}") from None

@@ -7,8 +7,10 @@ graph optimisations), so that no part of the package builds sessions its own way
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from ngdist.errors import NgdistError
+from ngdist.runtime import blocked_conv
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +127,29 @@ def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
     return opts
 
 
+@functools.lru_cache(maxsize=1)
+def nchwc_block_size() -> int:
+    """Channels per block of onnxruntime's NCHWc CPU kernels here; 0 where there are none."""
+    try:
+        sess = ort.InferenceSession(blocked_conv.probe_model().SerializeToString(),
+                                    providers=["CPUExecutionProvider"])
+        return int(sess.run(None, {"x": np.zeros([1, 4, 1, 1], np.float32)})[0].shape[1])
+    except Exception as exc:  # noqa: BLE001 - no NCHWc kernels in this build or on this CPU
+        logger.debug("no NCHWc kernels: %s", exc)
+        return 0
+
+
 def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
-                 intra_op_threads: int | None = None, optimize: bool = True
-                 ) -> ort.InferenceSession:
+                 intra_op_threads: int | None = None, optimize: bool = True,
+                 shapes: Mapping[str, Sequence[int]] | None = None) -> ort.InferenceSession:
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
-    ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites)."""
+    ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU
+    with ``NGDIST_CPU_BLOCKED_CONV=1``, depthwise convolutions with weights fed as inputs run
+    on the blocked-channel kernels (``blocked_conv``); ``shapes`` gives static shapes of
+    inputs the model leaves open."""
+    if optimize and placement.device == "cpu" and isinstance(model, onnx.ModelProto) and \
+            blocked_conv.requested():
+        model = blocked_conv.block_depthwise_convs(model, nchwc_block_size(), shapes)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     opts = session_options(intra_op_threads)
     if not optimize:

@@ -1,0 +1,99 @@
+"""Depthwise convolutions on onnxruntime's blocked-channel kernels (runtime/blocked_conv.py,
+``NGDIST_CPU_BLOCKED_CONV=1``): what is rewritten, and that the result equals onnxruntime's
+own Conv to float32 rounding, alone and in a training step."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import ngdist
+from ngdist.data import load_digits
+from ngdist.runtime import blocked_conv
+from ngdist.runtime.sessions import make_session, nchwc_block_size
+
+BLOCK = nchwc_block_size()
+pytestmark = pytest.mark.skipif(BLOCK == 0, reason="onnxruntime has no NCHWc kernels here")
+
+
+def conv_model(channels: int, w_shape: list[int], group: int, constant_weight: bool = False,
+               **attrs) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels, 7, 7])]
+    inits = []
+    if constant_weight:
+        inits.append(numpy_helper.from_array(w, "w"))
+    else:
+        inputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape))
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", group=group, **attrs)
+    graph = helper.make_graph([node], "g", inputs,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def rewritten_ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in blocked_conv.block_depthwise_convs(model, BLOCK).graph.node]
+
+
+@pytest.mark.parametrize("kernel,attrs", [
+    (3, dict(pads=[1, 1, 1, 1])), (3, dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    (5, dict(pads=[2, 1, 0, 2])), (7, dict(pads=[3, 3, 3, 3])),
+    (3, dict(pads=[2, 2, 2, 2], dilations=[2, 2]))])
+def test_a_depthwise_conv_equals_onnxruntimes_own(monkeypatch, kernel, attrs):
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    c = 2 * BLOCK
+    model = conv_model(c, [c, 1, kernel, kernel], group=c, **attrs)
+    assert rewritten_ops(model) == ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv",
+                                    "ReorderOutput"]
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal([2, c, 7, 7]).astype(np.float32),
+             "w": rng.standard_normal([c, 1, kernel, kernel]).astype(np.float32)}
+    plain = make_session(model, optimize=False).run(None, feeds)[0]
+    blocked = make_session(model).run(None, feeds)[0]
+    assert blocked.shape == plain.shape
+    np.testing.assert_allclose(blocked, plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["dense", "multiplier-2", "unaligned-channels", "constant-weight",
+                                  "switched-off"])
+def test_other_convolutions_stay_as_they_are(monkeypatch, case):
+    monkeypatch.setenv(blocked_conv.ENV, "0" if case == "switched-off" else "1")
+    c = 2 * BLOCK
+    model = {"dense": lambda: conv_model(c, [c, c, 3, 3], group=1),
+             "multiplier-2": lambda: conv_model(c, [2 * c, 1, 3, 3], group=c),
+             "unaligned-channels": lambda: conv_model(c + 4, [c + 4, 1, 3, 3], group=c + 4),
+             "constant-weight": lambda: conv_model(c, [c, 1, 3, 3], group=c,
+                                                   constant_weight=True),
+             "switched-off": lambda: conv_model(c, [c, 1, 3, 3], group=c)}[case]()
+    assert blocked_conv.block_depthwise_convs(model, BLOCK) is model
+
+
+def _train(monkeypatch, blocked: bool) -> dict[str, np.ndarray]:
+    monkeypatch.setenv(blocked_conv.ENV, "1" if blocked else "0")
+    torch.manual_seed(0)
+    c = 2 * BLOCK
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, c, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(c, c, 3, padding=1, groups=c), torch.nn.ReLU(),
+        torch.nn.Conv2d(c, c, 5, stride=2, padding=2, groups=c), torch.nn.Flatten(),
+        torch.nn.Linear(c * 16, 10))
+    x, y, _, _ = load_digits()
+    x = x.reshape(-1, 1, 8, 8).astype(np.float32)
+    tr = ngdist.compile(net, torch.from_numpy(x[:2]), loss=torch.nn.CrossEntropyLoss(),
+                        optimizer=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+                        strategy="local", intra_op_threads=1)
+    for start in range(0, 96, 32):
+        tr.step({"input": x[start:start + 32], "y": y[start:start + 32].astype(np.int64)})
+    tr.to_torch()
+    return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+
+def test_training_steps_with_blocked_depthwise_convs_equal_the_plain_ones(monkeypatch):
+    plain, blocked = _train(monkeypatch, False), _train(monkeypatch, True)
+    # the blocked kernels ran: they round differently from the plain ones
+    assert any(not np.array_equal(blocked[k], plain[k]) for k in plain)
+    for k in plain:
+        np.testing.assert_allclose(blocked[k], plain[k], rtol=0, atol=1e-5, err_msg=k)
