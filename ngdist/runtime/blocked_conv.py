@@ -31,6 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from ngdist.errors import NgdistError
+
 logger = logging.getLogger(__name__)
 
 DOMAIN = "com.microsoft.nchwc"
@@ -38,8 +40,13 @@ ENV = "NGDIST_CPU_BLOCKED_CONV"  # "1" turns the rewrite on; off by default (see
 
 
 def requested() -> bool:
-    """Whether ``NGDIST_CPU_BLOCKED_CONV=1`` asks for the rewrite."""
-    return os.environ.get(ENV, "0").strip() == "1"
+    """Whether ``NGDIST_CPU_BLOCKED_CONV=1`` asks for the rewrite (unset or 0: no)."""
+    value = os.environ.get(ENV, "0").strip()
+    if value not in ("", "0", "1"):
+        raise NgdistError(f"{ENV}={value!r}: set it to 1 to run depthwise convolutions on "
+                          "onnxruntime's blocked-channel CPU kernels, or 0 (the default) to "
+                          "leave them as they are")
+    return value == "1"
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ngdist
 from ngdist.data import load_digits
+from ngdist.errors import NgdistError
 from ngdist.runtime import blocked_conv
 from ngdist.runtime.sessions import make_session, nchwc_block_size
 
@@ -97,3 +98,10 @@ def test_training_steps_with_blocked_depthwise_convs_equal_the_plain_ones(monkey
     assert any(not np.array_equal(blocked[k], plain[k]) for k in plain)
     for k in plain:
         np.testing.assert_allclose(blocked[k], plain[k], rtol=0, atol=1e-5, err_msg=k)
+
+
+def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
+    monkeypatch.setenv(blocked_conv.ENV, "yes")
+    with pytest.raises(NgdistError, match=r"NGDIST_CPU_BLOCKED_CONV='yes': set it to 1 to run "
+                                          r"depthwise convolutions"):
+        make_session(conv_model(BLOCK, [BLOCK, 1, 3, 3], group=BLOCK))
