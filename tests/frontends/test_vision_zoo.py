@@ -34,6 +34,15 @@ shape. Images are 32x32, 64x64 for the models with depthwise convolutions (see
   1.5e-2 / 8.9e-3, ShuffleNetV2 1.1e-3 / 1.6e-4, timm resnet10t 8.7e-4 / 7.8e-4,
   MobileNetV2 7.3e-4 / 3.8e-4, timm mobilenetv3 1.8e-4 / 1.3e-4, EfficientNet-B0 1.3e-4 /
   3.3e-3, MobileNetV3-large 1.1e-4 / 1.2e-4, the other eight 2.5e-6 to 6.8e-5.
+* Adam/AdamW on the three ill-conditioned models: step by step. Their 3-step trajectories
+  jump at discontinuities that rounding decides: MobileNetV2's batch in another order (the
+  same step mathematically) ended 2.94e-2 from float64 in 2 of 4 orders, and a float64 run
+  from a start perturbed by 1e-7 ended 2.9e-2 or 0.39 from it, while a 0.1% error in the
+  learning rate moves a step by 1e-3. So each of the 3 steps starts from the state ngdist
+  reached (parameters, buffers, Adam's moments and step, written back by ``to_torch``) and
+  is compared with torch's step from that state, in float64 (within 1e-4, or 10x torch's
+  float32 error from the same state: 3e-6 to 5e-5 there) and float32, entries whose gradient
+  is at rounding level bounded, not compared, as above.
 """
 from __future__ import annotations
 
@@ -171,10 +180,51 @@ TRAIN_CASES = [(n, "sgd") for n in vz.MODELS] + \
     [(n, "adam" if i % 2 else "adamw") for i, n in enumerate(vz.MODELS)]
 
 
+def _torch_step(module, optimizer, make_opt, feeds, float64: bool) -> dict[str, np.ndarray]:
+    """The state after one torch step from ``module``'s parameters and buffers and
+    ``optimizer``'s state, in float64 or float32."""
+    ref = copy.deepcopy(module)
+    x, y = vz.tensors(feeds)
+    if float64:
+        ref.double()
+        x = x.double()
+    opt = make_opt(ref.parameters())
+    opt.load_state_dict(optimizer.state_dict())  # moments cast to the parameters' type
+    opt.zero_grad()
+    ref(x, y).backward()
+    opt.step()
+    return _state(ref)
+
+
+def _stepwise(name: str, opt: str, feeds) -> None:
+    """Each of 3 steps from the state ngdist reached, against torch's step from that state."""
+    make_opt = OPTIMIZERS[opt]
+    module = vz.build(name)
+    optimizer = make_opt(module.parameters())
+    trainer = ngdist.compile(module, vz.tensors(feeds), loss=None, optimizer=optimizer,
+                             strategy="local")
+    for step in range(1, 4):
+        before = _state(module)
+        noise = _noise_elements(module, feeds)
+        ref64 = _torch_step(module, optimizer, make_opt, feeds, float64=True)
+        ref32 = _torch_step(module, optimizer, make_opt, feeds, float64=False)
+        trainer.step(feeds, fetch_stats=False)
+        trainer.to_torch()  # parameters, buffers and the optimizer's state
+        mine = _state(module)
+        moved = max(float(np.abs(ref64[n] - before[n]).max()) for n in noise)
+        for n, mask in noise.items():
+            assert np.abs(mine[n] - before[n])[mask].max(initial=0.0) <= 2 * moved, n
+        _check(f"{name}-{opt} step {step}", _errors(mine, ref64, before, noise),
+               _errors(ref32, ref64, before, noise), _errors(mine, ref32, before, noise), 10.0)
+
+
 @pytest.mark.parametrize("name,opt", TRAIN_CASES, ids=[f"{n}-{o}" for n, o in TRAIN_CASES])
 def test_three_optimizer_steps_match_torch(name, opt):
     make_opt = OPTIMIZERS[opt]
     feeds = vz.batch(name)
+    if opt != "sgd" and name in ILL_CONDITIONED:
+        _stepwise(name, opt, feeds)
+        return
     module = vz.build(name)
     before = _state(module)
     noise = _noise_elements(module, feeds) if opt != "sgd" else {}
@@ -194,6 +244,5 @@ def test_three_optimizer_steps_match_torch(name, opt):
     moved = max(float(np.abs(ref64[n] - before[n]).max()) for n in noise) if noise else 0.0
     for n, mask in noise.items():  # rounding's direction on both sides: bounded, not compared
         assert np.abs(mine[n] - before[n])[mask].max(initial=0.0) <= 2 * moved, n
-    factor = 10.0 if opt != "sgd" and name in ILL_CONDITIONED else 3.0
     _check(f"{name}-{opt}", _errors(mine, ref64, before, noise),
-           _errors(ref32, ref64, before, noise), _errors(mine, ref32, before, noise), factor)
+           _errors(ref32, ref64, before, noise), _errors(mine, ref32, before, noise))
