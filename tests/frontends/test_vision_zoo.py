@@ -157,14 +157,19 @@ def _errors(state, exact, before, noise) -> dict[str, float]:
     return out
 
 
-def torch_train(name: str, make_opt, feeds, float64: bool) -> dict[str, np.ndarray]:
-    ref = vz.build(name)
+def torch_train(name: str, make_opt, feeds, float64: bool, steps: int = 3,
+                module=None, optimizer=None) -> dict[str, np.ndarray]:
+    """The state after ``steps`` torch steps from a new model ``name``, or from a copy of
+    ``module`` with ``optimizer``'s state, in float64 or float32."""
+    ref = vz.build(name) if module is None else copy.deepcopy(module)
     x, y = vz.tensors(feeds)
     if float64:
         ref.double()
         x = x.double()
     opt = make_opt(ref.parameters())
-    for _ in range(3):
+    if optimizer is not None:
+        opt.load_state_dict(optimizer.state_dict())  # moments cast to the parameters' type
+    for _ in range(steps):
         opt.zero_grad()
         ref(x, y).backward()
         opt.step()
@@ -180,22 +185,6 @@ TRAIN_CASES = [(n, "sgd") for n in vz.MODELS] + \
     [(n, "adam" if i % 2 else "adamw") for i, n in enumerate(vz.MODELS)]
 
 
-def _torch_step(module, optimizer, make_opt, feeds, float64: bool) -> dict[str, np.ndarray]:
-    """The state after one torch step from ``module``'s parameters and buffers and
-    ``optimizer``'s state, in float64 or float32."""
-    ref = copy.deepcopy(module)
-    x, y = vz.tensors(feeds)
-    if float64:
-        ref.double()
-        x = x.double()
-    opt = make_opt(ref.parameters())
-    opt.load_state_dict(optimizer.state_dict())  # moments cast to the parameters' type
-    opt.zero_grad()
-    ref(x, y).backward()
-    opt.step()
-    return _state(ref)
-
-
 def _stepwise(name: str, opt: str, feeds) -> None:
     """Each of 3 steps from the state ngdist reached, against torch's step from that state."""
     make_opt = OPTIMIZERS[opt]
@@ -206,8 +195,8 @@ def _stepwise(name: str, opt: str, feeds) -> None:
     for step in range(1, 4):
         before = _state(module)
         noise = _noise_elements(module, feeds)
-        ref64 = _torch_step(module, optimizer, make_opt, feeds, float64=True)
-        ref32 = _torch_step(module, optimizer, make_opt, feeds, float64=False)
+        ref64, ref32 = (torch_train(name, make_opt, feeds, f64, 1, module, optimizer)
+                        for f64 in (True, False))
         trainer.step(feeds, fetch_stats=False)
         trainer.to_torch()  # parameters, buffers and the optimizer's state
         mine = _state(module)
