@@ -1,5 +1,5 @@
 """Depthwise convolutions on onnxruntime's blocked-channel kernels (runtime/blocked_conv.py,
-``NGDIST_CPU_BLOCKED_CONV=1``): what is rewritten, and that the result equals onnxruntime's
+on unless ``NGDIST_CPU_BLOCKED_CONV=0``): what is rewritten, and that the result equals onnxruntime's
 own Conv to float32 rounding, alone and in a training step."""
 from __future__ import annotations
 
@@ -102,6 +102,13 @@ def test_training_steps_with_blocked_depthwise_convs_equal_the_plain_ones(monkey
 
 def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv(blocked_conv.ENV, "yes")
-    with pytest.raises(NgdistError, match=r"NGDIST_CPU_BLOCKED_CONV='yes': set it to 1 to run "
+    with pytest.raises(NgdistError, match=r"NGDIST_CPU_BLOCKED_CONV='yes': set it to 0 to keep "
                                           r"depthwise convolutions"):
         make_session(conv_model(BLOCK, [BLOCK, 1, 3, 3], group=BLOCK))
+
+
+def test_the_rewrite_is_on_unless_switched_off(monkeypatch):
+    monkeypatch.delenv(blocked_conv.ENV, raising=False)
+    assert blocked_conv.requested()
+    monkeypatch.setenv(blocked_conv.ENV, "0")
+    assert not blocked_conv.requested()
