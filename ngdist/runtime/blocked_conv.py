@@ -83,9 +83,8 @@ def block_depthwise_convs(model: onnx.ModelProto, block: int,
                           ) -> onnx.ModelProto:
     """``model`` with each depthwise 2-D Conv whose weight is a float32 graph input (and whose
     channels are a multiple of ``block``, the CPU's NCHWc block size; 0: none) on the NCHWc
-    kernels; ``shapes`` adds static
-    shapes of the graph's inputs (a weight's shape must be known). Returns ``model`` itself
-    when nothing applies, else a rewritten copy."""
+    kernels; ``shapes`` adds static shapes of the graph's inputs (a weight's shape must be
+    known). Returns ``model`` itself when nothing applies, else a rewritten copy."""
     if block <= 4 or not requested() or not any(n.op_type == "Conv" for n in model.graph.node):
         return model
     known = _static_shapes(model)
@@ -110,7 +109,7 @@ def block_depthwise_convs(model: onnx.ModelProto, block: int,
             continue
         x, w = node.input[0], node.input[1]
         c, _, kh, kw = known[w]
-        p = f"{node.name or node.output[0]}/nchwc"
+        p = f"{node.output[0]}/nchwc"  # value names are unique; node names need not be
         if w not in reordered:  # OIHW -> OIHWBo: [C/B, B, 1, KH, KW] -> [C/B, 1, KH, KW, B]
             split = numpy_helper.from_array(np.array([c // block, block, 1, kh, kw], np.int64),
                                             f"{p}/split")
