@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import onnx_ir as ir
 
@@ -97,20 +98,12 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     W's own layout; the per-tap products would need a [M, taps, C] -> [M, C, taps]
     transpose of the whole weight gradient.
     """
-    rank = len(kernel) + 2
-    axes = list(range(1, rank - 1))
-    xh = ctx.op("Transpose", x, perm=[0, *range(2, rank), 1])  # [N, *spatial, C]
-    xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
-    out, taps = _tap_windows(kernel, spatial, strides, dilations, begin, end)
+    out, slices = _tap_slices(ctx, x, kernel, spatial, strides, dilations, begin, end)
     columns = out_channels is not None and \
         math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
-    steps = [ctx.ints(strides)] if any(s != 1 for s in strides) else []
     flat = ctx.ints([-1, channels])
     parts = []
-    for window_ in taps:  # None: the tap reads exactly the unpadded input ('same' centre)
-        xt = xh if window_ is None else \
-            ctx.op("Slice", xp, ctx.ints(window_[0]), ctx.ints(window_[1]), ctx.ints(axes),
-                   *steps)  # [N, *out, C]
+    for xt in slices:  # [N, *out, C]
         if columns:
             parts.append(ctx.op("Unsqueeze", ctx.op("Reshape", xt, flat), ctx.ints([2])))
         else:
@@ -125,21 +118,31 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
 
 
-def _tap_windows(kernel: list[int], spatial: list[int], strides: list[int],
-                 dilations: list[int], begin: list[int], end: list[int]):
-    """The output extents of a window and, per kernel tap, the (starts, ends) of the strided
-    slice of the padded input it reads, or None where it reads exactly the unpadded input."""
+def _tap_slices(ctx: GradContext, x: ir.Value, kernel: list[int], spatial: list[int],
+                strides: list[int], dilations: list[int], begin: list[int], end: list[int]
+                ) -> tuple[list[int], Iterator[ir.Value]]:
+    """The output extents of a window over x [N, C, *spatial] and, per kernel tap, what the
+    tap reads: a strided Slice [N, *out, C] of x gone channels-last (and padded) once, or
+    that input itself where the tap reads exactly the unpadded input (the centre of a 'same'
+    window). The slices are made as the caller takes them, so each can die after its use."""
+    rank = len(kernel) + 2
+    xh = ctx.op("Transpose", x, perm=[0, *range(2, rank), 1])  # [N, *spatial, C]
+    xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
     out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
            for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
     strided = any(s != 1 for s in strides)
-    taps = []
-    for tap in itertools.product(*(range(k) for k in kernel)):
-        starts = [t * d for t, d in zip(tap, dilations)]
-        if not strided and starts == begin and out == spatial:
-            taps.append(None)
-        else:
-            taps.append((starts, [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]))
-    return out, taps
+    steps = [ctx.ints(strides)] if strided else []
+    axes = ctx.ints(list(range(1, rank - 1)))
+
+    def slices() -> Iterator[ir.Value]:
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            starts = [t * d for t, d in zip(tap, dilations)]
+            if not strided and starts == begin and out == spatial:
+                yield xh
+            else:
+                ends = [b + s * (o - 1) + 1 for b, s, o in zip(starts, strides, out)]
+                yield ctx.op("Slice", xp, ctx.ints(starts), ctx.ints(ends), axes, *steps)
+    return out, slices()
 
 
 def _weight_grad_depthwise(ctx: GradContext, x: ir.Value, gy: ir.Value, *, kernel: list[int],
@@ -151,19 +154,12 @@ def _weight_grad_depthwise(ctx: GradContext, x: ir.Value, gy: ir.Value, *, kerne
     16], 3x3: 1.4 vs 4.8 ms; [8, 960, 2, 2]: 0.19 vs 0.68 ms), whose im2col GEMMs have one
     row and prod(kernel) columns per group."""
     rank = len(kernel) + 2
-    last = [0, *range(2, rank), 1]
-    xh = ctx.op("Transpose", x, perm=last)  # [N, *spatial, C]
-    gh = ctx.op("Transpose", gy, perm=last)  # [N, *out, C]
-    xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
-    _, taps = _tap_windows(kernel, spatial, strides, dilations, begin, end)
-    axes = ctx.ints(list(range(1, rank - 1)))
-    steps = [ctx.ints(strides)] if any(s != 1 for s in strides) else []
+    _, slices = _tap_slices(ctx, x, kernel, spatial, strides, dilations, begin, end)
+    gh = ctx.op("Transpose", gy, perm=[0, *range(2, rank), 1])  # [N, *out, C]
     outer = ctx.ints(list(range(rank - 1)))
     column = ctx.ints([1])
     parts = []
-    for window_ in taps:
-        xt = xh if window_ is None else \
-            ctx.op("Slice", xp, ctx.ints(window_[0]), ctx.ints(window_[1]), axes, *steps)
+    for xt in slices:
         total = ctx.op("ReduceSum", ctx.op("Mul", xt, gh), outer, keepdims=0)  # [C]
         parts.append(ctx.op("Unsqueeze", total, column))
     gw = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)  # [C, taps]
