@@ -193,6 +193,13 @@ class ProcessGroup(abc.ABC):
     def dup(self, what: Any) -> ProcessGroup:
         """Collective: the same ranks, messages of their own (never matching this group's)."""
 
+    def symmetric(self, nbytes: int, what: Any, slots: int = 2) -> Any:
+        """Collective: ``slots`` buffers of ``nbytes`` per rank that every rank can read
+        (comm/shared.py), or None where the group cannot make them (ranks on several hosts,
+        one rank, ``NGDIST_SHM_ALLREDUCE=0``). ``allreduce`` of a buffer that lies in them
+        reduces through the shared memory instead of sending messages."""
+        return None
+
     def host_groups(self, what: Any, ranks_per_host: int = 0) -> tuple[ProcessGroup, ProcessGroup | None]:
         """Collective: (this host's ranks, the hosts' first ranks or None elsewhere);
         ``ranks_per_host=k`` groups consecutive ranks by k instead of by shared memory."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ngdist.comm import shared
 from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class MpiGroup(ProcessGroup):
         super().__init__(timeout)
         MPI = _mpi()
         self.comm = MPI.COMM_WORLD if comm is None else comm
+        self._one_host: bool | None = None  # every rank on this host (known once asked)
+        self._symmetric = shared.SymmetricRegistry()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if job is None and _WORLD_JOB:  # another world group of this process: share its job
             job = _WORLD_JOB[0]
@@ -149,6 +152,9 @@ class MpiGroup(ProcessGroup):
     def allreduce(self, buf, what, op="sum", peers=None):
         MPI = _mpi()
         self.bytes_sent += buf.nbytes
+        found = self._symmetric.find(buf)
+        if found is not None:
+            return shared.SharedAllreduceWork(self, found[0], buf, found[1], what, op, peers)
         return self._work([self.comm.Iallreduce(MPI.IN_PLACE, buf,
                                                 op=getattr(MPI, _SUM_OPS[op]))], what, peers)
 
@@ -204,6 +210,22 @@ class MpiGroup(ProcessGroup):
         new, req = self.comm.Idup()
         self._work([req], what).wait()
         return self._wrap(new)
+
+    def symmetric(self, nbytes, what, slots=2):
+        if self.size == 1 or nbytes <= 0 or not shared.requested():
+            return None
+        if self._one_host is None:  # MPI's own view: ranks in separate namespaces are hosts
+            MPI = _mpi()
+            self._all_present(what)
+            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self._one_host = local.Get_size() == self.size
+            local.Free()
+        if not self._one_host:
+            return None
+        mem = shared.SymmetricMemory.create(self, nbytes, slots, what)
+        if mem is not None:
+            self._symmetric.add(mem)
+        return mem
 
     def host_groups(self, what, ranks_per_host=0):
         MPI = _mpi()

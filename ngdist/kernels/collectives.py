@@ -22,6 +22,33 @@ def _in_place(node, inputs) -> bool:
     return donated(node, 0) and x.flags.c_contiguous and x.flags.writeable
 
 
+def _offer_symmetric(group, node, buf) -> None:
+    """Ask for the next call's input in symmetric memory (``node.state["write_to"]``, which
+    the runtime binds its producer's output to), where the group has it: a gradient bucket of
+    floats, made in the step for this node alone and dead after it, on ranks that share one
+    host. The group's ``allreduce`` then reduces it there without a message
+    (comm/shared.py). The first call makes the memory: a collective, reached by every rank at
+    the same call."""
+    if "bucket" not in node.attributes or not node.state.get("reuse_buffer") or \
+            buf.dtype not in (np.float32, np.float64):
+        return
+    if "symmetric" not in node.state:
+        node.state["symmetric"] = group.symmetric(buf.nbytes, node)
+        node.state["write_slots"] = None
+    mem = node.state["symmetric"]
+    if mem is None:
+        return
+    slots = node.state["write_slots"]
+    if slots is None or slots[0].shape != buf.shape or slots[0].dtype != buf.dtype:
+        if buf.nbytes > mem.nbytes:
+            return
+        slots = node.state["write_slots"] = [
+            mem.view(s, group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
+            for s in range(mem.slots)]
+    where = mem.slot_of(buf)
+    node.state["write_to"] = {0: slots[0 if where is None else (where[0] + 1) % mem.slots]}
+
+
 @register_kernel("AllReduce",
                  alone_identity=lambda attributes: attributes.get("algorithm") != "exact")
 def allreduce(group, node, inputs):
@@ -42,6 +69,8 @@ def allreduce(group, node, inputs):
     else:
         if algorithm == "mpi":
             group.allreduce(flat, node).wait()
+            if in_place:
+                _offer_symmetric(group, node, buf)
         else:
             sum_inplace(algorithm, group, node, flat)
         if node.attributes.get("reduction", "mean") == "mean":

@@ -193,6 +193,15 @@ class Executor:
                 node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
                 self.comm_nodes[item.index] = node
                 self.kernels[item.index] = get_kernel(n.op_type)
+        # values made for one comm node alone, which its kernel may ask to have written
+        # into memory of its own (on the CPU: host arrays)
+        self._comm_input: dict[str, tuple[CommNode, int]] = {}
+        if placement.device == "cpu":
+            for node in self.comm_nodes.values():
+                for i, name in enumerate(node.inputs):
+                    if node.donated[i]:
+                        self._comm_input[name] = (node, i)
+        self._kernel_values: dict[int, tuple[Any, ort.OrtValue]] = {}
         # constants a comm node reads directly, placed once
         self.comm_constants: dict[str, ort.OrtValue] = {
             name: placement.value(numpy_helper.to_array(self.constants[name]).copy())
@@ -354,7 +363,12 @@ class Executor:
         for name in (*seg.outputs, *self._extra.get(seg.index, ())):
             where = inplace.get(name)
             if where is None:
-                binding.bind_output(name, device, self.placement.device_id)
+                target = self._kernel_memory(name)
+                if target is None:
+                    binding.bind_output(name, device, self.placement.device_id)
+                else:  # where the comm node that reads it asked for it (symmetric memory)
+                    binding.bind_ortvalue_output(name, target)
+                    bound[name] = target
                 continue
             value = env[where[0]]
             if tuple(value.shape()) != where[1]:  # a view of the memory in the result's shape
@@ -370,6 +384,22 @@ class Executor:
         if bound:  # the buffer's own OrtValue: it keeps the memory alive (a numpy array's)
             outs = [bound.get(n, v) for n, v in zip(seg.outputs, outs)]
         return outs
+
+    def _kernel_memory(self, name: str) -> ort.OrtValue | None:
+        """The memory a comm kernel asked value ``name`` to be written into for its next
+        call (``node.state["write_to"]``: {input index: host array}), as an OrtValue made once
+        per array; None when it asked for nothing."""
+        spot = self._comm_input.get(name)
+        if spot is None:
+            return None
+        node, i = spot
+        array = node.state.get("write_to", {}).get(i)
+        if array is None:
+            return None
+        made = self._kernel_values.get(id(array))
+        if made is None or made[0] is not array:
+            made = self._kernel_values[id(array)] = (array, self.placement.value(array))
+        return made[1]
 
     # ------------------------------------------------------------------ comm
     def _views(self, spec: KernelSpec, values: list[ort.OrtValue]) -> list[Any]:

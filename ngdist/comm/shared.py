@@ -1,0 +1,244 @@
+"""Symmetric host memory: buffers that every rank of a one-host group can read, and the
+AllReduce that works on them without a message.
+
+When all ranks of a group run on one machine, MPI's shared-memory AllReduce copies each
+message into its own cells and out again. Here each rank owns ``slots`` buffers in POSIX shared
+memory (``/dev/shm``) that every other rank of the group maps too, as NCCL's and PyTorch's
+"symmetric memory" do on a node. A value written straight into its rank's buffer (an
+onnxruntime output bound there) is reduced with two barriers and no copy in or out:
+
+1. barrier: every rank's input is written;
+2. rank r reduces block r of the buffer over every rank's copy, into its own buffer;
+3. barrier: every block is reduced;
+4. rank r copies block j (j != r) from rank j's buffer into its own.
+
+Every rank ends with the same bytes (each block is reduced once, by its owner). A buffer is
+written again only two calls later (the other slot serves the call between), and a rank
+reaches that call only after every rank has passed the first barrier of the call between,
+that is after it has finished reading this one: no third barrier is needed.
+
+The barriers are the group's own (``ProcessGroup.barrier``), so the deadline, the watchdog and
+the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ngdist.comm.group import Work, describe
+from ngdist.errors import CommError
+
+if TYPE_CHECKING:
+    from ngdist.comm.group import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+ALIGN = 64  # bytes: blocks never share a cache line
+_counter = itertools.count()
+
+
+def requested() -> bool:
+    """``NGDIST_SHM_ALLREDUCE``: unset or ``1`` on, ``0`` off; another value is an error."""
+    raw = os.environ.get("NGDIST_SHM_ALLREDUCE", "1").strip()
+    if raw not in ("0", "1"):
+        raise CommError(f"NGDIST_SHM_ALLREDUCE={raw!r}: use 1 (AllReduce through shared "
+                        "memory when every rank runs on one host, the default) or 0 (always "
+                        "MPI's own AllReduce)")
+    return raw == "1"
+
+
+class SymmetricMemory:
+    """``slots`` buffers of ``nbytes`` per rank; ``view(s, j)`` is rank j's slot s (uint8).
+
+    Made by :meth:`create` (collective); the mappings close when the object is collected, and
+    the files are unlinked as soon as every rank has mapped them, so nothing outlives the
+    processes."""
+
+    def __init__(self, group: ProcessGroup, nbytes: int,
+                 maps: list[list[mmap.mmap]]) -> None:
+        self.group = group
+        self.nbytes = nbytes
+        self.slots = len(maps)
+        self._maps = maps
+        self._views = [[np.frombuffer(m, np.uint8, nbytes) for m in row] for row in maps]
+        self._bases = [v[group.rank].__array_interface__["data"][0] for v in self._views]
+        self._typed: dict[tuple, list[np.ndarray]] = {}
+
+    @classmethod
+    def create(cls, group: ProcessGroup, nbytes: int, slots: int, what: Any
+               ) -> SymmetricMemory | None:
+        """Collective over ``group`` (whose ranks share one host): every rank makes its
+        buffers and maps everyone's; None on every rank when any rank could not (too little
+        space in /dev/shm, no /dev/shm), after logging why."""
+        sent = group.bytes_sent  # set-up messages are not the step's traffic
+        try:
+            return cls._create(group, nbytes, slots, what)
+        finally:
+            group.bytes_sent = sent
+
+    @classmethod
+    def _create(cls, group: ProcessGroup, nbytes: int, slots: int, what: Any
+                ) -> SymmetricMemory | None:
+        size, rank = group.size, group.rank
+        ident = np.zeros(3, np.int64)  # ok, pid, counter
+        ident[1], ident[2] = os.getpid(), next(_counter)
+        mine: list[mmap.mmap] = []
+        paths = [_path(int(ident[1]), int(ident[2]), s) for s in range(slots)]
+        try:
+            free = os.statvfs(SHM_DIR)
+            # room for every rank's buffers twice over: never fill the tmpfs (a write to a
+            # page it cannot back is a SIGBUS, not an error)
+            if free.f_bavail * free.f_frsize < 2 * size * slots * nbytes:
+                raise OSError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize} bytes free, "
+                              f"less than twice the {size * slots * nbytes} needed")
+            for p in paths:
+                mine.append(_map(p, nbytes, create=True))
+            ident[0] = 1
+        except OSError as exc:
+            logger.info("AllReduce through shared memory is off for %s: %s",
+                        describe(what), exc)
+        table = np.empty((size, 3), np.int64)
+        group.allgather(ident, table, what).wait()
+        maps: list[list[mmap.mmap]] | None = None
+        ok = np.zeros(1, np.int64)
+        if table[:, 0].all():
+            try:
+                maps = [[mine[s] if j == rank else
+                         _map(_path(int(table[j, 1]), int(table[j, 2]), s), nbytes)
+                         for j in range(size)] for s in range(slots)]
+                ok[0] = 1
+            except OSError as exc:
+                logger.info("AllReduce through shared memory is off for %s: %s",
+                        describe(what), exc)
+        oks = np.empty(size, np.int64)  # also: every rank has mapped every file
+        group.allgather(ok, oks, what).wait()
+        for p in paths[:len(mine)]:
+            _unlink(p)
+        if not oks.all():
+            return None
+        return cls(group, nbytes, maps)
+
+    def view(self, slot: int, rank: int) -> np.ndarray:
+        return self._views[slot][rank]
+
+    def slot_of(self, buf: np.ndarray) -> tuple[int, int] | None:
+        """(slot, byte offset) when ``buf`` lies in one of this rank's buffers, else None."""
+        start = buf.__array_interface__["data"][0]
+        for s, base in enumerate(self._bases):
+            if base <= start and start + buf.nbytes <= base + self.nbytes:
+                return s, start - base
+        return None
+
+    def typed(self, slot: int, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Every rank's ``count`` elements of ``dtype`` at ``offset`` in slot ``slot``."""
+        key = (slot, offset, dtype.str, count)
+        views = self._typed.get(key)
+        if views is None:
+            views = self._typed[key] = [np.frombuffer(self._maps[slot][j], dtype, count, offset)
+                                        for j in range(self.group.size)]
+        return views
+
+
+def _path(pid: int, counter: int, slot: int) -> str:
+    return os.path.join(SHM_DIR, f"ngdist-{pid}-{counter}-{slot}")
+
+
+def _map(path: str, nbytes: int, create: bool = False) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.posix_fallocate(fd, 0, nbytes)  # the pages exist now: no SIGBUS later
+        return mmap.mmap(fd, nbytes)
+    except OSError:
+        if create:
+            _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def blocks(count: int, itemsize: int, size: int) -> list[int]:
+    """Bounds of ``size`` blocks of ``count`` elements, each starting on an ALIGN-byte line."""
+    step = max(1, ALIGN // itemsize)
+    return [min(count, (count * j // size + step - 1) // step * step) for j in range(size)] + \
+        [count]
+
+
+_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+class SharedAllreduceWork(Work):
+    """The AllReduce of a buffer in symmetric memory (see the module docstring); it runs in
+    ``wait``."""
+
+    def __init__(self, group: ProcessGroup, mem: SymmetricMemory, buf: np.ndarray,
+                 where: tuple[int, int], what: Any, op: str,
+                 peers: Sequence[int] | None = None) -> None:
+        super().__init__(group, what, peers)
+        self.mem, self.buf, self.where, self.op = mem, buf, where, op
+        self.done = False
+
+    def test(self) -> bool:
+        return self.done
+
+    def _block(self) -> None:
+        self._run(False)
+
+    def wait(self, gentle: bool = False) -> None:
+        if not self.done:
+            self._run(gentle)
+
+    def _run(self, gentle: bool) -> None:
+        group, buf = self.group, self.buf
+        flat = buf.reshape(-1)
+        slot, offset = self.where
+        views = self.mem.typed(slot, offset, flat.dtype, flat.size)
+        bounds = blocks(flat.size, flat.itemsize, group.size)
+        r = group.rank
+        reduce = _REDUCE[self.op]
+        group.barrier(self.what).wait(gentle)  # every rank's input is written
+        lo, hi = bounds[r], bounds[r + 1]
+        mine = views[r][lo:hi]
+        for j in range(group.size):
+            if j != r:
+                reduce(mine, views[j][lo:hi], out=mine)
+        group.barrier(self.what).wait(gentle)  # every block is reduced
+        for j in range(group.size):
+            if j != r:
+                views[r][bounds[j]:bounds[j + 1]] = views[j][bounds[j]:bounds[j + 1]]
+        self.done = True
+
+
+class SymmetricRegistry:
+    """The symmetric memories of one group, found again from a buffer's address."""
+
+    def __init__(self) -> None:
+        self._mems: weakref.WeakSet[SymmetricMemory] = weakref.WeakSet()
+
+    def add(self, mem: SymmetricMemory) -> None:
+        self._mems.add(mem)
+
+    def find(self, buf: np.ndarray) -> tuple[SymmetricMemory, tuple[int, int]] | None:
+        if not self._mems or not isinstance(buf, np.ndarray):
+            return None
+        for mem in self._mems:
+            where = mem.slot_of(buf)
+            if where is not None:
+                return mem, where
+        return None

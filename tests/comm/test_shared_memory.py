@@ -1,0 +1,169 @@
+"""Symmetric memory and the AllReduce through it (comm/shared.py), under the real mpiexec.
+
+The script makes one symmetric memory on the world group and reduces buffers that lie in it
+(several dtypes, sizes below and above the rank count, an offset inside the buffer, sum, max
+and min, the two slots in turn), then one buffer outside it; each rank writes what it got.
+The tests compare every result with numpy's reduction of all ranks' inputs, bit for bit
+(``exact`` inputs: multiples of 1/8 far below 2**24, so any order of summation is exact).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ngdist.comm import shared
+from ngdist.errors import CommError
+
+CASES = [("float32", 1, 0), ("float32", 3, 0), ("float32", 37, 64), ("float64", 100, 8),
+         ("int64", 5, 0), ("float32", 1000, 0)]
+OPS = ("sum", "max", "min")
+
+
+def exact(rank: int, count: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(100 * rank + count)
+    values = rng.integers(-8000, 8000, count)
+    return (values if dtype == "int64" else values / 8).astype(dtype)
+
+
+SCRIPT = r"""
+import json, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_shared_memory import CASES, OPS, exact
+from ngdist.comm import world_group
+
+world = world_group(timeout=60)
+rank, size = world.rank, world.size
+mem = world.symmetric(1 << 14, "buffers of the test")
+report = {"made": mem is not None,
+          "left": sorted(f for f in os.listdir("/dev/shm")
+                         if f.startswith(f"ngdist-{os.getpid()}-"))}
+results, kinds, call = {}, [], 0
+if mem is not None:
+    report["slots"] = mem.slots
+    for dtype, count, offset in CASES:
+        for op in OPS:
+            slot = call % mem.slots  # a slot is written again only two calls later
+            call += 1
+            item = np.dtype(dtype).itemsize
+            buf = mem.view(slot, rank)[offset:offset + count * item].view(dtype)
+            buf[:] = exact(rank, count, dtype)
+            work = world.allreduce(buf, f"{dtype} {count} {op}", op=op)
+            kinds.append(type(work).__name__)
+            work.wait()
+            results[f"{dtype}_{count}_{offset}_{op}"] = buf.copy()
+outside = exact(rank, 37, "float32")
+work = world.allreduce(outside, "a buffer outside the symmetric memory")
+kinds.append(type(work).__name__)
+work.wait()
+results["outside"] = outside
+report["kinds"] = kinds
+np.savez(f"rank{rank}.npz", **results)
+with open(f"rank{rank}.json", "w") as fh:
+    json.dump(report, fh)
+"""
+
+
+def _run(ranks, tmp_path, n: int, env: dict[str, str] | None = None) -> list[dict]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    ranks(n, SCRIPT, args=[here], timeout=120, env=env)
+    out = []
+    for r in range(n):
+        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+        report["arrays"] = dict(np.load(tmp_path / f"rank{r}.npz"))
+        out.append(report)
+    return out
+
+
+REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_allreduce_in_symmetric_memory_equals_numpy_on_every_rank(ranks, tmp_path, n):
+    reports = _run(ranks, tmp_path, n)
+    for r, rep in enumerate(reports):
+        assert rep["made"] and rep["slots"] == 2, rep
+        assert rep["left"] == []  # the files are unlinked once every rank has mapped them
+        assert rep["kinds"] == ["SharedAllreduceWork"] * (len(CASES) * len(OPS)) + \
+            ["MpiWork"], rep["kinds"]
+        for dtype, count, offset in CASES:
+            everyone = np.stack([exact(j, count, dtype) for j in range(n)])
+            for op in OPS:
+                got = rep["arrays"][f"{dtype}_{count}_{offset}_{op}"]
+                want = REDUCE[op](everyone, axis=0).astype(dtype)
+                assert got.dtype == want.dtype
+                assert got.tobytes() == want.tobytes(), (r, dtype, count, op)
+        want = np.sum([exact(j, 37, "float32") for j in range(n)], axis=0, dtype=np.float32)
+        np.testing.assert_array_equal(rep["arrays"]["outside"], want)
+
+
+@pytest.mark.mpi
+def test_switched_off_the_group_makes_no_symmetric_memory(ranks, tmp_path):
+    reports = _run(ranks, tmp_path, 2, env={"NGDIST_SHM_ALLREDUCE": "0"})
+    for rep in reports:
+        assert rep["made"] is False
+        assert rep["kinds"] == ["MpiWork"]
+        want = exact(0, 37, "float32") + exact(1, 37, "float32")
+        np.testing.assert_array_equal(rep["arrays"]["outside"], want)
+
+
+def test_the_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("NGDIST_SHM_ALLREDUCE", "yes")
+    with pytest.raises(CommError) as err:
+        shared.requested()
+    assert str(err.value) == (
+        "NGDIST_SHM_ALLREDUCE='yes': use 1 (AllReduce through shared memory when every rank "
+        "runs on one host, the default) or 0 (always MPI's own AllReduce)")
+    monkeypatch.setenv("NGDIST_SHM_ALLREDUCE", "0")
+    assert shared.requested() is False
+    monkeypatch.delenv("NGDIST_SHM_ALLREDUCE")
+    assert shared.requested() is True
+
+
+def test_blocks_start_on_cache_lines_and_cover_every_element():
+    for count, itemsize, size in [(1, 4, 2), (3, 4, 4), (37, 4, 2), (1000, 8, 4), (15, 4, 2)]:
+        bounds = shared.blocks(count, itemsize, size)
+        assert bounds[0] == 0 and bounds[-1] == count and len(bounds) == size + 1
+        assert bounds == sorted(bounds)
+        assert all(b % (shared.ALIGN // itemsize) == 0 for b in bounds[:-1] if b < count)
+
+
+DEAD = r"""
+import json, os, sys, time
+import numpy as np
+from ngdist.comm import world_group
+
+world = world_group(timeout=60)
+mem = world.symmetric(4096, "buffers of the test")
+if world.rank == 1:
+    with open("pid1", "w") as fh:
+        fh.write(str(os.getpid()))
+    os._exit(0)
+buf = mem.view(0, 0)[:64].view(np.float32)
+start = time.monotonic()
+try:
+    world.allreduce(buf, "grad-sum").wait()
+    caught = None
+except Exception as exc:
+    caught = {"type": type(exc).__name__, "message": str(exc)}
+with open("caught.json", "w") as fh:
+    json.dump({"caught": caught, "elapsed": time.monotonic() - start}, fh)
+os._exit(0)
+"""
+
+
+@pytest.mark.mpi
+def test_a_dead_peer_fails_the_shared_allreduce_long_before_the_timeout(ranks, tmp_path):
+    proc = ranks(2, DEAD, timeout=60, check=False, env={"NGDIST_WAIT": "poll"})
+    seen = proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "caught.json").read_text())
+    pid1 = int((tmp_path / "pid1").read_text())
+    assert result["caught"] == {
+        "type": "CommError",
+        "message": f"'grad-sum' cannot complete on rank 0: the process of rank 1 (pid {pid1}) "
+                   "has exited. Look at that rank's output for why it stopped"}, seen
+    assert result["elapsed"] < 10, result
