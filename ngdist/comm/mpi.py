@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ngdist.comm import shared
+import ngdist.comm.shared as shared
 from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
 
 logger = logging.getLogger(__name__)
