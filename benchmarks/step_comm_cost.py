@@ -1,7 +1,7 @@
 """The AllReduce inside a training step next to raw mpi4py ``Allreduce`` of the same bytes.
 
     python benchmarks/step_comm_cost.py [--ranks 2] [--sizes 4 16 64] [--rounds 5]
-        [--overlap | --no-overlap]
+        [--overlap | --no-overlap] [--momentum 0.9]
 
 Run plainly, it launches itself under the venv's mpiexec. For each size S (MiB of float32
 gradients) it builds an MLP 64-h-10 whose parameters take S MiB, compiles it twice in the same
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(sizes: list[int], rounds: int, steps: int, batch: int,
-           overlap: bool | None) -> None:
+           overlap: bool | None, momentum: float) -> None:
     from allreduce_algs import _max  # the slowest rank's time (this script's folder)
     from mpi4py import MPI
 
@@ -59,7 +59,8 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int,
         hidden = (mib << 20) // 4 // (64 + 1 + 10)
         model = zoo.mlp((64, hidden, 10), seed=0)
         trainers = {s: ngdist.compile(model, loss="softmax_cross_entropy", labels="y",
-                                      optimizer=ngdist.optim.SGD(lr=1e-4), strategy=s,
+                                      optimizer=ngdist.optim.SGD(lr=1e-4, momentum=momentum),
+                                      strategy=s,
                                       intra_op_threads=1, overlap=overlap)
                     for s in ("allreduce", "local")}
         nbytes = sum(v.nbytes for v in trainers["local"].parameters().values())
@@ -115,6 +116,10 @@ def main() -> int:
                          "on only with more than one core per rank)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="run comm nodes in program order on the main thread")
+    ap.add_argument("--momentum", type=float, default=0.0,
+                    help="SGD momentum (default 0: plain SGD, whose reduced gradient is the "
+                         "step's state and so stays on MPI's AllReduce; with momentum the "
+                         "buckets of ranks on one host go through shared memory)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.overlap and args.no_overlap:
@@ -122,7 +127,7 @@ def main() -> int:
     overlap = True if args.overlap else False if args.no_overlap else None
     flag = {True: ["--overlap"], False: ["--no-overlap"], None: []}[overlap]
     if args.worker:
-        worker(args.sizes, args.rounds, args.steps, args.batch, overlap)
+        worker(args.sizes, args.rounds, args.steps, args.batch, overlap, args.momentum)
         return 0
     from ngdist.comm.launch import mpiexec_cmd
 
@@ -130,7 +135,7 @@ def main() -> int:
            "OMP_NUM_THREADS": "1"}
     cmd = [*mpiexec_cmd(args.ranks), sys.executable, __file__, "--worker", "--rounds",
            str(args.rounds), "--steps", str(args.steps), "--batch", str(args.batch),
-           "--sizes", *map(str, args.sizes), *flag]
+           "--sizes", *map(str, args.sizes), "--momentum", str(args.momentum), *flag]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
@@ -138,7 +143,7 @@ def main() -> int:
         return proc.returncode or 1
     rows = json.loads(line[7:])
     print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank, "
-          f"overlap {({True: 'on', False: 'off', None: 'as the library chooses'})[overlap]}")
+          f"SGD momentum {args.momentum:g}, overlap {({True: 'on', False: 'off', None: 'as the library chooses'})[overlap]}")
     print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce "
           "| local+mpi4py - local | vs mpi4py | vs compute+mpi4py | bound |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

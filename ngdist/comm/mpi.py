@@ -211,7 +211,7 @@ class MpiGroup(ProcessGroup):
         self._work([req], what).wait()
         return self._wrap(new)
 
-    def symmetric(self, nbytes, what, slots=2):
+    def symmetric(self, nbytes, what, slots=1):
         if self.size == 1 or nbytes <= 0 or not shared.requested():
             return None
         if self._one_host is None:  # MPI's own view: ranks in separate namespaces are hosts
@@ -222,7 +222,7 @@ class MpiGroup(ProcessGroup):
             local.Free()
         if not self._one_host:
             return None
-        mem = shared.SymmetricMemory.create(self, nbytes, slots, what)
+        mem = shared.SymmetricMemory.create(self, nbytes, what, slots)
         if mem is not None:
             self._symmetric.add(mem)
         return mem

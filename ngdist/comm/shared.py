@@ -2,20 +2,20 @@
 AllReduce that works on them without a message.
 
 When all ranks of a group run on one machine, MPI's shared-memory AllReduce copies each
-message into its own cells and out again. Here each rank owns ``slots`` buffers in POSIX shared
-memory (``/dev/shm``) that every other rank of the group maps too, as NCCL's and PyTorch's
-"symmetric memory" do on a node. A value written straight into its rank's buffer (an
-onnxruntime output bound there) is reduced with two barriers and no copy in or out:
+message into its own cells and out again. Here each rank owns a buffer in POSIX shared memory
+(``/dev/shm``) that every other rank of the group maps too, as NCCL's and PyTorch's "symmetric
+memory" do on a node. A value written straight into its rank's buffer (an onnxruntime output
+bound there) is reduced with two barriers and no copy in or out:
 
 1. barrier: every rank's input is written;
-2. rank r reduces block r of the buffer over every rank's copy, into its own buffer;
-3. barrier: every block is reduced;
-4. rank r copies block j (j != r) from rank j's buffer into its own.
+2. rank r reduces block r over every rank's buffer, into its own, and writes the result into
+   block r of every other rank's buffer;
+3. barrier: every buffer holds the whole result.
 
-Every rank ends with the same bytes (each block is reduced once, by its owner). A buffer is
-written again only two calls later (the other slot serves the call between), and a rank
-reaches that call only after every rank has passed the first barrier of the call between,
-that is after it has finished reading this one: no third barrier is needed.
+Every rank ends with the same bytes (each block is reduced once, by its owner, in a fixed
+order). In step 2 rank r reads and writes only blocks r, so no two ranks touch the same bytes;
+after step 3 no rank touches another's buffer, so a rank may write its buffer again (the next
+step's gradients, or the update's results in place) as soon as it is past the call.
 
 The barriers are the group's own (``ProcessGroup.barrier``), so the deadline, the watchdog and
 the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
@@ -56,7 +56,8 @@ def requested() -> bool:
 
 
 class SymmetricMemory:
-    """``slots`` buffers of ``nbytes`` per rank; ``view(s, j)`` is rank j's slot s (uint8).
+    """``slots`` buffers (one unless asked) of ``nbytes`` per rank; ``view(s, j)`` is rank j's
+    slot s (uint8).
 
     Made by :meth:`create` (collective); the mappings close when the object is collected, and
     the files are unlinked as soon as every rank has mapped them, so nothing outlives the
@@ -73,19 +74,19 @@ class SymmetricMemory:
         self._typed: dict[tuple, list[np.ndarray]] = {}
 
     @classmethod
-    def create(cls, group: ProcessGroup, nbytes: int, slots: int, what: Any
+    def create(cls, group: ProcessGroup, nbytes: int, what: Any, slots: int = 1
                ) -> SymmetricMemory | None:
         """Collective over ``group`` (whose ranks share one host): every rank makes its
         buffers and maps everyone's; None on every rank when any rank could not (too little
         space in /dev/shm, no /dev/shm), after logging why."""
         sent = group.bytes_sent  # set-up messages are not the step's traffic
         try:
-            return cls._create(group, nbytes, slots, what)
+            return cls._create(group, nbytes, what, slots)
         finally:
             group.bytes_sent = sent
 
     @classmethod
-    def _create(cls, group: ProcessGroup, nbytes: int, slots: int, what: Any
+    def _create(cls, group: ProcessGroup, nbytes: int, what: Any, slots: int
                 ) -> SymmetricMemory | None:
         size, rank = group.size, group.rank
         ident = np.zeros(3, np.int64)  # ok, pid, counter
@@ -218,10 +219,10 @@ class SharedAllreduceWork(Work):
         for j in range(group.size):
             if j != r:
                 reduce(mine, views[j][lo:hi], out=mine)
-        group.barrier(self.what).wait(gentle)  # every block is reduced
         for j in range(group.size):
             if j != r:
-                views[r][bounds[j]:bounds[j + 1]] = views[j][bounds[j]:bounds[j + 1]]
+                views[j][lo:hi] = mine
+        group.barrier(self.what).wait(gentle)  # every buffer holds the whole result
         self.done = True
 
 

@@ -223,6 +223,14 @@ class Executor:
         self._last_use = last
         self._made_by_segment = produced_by_segment
         self._comm_touched = comm_touched  # a comm node may still read these (in flight)
+        # results of AllReduce on several ranks that die within the step: the reduced bucket
+        # (its donated input, the node's reused buffer, or its symmetric memory, which no other
+        # rank touches once the call is over) may take results in place like a gradient
+        self._reduced = {
+            x for node in self.comm_nodes.values()
+            if node.op_type == "AllReduce" and group.size > 1
+            and node.attributes.get("algorithm", "mpi") != "exact"
+            and node.state.get("reuse_buffer") for x in node.outputs}
         self._claimed: set[str] = set()  # donated values an earlier segment writes into
         self._own: dict[int, set[str]] = {}  # the donated values each segment writes into
         self._extra: dict[int, list[str]] = {}  # results a segment returns to write in place
@@ -271,8 +279,10 @@ class Executor:
                        self._last_use.get(x, -1) <= seg.index]
         made = [x for x in seg.inputs if x in self._made_by_segment and x not in self.outputs
                 and self._last_use.get(x) == seg.index and x not in self._comm_touched]
+        reduced = [x for x in seg.inputs if x in self._reduced and
+                   self._last_use.get(x) == seg.index]
         out = []
-        for x in [*donated, *made]:
+        for x in [*donated, *made, *reduced]:
             value = env.get(x)
             if value is not None and value.data_type() in _ORT_TYPES:
                 # onnxruntime's own memory (a segment's result) may be viewed in other shapes

@@ -5,7 +5,8 @@ result is the same as with MPI's own AllReduce.
 The same script runs with ``NGDIST_SHM_ALLREDUCE`` on and off (separate launches) on 2 and 4
 ranks: a digits MLP with SGD momentum, buckets small enough that some are flat (Concat) and
 some hold one large gradient. Each rank saves its parameters after the steps, the number of
-AllReduce calls that went through shared memory, and whether each bucket arrived in it.
+AllReduce calls that went through shared memory and the update's results written in place
+into reduced buckets; then it trains one trainer on every rank's batches together, the oracle.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def counted(self, gentle):
 shared.SharedAllreduceWork._run = counted
 
 x, y, _, _ = load_digits()
-tr = ngdist.compile(zoo.mlp((64, 256, 256, 10), seed=0), loss="softmax_cross_entropy",
+tr = ngdist.compile(zoo.mlp((64, 512, 512, 10), seed=0), loss="softmax_cross_entropy",
                     labels="y", optimizer=ngdist.optim.SGD(lr=0.05, momentum=0.9),
                     bucket_bytes=16_000, intra_op_threads=1)
 B = 12
@@ -44,8 +45,21 @@ for s in range(%(steps)d):
 params = {k: np.asarray(v) for k, v in tr.parameters().items()}
 np.savez(f"params_{tr.rank}.npz", **params)
 nodes = [n.name for n in tr.executor.comm_nodes.values()]
-json.dump({"calls": calls, "nodes": nodes}, open(f"report_{tr.rank}.json", "w"))
+reduced = {o for n in tr.executor.comm_nodes.values() for o in n.outputs}
+# results the update writes into the memory of a reduced bucket
+into_reduced = sorted(r for plans in tr.executor._inplace.values() for plan in plans.values()
+                      for r, (buf, _) in plan.items() if buf in reduced)
+json.dump({"calls": calls, "nodes": nodes, "into_reduced": into_reduced},
+          open(f"report_{tr.rank}.json", "w"))
 tr.close()
+# the oracle: one trainer on the combined batch of every rank, no communication
+one = ngdist.compile(zoo.mlp((64, 512, 512, 10), seed=0), loss="softmax_cross_entropy",
+                     labels="y", optimizer=ngdist.optim.SGD(lr=0.05, momentum=0.9),
+                     strategy="local", intra_op_threads=1)
+for s in range(%(steps)d):
+    lo = s * tr.size * B
+    one.step({"x": x[lo:lo + tr.size * B], "y": y[lo:lo + tr.size * B]})
+np.savez(f"oracle_{tr.rank}.npz", **{k: np.asarray(v) for k, v in one.parameters().items()})
 """ % {"steps": STEPS}
 
 
@@ -76,6 +90,13 @@ def test_buckets_reduced_in_shared_memory_train_as_mpi_does(ranks, tmp_path, n):
         # later one finds its input there
         assert sorted(rep["calls"]) == sorted(nodes * (STEPS - 1)), rep
     assert all(rep["calls"] == [] for rep in off_rep)
+    # the update writes a result into the reduced fc1 weight gradient's memory (its symmetric
+    # memory, or the buffer MPI reduced in place)
+    for rep in (*on_rep, *off_rep):
+        assert rep["into_reduced"], rep
+    oracle = dict(np.load(tmp_path / "oracle_0.npz"))
+    for k in on[0]:
+        np.testing.assert_allclose(on[0][k], oracle[k], rtol=1e-4, atol=1e-6, err_msg=k)
     for k in on[0]:
         if n == 2:  # a sum of two is the same in any order: bit for bit
             assert on[0][k].tobytes() == off[0][k].tobytes(), k
