@@ -29,24 +29,20 @@ def _offer_symmetric(group, node, buf) -> None:
     host. The group's ``allreduce`` then reduces it there without a message
     (comm/shared.py). The first call makes the memory: a collective, reached by every rank at
     the same call."""
+    node.state.pop("write_to", None)
     if "bucket" not in node.attributes or not node.state.get("reuse_buffer") or \
             buf.dtype not in (np.float32, np.float64):
         return
     if "symmetric" not in node.state:
         node.state["symmetric"] = group.symmetric(buf.nbytes, node)
-        node.state["write_slots"] = None
     mem = node.state["symmetric"]
-    if mem is None:
+    if mem is None or buf.nbytes > mem.nbytes:
         return
-    slots = node.state["write_slots"]
-    if slots is None or slots[0].shape != buf.shape or slots[0].dtype != buf.dtype:
-        if buf.nbytes > mem.nbytes:
-            return
-        slots = node.state["write_slots"] = [
-            mem.view(s, group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
-            for s in range(mem.slots)]
-    where = mem.slot_of(buf)
-    node.state["write_to"] = {0: slots[0 if where is None else (where[0] + 1) % mem.slots]}
+    target = node.state.get("write_target")
+    if target is None or target.shape != buf.shape or target.dtype != buf.dtype:
+        target = node.state["write_target"] = \
+            mem.view(0, group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
+    node.state["write_to"] = {0: target}
 
 
 @register_kernel("AllReduce",
