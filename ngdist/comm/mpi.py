@@ -22,6 +22,7 @@ import numpy as np
 
 import ngdist.comm.shared as shared
 from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
+from ngdist.errors import CommError
 
 logger = logging.getLogger(__name__)
 
@@ -212,20 +213,39 @@ class MpiGroup(ProcessGroup):
         return self._wrap(new)
 
     def symmetric(self, nbytes, what, slots=1):
-        if self.size == 1 or nbytes <= 0 or not shared.requested():
+        if self.size == 1 or nbytes <= 0:
             return None
-        if self._one_host is None:  # MPI's own view: ranks in separate namespaces are hosts
-            MPI = _mpi()
-            self._all_present(what)
-            local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            self._one_host = local.Get_size() == self.size
-            local.Free()
+        if self._one_host is None:
+            self._one_host = self._shared_memory_usable(what)
         if not self._one_host:
             return None
         mem = shared.SymmetricMemory.create(self, nbytes, what, slots)
         if mem is not None:
             self._symmetric.add(mem)
         return mem
+
+    def _shared_memory_usable(self, what) -> bool:
+        """Collective: every rank asks for shared memory (``NGDIST_SHM_ALLREDUCE``; ranks that
+        disagree are an error) and MPI puts every rank on this host (its own view: ranks in
+        separate network namespaces are separate hosts)."""
+        MPI = _mpi()
+        sent = self.bytes_sent
+        wanted = np.array([shared.requested()], np.int64)
+        table = np.empty(self.size, np.int64)
+        self.allgather(wanted, table, what).wait()
+        self.bytes_sent = sent
+        if len(set(table.tolist())) > 1:
+            on = [self._world_ranks[r] for r in range(self.size) if table[r]]
+            raise CommError(f"NGDIST_SHM_ALLREDUCE is 0 on some ranks and not on ranks {on}; "
+                            "set it the same on every rank (mpiexec -genv "
+                            "NGDIST_SHM_ALLREDUCE=0, or not at all)")
+        if not table[0]:
+            return False
+        self._all_present(what)
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        one_host = local.Get_size() == self.size
+        local.Free()
+        return one_host
 
     def host_groups(self, what, ranks_per_host=0):
         MPI = _mpi()

@@ -167,3 +167,31 @@ def test_a_dead_peer_fails_the_shared_allreduce_long_before_the_timeout(ranks, t
         "message": f"'grad-sum' cannot complete on rank 0: the process of rank 1 (pid {pid1}) "
                    "has exited. Look at that rank's output for why it stopped"}, seen
     assert result["elapsed"] < 10, result
+
+
+DISAGREE = r"""
+import json, os
+from ngdist.comm import world_group
+
+world = world_group(timeout=60)
+if world.rank == 1:
+    os.environ["NGDIST_SHM_ALLREDUCE"] = "0"
+try:
+    world.symmetric(4096, "buffers of the test")
+    caught = None
+except Exception as exc:
+    caught = {"type": type(exc).__name__, "message": str(exc)}
+with open(f"caught{world.rank}.json", "w") as fh:
+    json.dump(caught, fh)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_that_disagree_on_the_switch_all_fail_saying_so(ranks, tmp_path):
+    ranks(2, DISAGREE, timeout=60, env={"NGDIST_SHM_ALLREDUCE": "1"})
+    for r in range(2):
+        assert json.loads((tmp_path / f"caught{r}.json").read_text()) == {
+            "type": "CommError",
+            "message": "NGDIST_SHM_ALLREDUCE is 0 on some ranks and not on ranks [0]; set it "
+                       "the same on every rank (mpiexec -genv NGDIST_SHM_ALLREDUCE=0, or not "
+                       "at all)"}
