@@ -193,10 +193,10 @@ class ProcessGroup(abc.ABC):
     def dup(self, what: Any) -> ProcessGroup:
         """Collective: the same ranks, messages of their own (never matching this group's)."""
 
-    def symmetric(self, nbytes: int, what: Any, slots: int = 1) -> Any:
-        """Collective: ``slots`` buffers of ``nbytes`` per rank that every rank can read
-        (comm/shared.py), or None where the group cannot make them (ranks on several hosts,
-        one rank, ``NGDIST_SHM_ALLREDUCE=0``). ``allreduce`` of a buffer that lies in them
+    def symmetric(self, nbytes: int, what: Any) -> Any:
+        """Collective: a buffer of ``nbytes`` per rank that every rank can read and write
+        (comm/shared.py), or None where the group cannot make it (ranks on several hosts,
+        one rank, ``NGDIST_SHM_ALLREDUCE=0``). ``allreduce`` of a buffer that lies in it
         reduces through the shared memory instead of sending messages."""
         return None
 

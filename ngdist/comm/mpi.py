@@ -212,14 +212,14 @@ class MpiGroup(ProcessGroup):
         self._work([req], what).wait()
         return self._wrap(new)
 
-    def symmetric(self, nbytes, what, slots=1):
+    def symmetric(self, nbytes, what):
         if self.size == 1 or nbytes <= 0:
             return None
         if self._one_host is None:
             self._one_host = self._shared_memory_usable(what)
         if not self._one_host:
             return None
-        mem = shared.SymmetricMemory.create(self, nbytes, what, slots)
+        mem = shared.SymmetricMemory.create(self, nbytes, what)
         if mem is not None:
             self._symmetric.add(mem)
         return mem

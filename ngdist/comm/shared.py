@@ -56,100 +56,93 @@ def requested() -> bool:
 
 
 class SymmetricMemory:
-    """``slots`` buffers (one unless asked) of ``nbytes`` per rank; ``view(s, j)`` is rank j's
-    slot s (uint8).
+    """A buffer of ``nbytes`` per rank that every rank of the group maps; ``view(j)`` is rank
+    j's (uint8).
 
     Made by :meth:`create` (collective); the mappings close when the object is collected, and
     the files are unlinked as soon as every rank has mapped them, so nothing outlives the
     processes."""
 
-    def __init__(self, group: ProcessGroup, nbytes: int,
-                 maps: list[list[mmap.mmap]]) -> None:
+    def __init__(self, group: ProcessGroup, nbytes: int, maps: list[mmap.mmap]) -> None:
         self.group = group
         self.nbytes = nbytes
-        self.slots = len(maps)
         self._maps = maps
-        self._views = [[np.frombuffer(m, np.uint8, nbytes) for m in row] for row in maps]
-        self._bases = [v[group.rank].__array_interface__["data"][0] for v in self._views]
+        self._views = [np.frombuffer(m, np.uint8, nbytes) for m in maps]
+        self._base = self._views[group.rank].__array_interface__["data"][0]
         self._typed: dict[tuple, list[np.ndarray]] = {}
 
     @classmethod
-    def create(cls, group: ProcessGroup, nbytes: int, what: Any, slots: int = 1
-               ) -> SymmetricMemory | None:
+    def create(cls, group: ProcessGroup, nbytes: int, what: Any) -> SymmetricMemory | None:
         """Collective over ``group`` (whose ranks share one host): every rank makes its
-        buffers and maps everyone's; None on every rank when any rank could not (too little
+        buffer and maps everyone's; None on every rank when any rank could not (too little
         space in /dev/shm, no /dev/shm), after logging why."""
         sent = group.bytes_sent  # set-up messages are not the step's traffic
         try:
-            return cls._create(group, nbytes, what, slots)
+            return cls._create(group, nbytes, what)
         finally:
             group.bytes_sent = sent
 
     @classmethod
-    def _create(cls, group: ProcessGroup, nbytes: int, what: Any, slots: int
-                ) -> SymmetricMemory | None:
+    def _create(cls, group: ProcessGroup, nbytes: int, what: Any) -> SymmetricMemory | None:
         size, rank = group.size, group.rank
         ident = np.zeros(3, np.int64)  # ok, pid, counter
         ident[1], ident[2] = os.getpid(), next(_counter)
-        mine: list[mmap.mmap] = []
-        paths = [_path(int(ident[1]), int(ident[2]), s) for s in range(slots)]
+        path = _path(int(ident[1]), int(ident[2]))
+        mine: mmap.mmap | None = None
         try:
             free = os.statvfs(SHM_DIR)
-            # room for every rank's buffers twice over: never fill the tmpfs (a write to a
-            # page it cannot back is a SIGBUS, not an error)
-            if free.f_bavail * free.f_frsize < 2 * size * slots * nbytes:
+            # room for every rank's buffer twice over: never fill the tmpfs
+            if free.f_bavail * free.f_frsize < 2 * size * nbytes:
                 raise OSError(f"{SHM_DIR} has {free.f_bavail * free.f_frsize} bytes free, "
-                              f"less than twice the {size * slots * nbytes} needed")
-            for p in paths:
-                mine.append(_map(p, nbytes, create=True))
+                              f"less than twice the {size * nbytes} needed")
+            mine = _map(path, nbytes, create=True)
             ident[0] = 1
         except OSError as exc:
             logger.info("AllReduce through shared memory is off for %s: %s",
                         describe(what), exc)
         table = np.empty((size, 3), np.int64)
         group.allgather(ident, table, what).wait()
-        maps: list[list[mmap.mmap]] | None = None
+        maps: list[mmap.mmap] = []
         ok = np.zeros(1, np.int64)
         if table[:, 0].all():
             try:
-                maps = [[mine[s] if j == rank else
-                         _map(_path(int(table[j, 1]), int(table[j, 2]), s), nbytes)
-                         for j in range(size)] for s in range(slots)]
+                maps = [mine if j == rank else
+                        _map(_path(int(table[j, 1]), int(table[j, 2])), nbytes)
+                        for j in range(size)]
                 ok[0] = 1
             except OSError as exc:
                 logger.info("AllReduce through shared memory is off for %s: %s",
-                        describe(what), exc)
+                            describe(what), exc)
         oks = np.empty(size, np.int64)  # also: every rank has mapped every file
         group.allgather(ok, oks, what).wait()
-        for p in paths[:len(mine)]:
-            _unlink(p)
+        if mine is not None:
+            _unlink(path)
         if not oks.all():
             return None
         return cls(group, nbytes, maps)
 
-    def view(self, slot: int, rank: int) -> np.ndarray:
-        return self._views[slot][rank]
+    def view(self, rank: int) -> np.ndarray:
+        return self._views[rank]
 
-    def slot_of(self, buf: np.ndarray) -> tuple[int, int] | None:
-        """(slot, byte offset) when ``buf`` lies in one of this rank's buffers, else None."""
+    def offset_of(self, buf: np.ndarray) -> int | None:
+        """The byte offset of ``buf`` when it lies in this rank's buffer, else None."""
         start = buf.__array_interface__["data"][0]
-        for s, base in enumerate(self._bases):
-            if base <= start and start + buf.nbytes <= base + self.nbytes:
-                return s, start - base
+        if self._base <= start and start + buf.nbytes <= self._base + self.nbytes:
+            return start - self._base
         return None
 
-    def typed(self, slot: int, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every rank's ``count`` elements of ``dtype`` at ``offset`` in slot ``slot``."""
-        key = (slot, offset, dtype.str, count)
+    def typed(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Every rank's ``count`` elements of ``dtype`` at byte ``offset``."""
+        key = (offset, dtype.str, count)
         views = self._typed.get(key)
         if views is None:
-            views = self._typed[key] = [np.frombuffer(self._maps[slot][j], dtype, count, offset)
-                                        for j in range(self.group.size)]
+            views = self._typed[key] = [np.frombuffer(m, dtype, count, offset)
+                                        for m in self._maps]
         return views
 
 
-def _path(pid: int, counter: int, slot: int) -> str:
-    return os.path.join(SHM_DIR, f"ngdist-{pid}-{counter}-{slot}")
+def _path(pid: int, counter: int) -> str:
+    return os.path.join(SHM_DIR, f"ngdist-{pid}-{counter}")
 
 
 def _map(path: str, nbytes: int, create: bool = False) -> mmap.mmap:
@@ -189,10 +182,9 @@ class SharedAllreduceWork(Work):
     ``wait``."""
 
     def __init__(self, group: ProcessGroup, mem: SymmetricMemory, buf: np.ndarray,
-                 where: tuple[int, int], what: Any, op: str,
-                 peers: Sequence[int] | None = None) -> None:
+                 offset: int, what: Any, op: str, peers: Sequence[int] | None = None) -> None:
         super().__init__(group, what, peers)
-        self.mem, self.buf, self.where, self.op = mem, buf, where, op
+        self.mem, self.buf, self.offset, self.op = mem, buf, offset, op
         self.done = False
 
     def test(self) -> bool:
@@ -208,8 +200,7 @@ class SharedAllreduceWork(Work):
     def _run(self, gentle: bool) -> None:
         group, buf = self.group, self.buf
         flat = buf.reshape(-1)
-        slot, offset = self.where
-        views = self.mem.typed(slot, offset, flat.dtype, flat.size)
+        views = self.mem.typed(self.offset, flat.dtype, flat.size)
         bounds = blocks(flat.size, flat.itemsize, group.size)
         r = group.rank
         reduce = _REDUCE[self.op]
@@ -235,11 +226,12 @@ class SymmetricRegistry:
     def add(self, mem: SymmetricMemory) -> None:
         self._mems.add(mem)
 
-    def find(self, buf: np.ndarray) -> tuple[SymmetricMemory, tuple[int, int]] | None:
+    def find(self, buf: np.ndarray) -> tuple[SymmetricMemory, int] | None:
+        """(the memory, the byte offset) that ``buf`` lies in, else None."""
         if not self._mems or not isinstance(buf, np.ndarray):
             return None
         for mem in self._mems:
-            where = mem.slot_of(buf)
-            if where is not None:
-                return mem, where
+            offset = mem.offset_of(buf)
+            if offset is not None:
+                return mem, offset
         return None

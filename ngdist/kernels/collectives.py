@@ -41,7 +41,7 @@ def _offer_symmetric(group, node, buf) -> None:
     target = node.state.get("write_target")
     if target is None or target.shape != buf.shape or target.dtype != buf.dtype:
         target = node.state["write_target"] = \
-            mem.view(0, group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
+            mem.view(group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
     node.state["write_to"] = {0: target}
 
 
