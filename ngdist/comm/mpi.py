@@ -215,11 +215,15 @@ class MpiGroup(ProcessGroup):
     def symmetric(self, nbytes, what):
         if self.size == 1 or nbytes <= 0:
             return None
-        if self._one_host is None:
-            self._one_host = self._shared_memory_usable(what)
-        if not self._one_host:
-            return None
-        mem = shared.SymmetricMemory.create(self, nbytes, what)
+        sent = self.bytes_sent  # set-up messages are not the step's traffic
+        try:
+            if self._one_host is None:
+                self._one_host = self._shared_memory_usable(what)
+            if not self._one_host:
+                return None
+            mem = shared.SymmetricMemory.create(self, nbytes, what)
+        finally:
+            self.bytes_sent = sent
         if mem is not None:
             self._symmetric.add(mem)
         return mem
@@ -229,11 +233,9 @@ class MpiGroup(ProcessGroup):
         disagree are an error) and MPI puts every rank on this host (its own view: ranks in
         separate network namespaces are separate hosts)."""
         MPI = _mpi()
-        sent = self.bytes_sent
         wanted = np.array([shared.requested()], np.int64)
         table = np.empty(self.size, np.int64)
         self.allgather(wanted, table, what).wait()
-        self.bytes_sent = sent
         if len(set(table.tolist())) > 1:
             on = [self._world_ranks[r] for r in range(self.size) if table[r]]
             raise CommError(f"NGDIST_SHM_ALLREDUCE is 0 on some ranks and not on ranks {on}; "

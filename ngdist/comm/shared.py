@@ -76,14 +76,6 @@ class SymmetricMemory:
         """Collective over ``group`` (whose ranks share one host): every rank makes its
         buffer and maps everyone's; None on every rank when any rank could not (too little
         space in /dev/shm, no /dev/shm), after logging why."""
-        sent = group.bytes_sent  # set-up messages are not the step's traffic
-        try:
-            return cls._create(group, nbytes, what)
-        finally:
-            group.bytes_sent = sent
-
-    @classmethod
-    def _create(cls, group: ProcessGroup, nbytes: int, what: Any) -> SymmetricMemory | None:
         size, rank = group.size, group.rank
         ident = np.zeros(3, np.int64)  # ok, pid, counter
         ident[1], ident[2] = os.getpid(), next(_counter)

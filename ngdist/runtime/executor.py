@@ -201,7 +201,8 @@ class Executor:
                 for i, name in enumerate(node.inputs):
                     if node.donated[i]:
                         self._comm_input[name] = (node, i)
-        self._kernel_values: dict[int, tuple[Any, ort.OrtValue]] = {}
+        # value name -> (the array its kernel asked for, an OrtValue over it)
+        self._kernel_values: dict[str, tuple[Any, ort.OrtValue]] = {}
         # constants a comm node reads directly, placed once
         self.comm_constants: dict[str, ort.OrtValue] = {
             name: placement.value(numpy_helper.to_array(self.constants[name]).copy())
@@ -398,7 +399,8 @@ class Executor:
     def _kernel_memory(self, name: str) -> ort.OrtValue | None:
         """The memory a comm kernel asked value ``name`` to be written into for its next
         call (``node.state["write_to"]``: {input index: host array}), as an OrtValue made once
-        per array; None when it asked for nothing."""
+        per array (kept per value: a new array replaces the old one's); None when it asked for
+        nothing."""
         spot = self._comm_input.get(name)
         if spot is None:
             return None
@@ -406,9 +408,9 @@ class Executor:
         array = node.state.get("write_to", {}).get(i)
         if array is None:
             return None
-        made = self._kernel_values.get(id(array))
+        made = self._kernel_values.get(name)
         if made is None or made[0] is not array:
-            made = self._kernel_values[id(array)] = (array, self.placement.value(array))
+            made = self._kernel_values[name] = (array, self.placement.value(array))
         return made[1]
 
     # ------------------------------------------------------------------ comm
