@@ -60,8 +60,7 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int,
         model = zoo.mlp((64, hidden, 10), seed=0)
         trainers = {s: ngdist.compile(model, loss="softmax_cross_entropy", labels="y",
                                       optimizer=ngdist.optim.SGD(lr=1e-4, momentum=momentum),
-                                      strategy=s,
-                                      intra_op_threads=1, overlap=overlap)
+                                      strategy=s, intra_op_threads=1, overlap=overlap)
                     for s in ("allreduce", "local")}
         nbytes = sum(v.nbytes for v in trainers["local"].parameters().values())
         buf = np.ones(nbytes // 4, np.float32)
@@ -142,8 +141,9 @@ def main() -> int:
         sys.stderr.write(proc.stdout + proc.stderr)
         return proc.returncode or 1
     rows = json.loads(line[7:])
+    how = {True: "on", False: "off", None: "as the library chooses"}[overlap]
     print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank, "
-          f"SGD momentum {args.momentum:g}, overlap {({True: 'on', False: 'off', None: 'as the library chooses'})[overlap]}")
+          f"SGD momentum {args.momentum:g}, overlap {how}")
     print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce "
           "| local+mpi4py - local | vs mpi4py | vs compute+mpi4py | bound |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
