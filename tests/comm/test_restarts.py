@@ -90,16 +90,24 @@ def assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
 # ----------------------------------------------------------------------------- restarts
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("min_ranks, last_ranks", [(None, 2), ("1", 1)])
+@pytest.mark.parametrize("min_ranks, last_ranks, grace", [(None, 2, "0"), ("1", 1, "0"),
+                                                          (None, 2, "20")])
 def test_a_killed_rank_restarts_the_job_which_resumes_bit_for_bit(tmp_path, uninterrupted,
-                                                                  min_ranks, last_ranks):
-    options = ("--max-restarts", "1") + (("--min-ranks", min_ranks) if min_ranks else ())
+                                                                  min_ranks, last_ranks, grace):
+    """``--grace 0``: the supervisor stops the surviving rank as soon as it sees the death;
+    ``--grace 20``: the survivor's own dead-peer check ends it first (a few seconds). Either
+    way the job restarts and resumes from the newest checkpoint."""
+    options = ("--max-restarts", "1", "--grace", grace)
+    options += ("--min-ranks", min_ranks) if min_ranks else ()
     proc, state = train(tmp_path, "killed", *options, kill=True)
     assert proc.returncode == 0, proc.stderr
     restart = [line for line in proc.stderr.splitlines() if line.startswith("ngdist:")]
+    stopped = "stopped the other 1 rank; " if grace == "0" else ""
     assert restart == [f"ngdist: attempt 1 of 2 failed: rank 1 failed (Killed (signal 9)); "
-                       f"stopped the other 1 rank; restarting on "
+                       f"{stopped}restarting on "
                        f"{'1 rank' if last_ranks == 1 else '2 ranks'} (NGDIST_RESTART_COUNT=1)"]
+    if not stopped:  # the survivor's own error names the rank that died
+        assert "cannot complete on rank 0: the process of rank 1 (pid " in proc.stderr
     starts = sorted(line for line in proc.stdout.splitlines() if "attempt" in line)
     expected = ["[rank 0] attempt 0 on 2 rank(s) from step 0",
                 "[rank 0] attempt 1 on %d rank(s) from step 6" % last_ranks,
