@@ -113,3 +113,14 @@ def assert_same_trajectory(a, b, x, y, steps: int, batch: int) -> None:
 def same_trajectory():
     """``same_trajectory(a, b, x, y, steps, batch)``: see assert_same_trajectory."""
     return assert_same_trajectory
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():
+    """Tests that kill ranks under a bare mpiexec (no ``ngdist run`` to clean up after them)
+    leave MPICH's segments in /dev/shm; the session removes those its jobs left."""
+    from ngdist.comm import leftovers
+
+    before = leftovers.snapshot()
+    yield
+    leftovers.remove(before)

@@ -19,6 +19,8 @@ process of it is left:
   the other ranks get ``grace`` seconds to end on their own (ngdist's collectives notice a
   gone peer, and their messages say why), then the job is stopped as above. mpiexec runs with
   ``-disable-auto-cleanup``, so it would otherwise let them wait for their collective timeout.
+- When the job has ended, the shared-memory files in ``/dev/shm`` that its ranks made and
+  could not remove (a rank killed, MPI_Abort) are removed (comm/leftovers.py).
 
 Restarts (``supervise``, torchrun's ``--max-restarts``): when a job fails (a rank exits
 non-zero or is killed, or mpiexec fails) and it was not stopped by a signal, the whole job is
@@ -51,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ngdist.comm import rankwrap
+from ngdist.comm import leftovers, rankwrap
 from ngdist.comm.launch import mpiexec_cmd
 from ngdist.comm.rank_output import LABEL_PATTERN, OutputRouter
 
@@ -154,6 +156,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the job
     def run(self) -> JobResult:
         logger.info("launching: %s", " ".join(self.cmd))
+        shm_before = leftovers.snapshot()
         with _handling(STOP_SIGNALS, self._received.append):
             proc = self._proc = subprocess.Popen(
                 self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
@@ -168,6 +171,7 @@ class Supervisor:
                 if left and not self._killing:
                     logger.warning("killed %d process(es) the ranks left behind", left)
                 self._killed += left
+                leftovers.remove(shm_before)  # MPICH's segments of ranks that did not finalize
                 self.router.close()
                 for pipe in (proc.stdout, proc.stderr):
                     if pipe is not None:
