@@ -1,29 +1,38 @@
-"""Depthwise convolutions on onnxruntime's blocked-channel (NCHWc) CPU kernels.
+"""Convolutions on onnxruntime's blocked-channel (NCHWc) CPU kernels.
 
 onnxruntime runs a Conv through its NCHWc kernels only when the graph optimiser can reorder
 the weight once, at load time, which needs the weight to be a constant. In a training step
-the weights are inputs, so every Conv takes the generic im2col + GEMM path, and for a
-depthwise Conv (one input and one output channel per group) that path does one tiny GEMM per
-channel: x [8, 40, 16, 16] with a 7x7 depthwise kernel takes 1.8 ms there and 0.31 ms on the
-NCHWc kernel, [8, 144, 16, 16] 3x3 1.2 vs 0.26 ms (one thread, the reorders included).
+the weights are inputs, so every Conv takes the generic im2col + GEMM path (and every
+ConvTranspose its GEMM + col2im path). For a depthwise Conv (one input and one output channel
+per group) that path does one tiny GEMM per channel: x [8, 40, 16, 16] with a 7x7 depthwise
+kernel takes 1.8 ms there and 0.31 ms on the NCHWc kernel, [8, 144, 16, 16] 3x3 1.2 vs 0.26
+ms (one thread, the reorders included).
 
-:func:`block_depthwise_convs` rewrites such a Conv into what the optimiser would have made of
+:func:`block_convs` rewrites such a convolution into what the optimiser would have made of
 it, with the weight reordered inside the graph at every run (a Reshape, Transpose, Reshape of
 a small tensor): ``ReorderInput`` (NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the
-weight in OIHWBo order (output channels blocked innermost), ``ReorderOutput`` back to NCHW.
-Dense convolutions stay as they are: their weights' 6-D reorder costs more than the kernel
-saves ([8, 512, 2, 2] 3x3: 15.2 vs 5.0 ms).
+reordered weight, ``ReorderOutput`` back to NCHW. Depthwise Convs always (weight in OIHWBo
+order, output channels blocked innermost); dense Convs (group 1) and stride-1 ConvTransposes
+of group 1 (a Conv's data gradient, computed as the Conv of the output gradient with the
+weight flipped and its channels swapped) in OIHWBiBo order when the output holds at least
+``DENSE_OUTPUT_PER_WEIGHT`` elements per weight element: the 6-D reorder of a large weight on a
+small map costs more than the kernel saves ([8, 512, 2, 2] 3x3: 11.8 vs 5.9 ms). In the digits
+CNN's training step (batch 128, one thread), the 32 -> 64 channel 3x3 Conv on [128, 32, 8, 8]
+takes 2.6 instead of 4.3 ms, its data gradient 2.6 instead of 4.3-4.8 ms (onnxruntime's
+profiler).
 
 On by default on the CPU; ``NGDIST_CPU_BLOCKED_CONV=0`` turns it off. It makes MobileNetV2,
 MobileNetV3-Large and timm's ConvNeXt-Atto steps ~23% faster (8 images of 64x64, one
-thread); each rewritten Conv agrees with onnxruntime's own to float32 rounding, and a step's
-gradients agree with float64 as closely as PyTorch's float32 ones.
+thread); each rewritten convolution agrees with onnxruntime's own to float32 rounding, and a
+step's gradients agree with float64 as closely as PyTorch's float32 ones.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -41,7 +50,7 @@ def requested() -> bool:
     """Whether the rewrite is wanted: yes unless ``NGDIST_CPU_BLOCKED_CONV=0``."""
     value = os.environ.get(ENV, "1").strip()
     if value not in ("", "0", "1"):
-        raise NgdistError(f"{ENV}={value!r}: set it to 0 to keep depthwise convolutions on "
+        raise NgdistError(f"{ENV}={value!r}: set it to 0 to keep convolutions on "
                           "onnxruntime's generic kernels, or 1 (the default) to run them on "
                           "its blocked-channel CPU kernels")
     return value != "0"
@@ -78,14 +87,37 @@ def probe_model() -> onnx.ModelProto:
                              ir_version=9)
 
 
-def block_depthwise_convs(model: onnx.ModelProto, block: int,
-                          shapes: Mapping[str, Sequence[int]] | None = None
-                          ) -> onnx.ModelProto:
-    """``model`` with each depthwise 2-D Conv whose weight is a float32 graph input (and whose
-    channels are a multiple of ``block``, the CPU's NCHWc block size; 0: none) on the NCHWc
-    kernels; ``shapes`` adds static shapes of the graph's inputs (a weight's shape must be
-    known). Returns ``model`` itself when nothing applies, else a rewritten copy."""
-    if block <= 4 or not requested() or not any(n.op_type == "Conv" for n in model.graph.node):
+# a dense Conv (or stride-1 ConvTranspose) goes to the blocked kernels when its output holds at
+# least this many elements per weight element: the weight is reordered in the graph at every
+# run, which pays only when the convolution's work outweighs it. One thread, AVX-512 (block 16),
+# 3x3, in-graph reorder against the generic Conv, by output elements per weight element:
+# 0.4-0.9: 0.93-1.10x the time ([8, 128, 8, 8] -> 128 channels, [16, 256, 8, 8], [4, 128, 16,
+# 16]); 1.8: 0.87x ([32, 128, 8, 8]); 3.6: 0.84x ([64, 128, 8, 8], [8, 64, 16, 16]); 7-28:
+# 0.70-0.81x ([128, 128, 8, 8], [16, 64, 16, 16], [8, 32, 16, 16], [128, 32, 8, 8] -> 64
+# channels 4.3 -> 3.3 ms); [8, 512, 2, 2] (0.007) 5.9 -> 11.8 ms
+DENSE_OUTPUT_PER_WEIGHT = 2
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One convolution to move: ``kind`` "depthwise", "dense" or "transposed"."""
+
+    kind: str
+    w_shape: tuple[int, ...]
+
+
+def block_convs(model: onnx.ModelProto, block: int,
+                shapes: Mapping[str, Sequence[int]] | None = None) -> onnx.ModelProto:
+    """``model`` with its 2-D convolutions whose float32 weight is a graph input (and whose
+    channels are multiples of ``block``, the CPU's NCHWc block size; 0: none) on the NCHWc
+    kernels: every depthwise Conv; a dense Conv (group 1) when its output holds at least
+    ``DENSE_OUTPUT_PER_WEIGHT`` elements per weight element; a stride-1 ConvTranspose of group
+    1 (the data gradient of a Conv), under the same rule, as the Conv of its input with the
+    weight flipped and its channels swapped. ``shapes`` gives static shapes of the graph's
+    inputs (a weight's shape must be known, and a dense one's output size). Returns ``model``
+    itself when nothing applies, else a rewritten copy."""
+    if block <= 4 or not requested() or \
+            not any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node):
         return model
     known = _static_shapes(model)
     known.update({k: list(v) for k, v in (shapes or {}).items()})
@@ -93,45 +125,171 @@ def block_depthwise_convs(model: onnx.ModelProto, block: int,
     weights = {v.name for v in model.graph.input
                if v.type.tensor_type.elem_type == TensorProto.FLOAT} - \
         {t.name for t in model.graph.initializer}
-    targets = {i for i, n in enumerate(model.graph.node)
-               if len(n.input) > 1 and n.input[1] in weights and
-               _depthwise(n, known.get(n.input[1]), block)}
+    candidates = [(i, n) for i, n in enumerate(model.graph.node) if len(n.input) > 1 and
+                  n.input[1] in weights and n.domain in ("", "ai.onnx") and
+                  n.op_type in ("Conv", "ConvTranspose")]
+    if any(_kind(n, known.get(n.input[1]), block) in ("dense", "transposed")
+           for _, n in candidates):
+        known.update(_inferred_shapes(model, known))
+    targets: dict[int, _Target] = {}
+    for i, node in candidates:
+        w_shape = known.get(node.input[1])
+        kind = _kind(node, w_shape, block)
+        if kind is None:
+            continue
+        if kind != "depthwise":
+            y_shape = known.get(node.output[0])
+            if y_shape is None or \
+                    math.prod(y_shape) < DENSE_OUTPUT_PER_WEIGHT * math.prod(w_shape):
+                continue
+        targets[i] = _Target(kind, tuple(w_shape))
     if not targets:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    nodes = list(out.graph.node)
-    reordered: dict[str, str] = {}
+    reordered: dict[tuple[str, str], str] = {}
     new_nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(nodes):
-        if i not in targets:
+    for i, node in enumerate(out.graph.node):
+        target = targets.get(i)
+        if target is None:
             new_nodes.append(node)
             continue
-        x, w = node.input[0], node.input[1]
-        c, _, kh, kw = known[w]
         p = f"{node.output[0]}/nchwc"  # value names are unique; node names need not be
-        if w not in reordered:  # OIHW -> OIHWBo: [C/B, B, 1, KH, KW] -> [C/B, 1, KH, KW, B]
-            split = numpy_helper.from_array(np.array([c // block, block, 1, kh, kw], np.int64),
-                                            f"{p}/split")
-            flat = numpy_helper.from_array(np.array([c, 1, kh, kw], np.int64), f"{p}/flat")
-            out.graph.initializer.extend([split, flat])
-            new_nodes += [
-                helper.make_node("Reshape", [w, split.name], [f"{p}/w5"], name=f"{p}/w5"),
-                helper.make_node("Transpose", [f"{p}/w5"], [f"{p}/wt"], name=f"{p}/wt",
-                                 perm=[0, 2, 3, 4, 1]),
-                helper.make_node("Reshape", [f"{p}/wt", flat.name], [f"{p}/w"], name=f"{p}/w")]
-            reordered[w] = f"{p}/w"
-        conv = helper.make_node("Conv", [f"{p}/x", reordered[w], *node.input[2:]],
-                                [f"{p}/y"], name=f"{p}/conv", domain=DOMAIN)
-        conv.attribute.extend(node.attribute)
+        w = node.input[1]
+        if (w, target.kind) not in reordered:
+            nodes, inits, reordered[(w, target.kind)] = _reorder_weight(w, target, block, p)
+            new_nodes += nodes
+            out.graph.initializer.extend(inits)
+        attrs = list(node.attribute) if node.op_type == "Conv" else _as_conv(node, target)
+        channels = target.w_shape[1] if target.kind == "transposed" else target.w_shape[0]
+        conv = helper.make_node("Conv", [f"{p}/x", reordered[(w, target.kind)],
+                                         *node.input[2:]], [f"{p}/y"], name=f"{p}/conv",
+                                domain=DOMAIN)
+        conv.attribute.extend(attrs)
         new_nodes += [
-            helper.make_node("ReorderInput", [x], [f"{p}/x"], name=f"{p}/x", domain=DOMAIN),
+            helper.make_node("ReorderInput", [node.input[0]], [f"{p}/x"], name=f"{p}/x",
+                             domain=DOMAIN),
             conv,
             helper.make_node("ReorderOutput", [f"{p}/y"], [node.output[0]], name=f"{p}/out",
-                             domain=DOMAIN, channels=c)]
+                             domain=DOMAIN, channels=channels)]
     del out.graph.node[:]
     out.graph.node.extend(new_nodes)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    logger.debug("%d depthwise Conv(s) on the NCHWc kernels", len(targets))
+    logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
+                 sorted(t.kind for t in targets.values()))
     return out
+
+
+def _kind(node: onnx.NodeProto, w_shape: Sequence[int] | None, block: int) -> str | None:
+    """"depthwise", "dense", "transposed" or None (stays) by the node's own attributes."""
+    if w_shape is None or len(w_shape) != 4:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    group = attrs.get("group", 1)
+    if node.op_type == "Conv":
+        if _depthwise(node, w_shape, block):
+            return "depthwise"
+        if group == 1 and w_shape[0] % block == 0 and w_shape[1] % block == 0:
+            return "dense"
+        return None
+    # ConvTranspose: stride 1 and explicit pads that its flipped Conv can take
+    auto_pad = attrs.get("auto_pad", b"NOTSET")
+    kernel = list(w_shape[2:])
+    dilations = list(attrs.get("dilations", [1, 1]))
+    pads = list(attrs.get("pads", [0, 0, 0, 0]))
+    if group != 1 or auto_pad not in (b"NOTSET", "NOTSET") or "output_shape" in attrs or \
+            any(s != 1 for s in attrs.get("strides", [1, 1])) or \
+            any(attrs.get("output_padding", [0, 0])) or \
+            list(attrs.get("kernel_shape", kernel)) != kernel or \
+            any(p > (k - 1) * d for p, k, d in zip(pads, kernel * 2, dilations * 2)) or \
+            w_shape[0] % block or w_shape[1] % block:
+        return None
+    return "transposed"
+
+
+def _as_conv(node: onnx.NodeProto, target: _Target) -> list[onnx.AttributeProto]:
+    """The attributes of the Conv that computes stride-1 ``ConvTranspose`` ``node``: the same
+    dilations, pads (k - 1) d - p on either side."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    kernel = list(target.w_shape[2:])
+    dilations = list(attrs.get("dilations", [1, 1]))
+    pads = list(attrs.get("pads", [0, 0, 0, 0]))
+    flipped = [(k - 1) * d - p for p, k, d in zip(pads, kernel * 2, dilations * 2)]
+    return [helper.make_attribute("kernel_shape", kernel),
+            helper.make_attribute("dilations", dilations),
+            helper.make_attribute("pads", flipped)]
+
+
+def _reorder_weight(w: str, target: _Target, block: int, p: str
+                    ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
+    """Nodes (and their shape constants) that reorder weight ``w`` for the blocked Conv, and
+    the reordered value's name. Depthwise: OIHW -> OIHWBo ([C/B, B, 1, KH, KW] -> [C/B, 1,
+    KH, KW, B]); dense: OIHW -> OIHWBiBo ([O/B, Bo, I/B, Bi, KH, KW] -> [O/B, I/B, KH, KW,
+    Bi, Bo]); transposed: W [I, O, KH, KW] of the ConvTranspose flipped along KH and KW, then
+    read as the Conv weight [O, I, KH, KW] in OIHWBiBo."""
+    a, b, kh, kw = target.w_shape
+    src = w
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def ints(name: str, values: list[int]) -> str:
+        inits.append(numpy_helper.from_array(np.array(values, np.int64), f"{p}/{name}"))
+        return f"{p}/{name}"
+
+    if target.kind == "depthwise":
+        split, perm, flat = [a // block, block, 1, kh, kw], [0, 2, 3, 4, 1], [a, 1, kh, kw]
+    elif target.kind == "dense":
+        split = [a // block, block, b // block, block, kh, kw]
+        perm, flat = [0, 2, 4, 5, 3, 1], [a, b, kh, kw]
+    else:
+        back = ints("back", [-1, -1])
+        nodes.append(helper.make_node("Slice", [w, back, ints("stop", [-(2 ** 62)] * 2),
+                                                ints("axes", [2, 3]), back], [f"{p}/wf"],
+                                      name=f"{p}/wf"))
+        src = f"{p}/wf"
+        split = [a // block, block, b // block, block, kh, kw]
+        perm, flat = [2, 0, 4, 5, 1, 3], [b, a, kh, kw]
+    nodes += [
+        helper.make_node("Reshape", [src, ints("split", split)], [f"{p}/w6"], name=f"{p}/w6"),
+        helper.make_node("Transpose", [f"{p}/w6"], [f"{p}/wt"], name=f"{p}/wt", perm=perm),
+        helper.make_node("Reshape", [f"{p}/wt", ints("flat", flat)], [f"{p}/w"],
+                         name=f"{p}/w")]
+    return nodes, inits, f"{p}/w"
+
+
+def _inferred_shapes(model: onnx.ModelProto, known: Mapping[str, Sequence[int]]
+                     ) -> dict[str, list[int]]:
+    """Static shapes of the model's values by ONNX shape inference from ``known`` input
+    shapes; {} when inference fails. ONNX infers no shape for a MaxUnpool's result even when
+    its ``output_shape`` is ``Shape(v)`` of a value of known shape (MaxPool's gradient): that
+    result gets v's shape, and inference runs again from there."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for v in probe.graph.input:
+        dims = known.get(v.name)
+        if dims is not None:
+            v.type.tensor_type.shape.Clear()
+            for d in dims:
+                v.type.tensor_type.shape.dim.add().dim_value = int(d)
+    shape_of = {n.output[0]: n.input[0] for n in probe.graph.node
+                if n.op_type == "Shape" and not n.attribute}
+    unpooled = {n.output[0]: shape_of[n.input[2]] for n in probe.graph.node
+                if n.op_type == "MaxUnpool" and len(n.input) > 2 and n.input[2] in shape_of}
+    shapes: dict[str, list[int]] = {}
+    for _ in range(2):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False,
+                                                         data_prop=True)
+        except Exception:  # noqa: BLE001 - no shapes: dense convolutions stay as they are
+            return {}
+        shapes = _static_shapes(inferred)
+        hints = {out: shapes[src] for out, src in unpooled.items()
+                 if out not in shapes and src in shapes}
+        if not hints:
+            break
+        elem = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+        probe.graph.value_info.extend(
+            helper.make_tensor_value_info(out, elem.get(out, TensorProto.FLOAT), dims)
+            for out, dims in hints.items())
+    return {k: v for k, v in shapes.items() if k not in known}

@@ -144,12 +144,12 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
                  shapes: Mapping[str, Sequence[int]] | None = None) -> ort.InferenceSession:
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
     ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU,
-    depthwise convolutions with weights fed as inputs run on the blocked-channel kernels
+    convolutions with weights fed as inputs run on the blocked-channel kernels
     (``blocked_conv``; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that off); ``shapes`` gives static
     shapes of inputs the model leaves open."""
     if optimize and placement.device == "cpu" and isinstance(model, onnx.ModelProto) and \
             blocked_conv.requested():
-        model = blocked_conv.block_depthwise_convs(model, nchwc_block_size(), shapes)
+        model = blocked_conv.block_convs(model, nchwc_block_size(), shapes)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     opts = session_options(intra_op_threads)
     if not optimize:

@@ -1,6 +1,7 @@
-"""Depthwise convolutions on onnxruntime's blocked-channel kernels (runtime/blocked_conv.py,
-on unless ``NGDIST_CPU_BLOCKED_CONV=0``): what is rewritten, and that the result equals onnxruntime's
-own Conv to float32 rounding, alone and in a training step."""
+"""Convolutions on onnxruntime's blocked-channel kernels (runtime/blocked_conv.py, on unless
+``NGDIST_CPU_BLOCKED_CONV=0``): what is rewritten (depthwise Convs; dense Convs and stride-1
+ConvTransposes whose output outweighs their weight), and that the result equals onnxruntime's
+own Conv or ConvTranspose to float32 rounding, alone and in a training step."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,23 +21,42 @@ pytestmark = pytest.mark.skipif(BLOCK == 0, reason="onnxruntime has no NCHWc ker
 
 
 def conv_model(channels: int, w_shape: list[int], group: int, constant_weight: bool = False,
+               op: str = "Conv", batch: int = 2, size: int = 7, bias: bool = False,
                **attrs) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w = rng.standard_normal(w_shape).astype(np.float32)
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, channels, 7, 7])]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, size, size])]
     inits = []
     if constant_weight:
         inits.append(numpy_helper.from_array(w, "w"))
     else:
         inputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, w_shape))
-    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", group=group, **attrs)
+    if bias:
+        out_channels = w_shape[1] * group if op == "ConvTranspose" else w_shape[0]
+        inputs.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [out_channels]))
+    node = helper.make_node(op, ["x", "w", *(["b"] if bias else [])], ["y"], name="conv",
+                            group=group, **attrs)
     graph = helper.make_graph([node], "g", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
 
 def rewritten_ops(model: onnx.ModelProto) -> list[str]:
-    return [n.op_type for n in blocked_conv.block_depthwise_convs(model, BLOCK).graph.node]
+    return [n.op_type for n in blocked_conv.block_convs(model, BLOCK).graph.node]
+
+
+def random_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {v.name: rng.standard_normal([d.dim_value for d in v.type.tensor_type.shape.dim])
+            .astype(np.float32) for v in model.graph.input}
+
+
+def assert_equals_onnxruntimes_own(model: onnx.ModelProto) -> None:
+    feeds = random_feeds(model)
+    plain = make_session(model, optimize=False).run(None, feeds)[0]
+    blocked = make_session(model).run(None, feeds)[0]
+    assert blocked.shape == plain.shape
+    np.testing.assert_allclose(blocked, plain, rtol=0, atol=2e-5 * np.abs(plain).max())
 
 
 @pytest.mark.parametrize("kernel,attrs", [
@@ -49,35 +69,85 @@ def test_a_depthwise_conv_equals_onnxruntimes_own(monkeypatch, kernel, attrs):
     model = conv_model(c, [c, 1, kernel, kernel], group=c, **attrs)
     assert rewritten_ops(model) == ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv",
                                     "ReorderOutput"]
-    rng = np.random.default_rng(1)
-    feeds = {"x": rng.standard_normal([2, c, 7, 7]).astype(np.float32),
-             "w": rng.standard_normal([c, 1, kernel, kernel]).astype(np.float32)}
-    plain = make_session(model, optimize=False).run(None, feeds)[0]
-    blocked = make_session(model).run(None, feeds)[0]
-    assert blocked.shape == plain.shape
-    np.testing.assert_allclose(blocked, plain, rtol=0, atol=1e-5)
+    assert_equals_onnxruntimes_own(model)
 
 
-@pytest.mark.parametrize("case", ["dense", "multiplier-2", "unaligned-channels", "constant-weight",
-                                  "switched-off"])
+DENSE_REWRITE = ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv", "ReorderOutput"]
+
+
+@pytest.mark.parametrize("kernel,attrs", [
+    (3, dict(pads=[1, 1, 1, 1])), (3, dict(pads=[1, 1, 1, 1], strides=[2, 2])),
+    (5, dict(pads=[2, 1, 0, 2])), (1, dict()),
+    (3, dict(pads=[2, 2, 2, 2], dilations=[2, 2]))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_dense_conv_equals_onnxruntimes_own(monkeypatch, kernel, attrs, bias):
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    c = BLOCK
+    # 64 images of 12 x 12: the output outweighs the weight, strided or not
+    model = conv_model(c, [2 * c, c, kernel, kernel], group=1, batch=64, size=12, bias=bias,
+                       **attrs)
+    assert rewritten_ops(model) == DENSE_REWRITE
+    assert_equals_onnxruntimes_own(model)
+
+
+@pytest.mark.parametrize("kernel,attrs", [
+    (3, dict(pads=[1, 1, 1, 1])), (3, dict()), (3, dict(pads=[2, 1, 0, 2])),
+    (5, dict(pads=[2, 2, 2, 2], strides=[1, 1], output_padding=[0, 0])),
+    (3, dict(pads=[1, 3, 4, 0], dilations=[2, 2]))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_stride_1_conv_transpose_equals_onnxruntimes_own(monkeypatch, kernel, attrs, bias):
+    """ConvTranspose(x, W) as the Conv of x with W flipped and its channels swapped."""
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    c = BLOCK
+    model = conv_model(2 * c, [2 * c, c, kernel, kernel], group=1, op="ConvTranspose", batch=64,
+                       size=12, bias=bias, **attrs)
+    assert rewritten_ops(model) == ["Slice", *DENSE_REWRITE]
+    assert_equals_onnxruntimes_own(model)
+
+
+@pytest.mark.parametrize("case", ["dense-large-weight", "multiplier-2", "unaligned-channels",
+                                  "constant-weight", "switched-off", "dense-unaligned",
+                                  "transposed-stride-2", "transposed-group-2",
+                                  "transposed-output-shape", "transposed-large-weight"])
 def test_other_convolutions_stay_as_they_are(monkeypatch, case):
     monkeypatch.setenv(blocked_conv.ENV, "0" if case == "switched-off" else "1")
     c = 2 * BLOCK
-    model = {"dense": lambda: conv_model(c, [c, c, 3, 3], group=1),
+    model = {
+        # 2 x 7 x 7 outputs of c channels against c * c * 9 weights
+        "dense-large-weight": lambda: conv_model(c, [c, c, 3, 3], group=1),
+        "dense-unaligned": lambda: conv_model(c + 4, [c, c + 4, 3, 3], group=1, batch=64),
+        "transposed-stride-2": lambda: conv_model(c, [c, c, 3, 3], group=1, batch=64,
+                                                  op="ConvTranspose", strides=[2, 2]),
+        "transposed-group-2": lambda: conv_model(2 * c, [2 * c, c, 3, 3], group=2, batch=64,
+                                                 op="ConvTranspose"),
+        "transposed-output-shape": lambda: conv_model(c, [c, c, 3, 3], group=1, batch=64,
+                                                      op="ConvTranspose", output_shape=[9, 9]),
+        "transposed-large-weight": lambda: conv_model(c, [c, c, 3, 3], group=1,
+                                                      op="ConvTranspose"),
              "multiplier-2": lambda: conv_model(c, [2 * c, 1, 3, 3], group=c),
              "unaligned-channels": lambda: conv_model(c + 4, [c + 4, 1, 3, 3], group=c + 4),
              "constant-weight": lambda: conv_model(c, [c, 1, 3, 3], group=c,
                                                    constant_weight=True),
              "switched-off": lambda: conv_model(c, [c, 1, 3, 3], group=c)}[case]()
-    assert blocked_conv.block_depthwise_convs(model, BLOCK) is model
+    assert blocked_conv.block_convs(model, BLOCK) is model
 
 
 def _train(monkeypatch, blocked: bool) -> dict[str, np.ndarray]:
     monkeypatch.setenv(blocked_conv.ENV, "1" if blocked else "0")
+    kinds: list[str] = []
+    block_convs = blocked_conv.block_convs
+
+    def counting(model, block, shapes=None):  # which convolutions each segment moves
+        out = block_convs(model, block, shapes)
+        kinds.extend(n.op_type for n in out.graph.node if n.domain == blocked_conv.DOMAIN)
+        return out
+
+    monkeypatch.setattr(blocked_conv, "block_convs", counting)
     torch.manual_seed(0)
     c = 2 * BLOCK
     net = torch.nn.Sequential(
         torch.nn.Conv2d(1, c, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(),
         torch.nn.Conv2d(c, c, 3, padding=1, groups=c), torch.nn.ReLU(),
         torch.nn.Conv2d(c, c, 5, stride=2, padding=2, groups=c), torch.nn.Flatten(),
         torch.nn.Linear(c * 16, 10))
@@ -89,10 +159,13 @@ def _train(monkeypatch, blocked: bool) -> dict[str, np.ndarray]:
     for start in range(0, 96, 32):
         tr.step({"input": x[start:start + 32], "y": y[start:start + 32].astype(np.int64)})
     tr.to_torch()
+    # the dense Conv, its data gradient and the two depthwise Convs (the first Conv has one
+    # input channel and keeps the generic kernel), each between two reorders
+    assert kinds == (["ReorderInput", "Conv", "ReorderOutput"] * 4 if blocked else [])
     return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
 
 
-def test_training_steps_with_blocked_depthwise_convs_equal_the_plain_ones(monkeypatch):
+def test_training_steps_with_blocked_convs_equal_the_plain_ones(monkeypatch):
     plain, blocked = _train(monkeypatch, False), _train(monkeypatch, True)
     # the blocked kernels ran: they round differently from the plain ones
     assert any(not np.array_equal(blocked[k], plain[k]) for k in plain)
@@ -103,7 +176,7 @@ def test_training_steps_with_blocked_depthwise_convs_equal_the_plain_ones(monkey
 def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv(blocked_conv.ENV, "yes")
     with pytest.raises(NgdistError, match=r"NGDIST_CPU_BLOCKED_CONV='yes': set it to 0 to keep "
-                                          r"depthwise convolutions"):
+                                          r"convolutions on onnxruntime's generic kernels"):
         make_session(conv_model(BLOCK, [BLOCK, 1, 3, 3], group=BLOCK))
 
 
