@@ -18,14 +18,20 @@ times, alternating in rounds:
   leaves and ranks that arrive at slightly different times, as a step's Allreduce does).
 
 The communication cost inside the step is ``allreduce - local`` (the best of each round's
-median, the slowest rank's time). Two ratios are printed:
+median, the slowest rank's time). A machine whose speed drifts from second to second (a shared
+virtual machine) moves the two medians apart by more than the cost itself, so each round also
+times ``steps`` pairs of an ``allreduce`` step and a ``local`` step right after it, and
+``paired`` is the median of those differences over all rounds (likewise ``local+mpi4py``
+against ``local`` for the least program). The ratios printed:
 
-* ``vs mpi4py`` = ``mpi4py / (allreduce - local)``: 1.0 means the step's communication costs
-  what the MPI library's own Allreduce of those bytes costs call after call (above 1 when the
-  step overlaps communication with compute on spare cores);
-* ``vs compute+mpi4py`` = ``(local+mpi4py - local) / (allreduce - local)``: 1.0 means the step
-  costs no more than its uncut compute plus one Allreduce. The ``bound`` column gives
-  ``mpi4py / (local+mpi4py - local)``, the first ratio of that least program itself.
+* ``vs mpi4py`` = ``mpi4py / (allreduce - local)``, ``paired vs mpi4py`` = ``mpi4py /
+  paired``: 1.0 means the step's communication costs what the MPI library's own Allreduce of
+  those bytes costs call after call (above 1 when the step overlaps communication with compute
+  on spare cores, or reduces through shared memory without MPI's copies);
+* ``vs compute+mpi4py`` = ``(local+mpi4py - local) / (allreduce - local)`` and its paired
+  form: 1.0 means the step costs no more than its uncut compute plus one Allreduce. The
+  ``bound`` column gives ``mpi4py / (local+mpi4py - local)``, the first ratio of that least
+  program itself.
 """
 from __future__ import annotations
 
@@ -81,21 +87,32 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int,
                 "mpi4py": raw, "local+mpi4py": local_then_raw}
         for fn in runs.values():  # warm-up: sessions, arenas, buffers
             fn(), fn()
+
+        def timed(fn) -> float:  # the slowest rank's time of one call, ranks started together
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            return _max(world, time.perf_counter() - t0)
+
         best: dict[str, float] = {}
+        pairs: dict[str, list[float]] = {"allreduce": [], "local+mpi4py": []}
         for _ in range(rounds):
             for name, fn in runs.items():
-                times = []
-                for _ in range(steps):
-                    world.Barrier()
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(_max(world, time.perf_counter() - t0))
+                times = [timed(fn) for _ in range(steps)]
                 best[name] = min(best.get(name, float("inf")), statistics.median(times))
+            for _ in range(steps):  # each against a local step right after it
+                for name in pairs:
+                    pairs[name].append(timed(runs[name]) - timed(runs["local"]))
         cost = best["allreduce"] - best["local"]
         least = best["local+mpi4py"] - best["local"]
+        paired = statistics.median(pairs["allreduce"])
+        paired_least = statistics.median(pairs["local+mpi4py"])
         rows.append({"MiB": mib, "bytes": nbytes, **{f"{k}_ms": v * 1e3 for k, v in best.items()},
                      "comm_in_step_ms": cost * 1e3, "least_ms": least * 1e3,
+                     "paired_ms": paired * 1e3, "paired_least_ms": paired_least * 1e3,
                      "ratio": best["mpi4py"] / cost, "ratio_least": least / cost,
+                     "ratio_paired": best["mpi4py"] / paired,
+                     "ratio_paired_least": paired_least / paired,
                      "bound": best["mpi4py"] / least})
         for t in trainers.values():
             t.close()
@@ -144,13 +161,15 @@ def main() -> int:
     how = {True: "on", False: "off", None: "as the library chooses"}[overlap]
     print(f"{args.ranks} ranks, one intra-op thread each, batch {args.batch} per rank, "
           f"SGD momentum {args.momentum:g}, overlap {how}")
-    print("| gradients | step allreduce | step local | comm in step | mpi4py Allreduce "
-          "| local+mpi4py - local | vs mpi4py | vs compute+mpi4py | bound |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| gradients | step allreduce | step local | comm in step | paired | mpi4py Allreduce "
+          "| local+mpi4py - local | vs mpi4py | paired vs mpi4py | vs compute+mpi4py "
+          "| paired vs compute+mpi4py | bound |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['MiB']} MiB | {r['allreduce_ms']:.2f} ms | {r['local_ms']:.2f} ms | "
-              f"{r['comm_in_step_ms']:.2f} ms | {r['mpi4py_ms']:.2f} ms | {r['least_ms']:.2f} ms "
-              f"| {r['ratio']:.2f} | {r['ratio_least']:.2f} | {r['bound']:.2f} |")
+              f"{r['comm_in_step_ms']:.2f} ms | {r['paired_ms']:.2f} ms | {r['mpi4py_ms']:.2f} ms "
+              f"| {r['least_ms']:.2f} ms | {r['ratio']:.2f} | {r['ratio_paired']:.2f} "
+              f"| {r['ratio_least']:.2f} | {r['ratio_paired_least']:.2f} | {r['bound']:.2f} |")
     return 0
 
 
