@@ -749,6 +749,18 @@ def test_matmul_weight_gradient_is_one_product_over_all_rows(cid: str) -> None:
     assert backward.count("Gemm") == 1 and "ReduceSum" not in backward
 
 
+def test_relu_gradient_reads_the_output_so_the_input_dies_at_the_relu() -> None:
+    """The Relu's mask is y > 0: no backward node reads its input, which onnxruntime can then
+    fuse into the Gemm or Conv that makes it."""
+    case = next(c for c in CASES if c.id == "Relu")
+    lowered = grad_model(case, np.float32, weights_for(case))
+    relu = next(n for n in lowered.graph.node if n.op_type == "Relu")
+    readers = [n for n in lowered.graph.node if relu.input[0] in n.input]
+    assert readers == [relu]
+    assert any(relu.output[0] in n.input for n in lowered.graph.node
+               if n.name.startswith("node0/grad/") and n.op_type == "Greater")
+
+
 @pytest.mark.parametrize("cid", ["Relu", "Sigmoid", "Tanh", "LeakyRelu", "Gelu", "Gelu-tanh",
                                  "Erf", "Sqrt"])
 def test_elementwise_constants_have_the_rank_of_the_tensor(cid: str) -> None:

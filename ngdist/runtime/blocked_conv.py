@@ -149,10 +149,12 @@ def block_convs(model: onnx.ModelProto, block: int,
     out.CopyFrom(model)
     reordered: dict[tuple[str, str], str] = {}
     new_nodes: list[onnx.NodeProto] = []
+    fused = _fusable_relus(out.graph, [out.graph.node[i].output[0] for i in targets])
     for i, node in enumerate(out.graph.node):
         target = targets.get(i)
         if target is None:
-            new_nodes.append(node)
+            if i not in fused.values():
+                new_nodes.append(node)
             continue
         p = f"{node.output[0]}/nchwc"  # value names are unique; node names need not be
         w = node.input[1]
@@ -166,11 +168,16 @@ def block_convs(model: onnx.ModelProto, block: int,
                                          *node.input[2:]], [f"{p}/y"], name=f"{p}/conv",
                                 domain=DOMAIN)
         conv.attribute.extend(attrs)
+        result = node.output[0]
+        relu = fused.get(result)
+        if relu is not None:  # the Relu that alone reads the result runs inside the kernel
+            conv.attribute.append(helper.make_attribute("activation", "Relu"))
+            result = out.graph.node[relu].output[0]
         new_nodes += [
             helper.make_node("ReorderInput", [node.input[0]], [f"{p}/x"], name=f"{p}/x",
                              domain=DOMAIN),
             conv,
-            helper.make_node("ReorderOutput", [f"{p}/y"], [node.output[0]], name=f"{p}/out",
+            helper.make_node("ReorderOutput", [f"{p}/y"], [result], name=f"{p}/out",
                              domain=DOMAIN, channels=channels)]
     del out.graph.node[:]
     out.graph.node.extend(new_nodes)
@@ -179,6 +186,24 @@ def block_convs(model: onnx.ModelProto, block: int,
     logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
                  sorted(t.kind for t in targets.values()))
     return out
+
+
+def _fusable_relus(graph: onnx.GraphProto, results: Sequence[str]) -> dict[str, int]:
+    """{result: index of the Relu node} for each of ``results`` that one Relu alone reads and
+    that is no graph output: the blocked Conv applies that Relu itself."""
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.node):
+        for x in set(n.input):
+            readers.setdefault(x, []).append(i)
+    outputs = {o.name for o in graph.output}
+    fused = {}
+    for r in results:
+        found = readers.get(r, [])
+        if len(found) == 1 and r not in outputs:
+            n = graph.node[found[0]]
+            if n.op_type == "Relu" and n.domain in ("", "ai.onnx"):
+                fused[r] = found[0]
+    return fused
 
 
 def _kind(node: onnx.NodeProto, w_shape: Sequence[int] | None, block: int) -> str | None:

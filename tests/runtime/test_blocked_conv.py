@@ -185,3 +185,39 @@ def test_the_rewrite_is_on_unless_switched_off(monkeypatch):
     assert blocked_conv.requested()
     monkeypatch.setenv(blocked_conv.ENV, "0")
     assert not blocked_conv.requested()
+
+
+def _conv_relu_model(extra_reader: bool) -> onnx.ModelProto:
+    """x -> dense Conv -> Relu -> y, the Conv's result also returned when ``extra_reader``."""
+    c = BLOCK
+    model = conv_model(c, [2 * c, c, 3, 3], group=1, batch=64, size=12, pads=[1, 1, 1, 1])
+    g = model.graph
+    g.node[0].output[0] = "z"
+    g.node.append(helper.make_node("Relu", ["z"], ["y"], name="relu"))
+    if extra_reader:
+        g.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    return model
+
+
+def test_a_relu_that_alone_reads_a_blocked_conv_runs_inside_it(monkeypatch):
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    model = _conv_relu_model(extra_reader=False)
+    out = blocked_conv.block_convs(model, BLOCK)
+    assert [n.op_type for n in out.graph.node] == DENSE_REWRITE
+    conv = next(n for n in out.graph.node if n.op_type == "Conv")
+    assert helper.get_attribute_value(
+        next(a for a in conv.attribute if a.name == "activation")) == b"Relu"
+    assert out.graph.node[-1].output == ["y"]
+    assert_equals_onnxruntimes_own(model)
+
+
+def test_a_conv_result_read_elsewhere_keeps_its_relu(monkeypatch):
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    model = _conv_relu_model(extra_reader=True)
+    out = blocked_conv.block_convs(model, BLOCK)
+    assert [n.op_type for n in out.graph.node] == [*DENSE_REWRITE, "Relu"]
+    feeds = random_feeds(model)
+    plain = make_session(model, optimize=False).run(None, feeds)
+    blocked = make_session(model).run(None, feeds)
+    for a, b in zip(blocked, plain):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())

@@ -9,8 +9,10 @@ from ngdist.passes.autodiff.registry import attr, register
 
 @register("Relu")
 def relu(ctx, node, gys):
-    (x,) = node.inputs
-    mask = ctx.op("CastLike", ctx.op("Greater", x, ctx.scalar(0.0, x)), gys[0])
+    # y > 0 exactly where x > 0 (NaN: neither): reading the output lets x die at the Relu,
+    # so onnxruntime fuses the Relu into the Gemm or Conv that makes x
+    (y,) = node.outputs
+    mask = ctx.op("CastLike", ctx.op("Greater", y, ctx.scalar(0.0, y)), gys[0])
     return [ctx.op("Mul", gys[0], mask)]
 
 
