@@ -78,7 +78,8 @@ DENSE_REWRITE = ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv", "Reo
 @pytest.mark.parametrize("kernel,attrs", [
     (3, dict(pads=[1, 1, 1, 1])), (3, dict(pads=[1, 1, 1, 1], strides=[2, 2])),
     (5, dict(pads=[2, 1, 0, 2])), (1, dict()),
-    (3, dict(pads=[2, 2, 2, 2], dilations=[2, 2]))])
+    (3, dict(pads=[2, 2, 2, 2], dilations=[2, 2])), (3, dict(auto_pad="SAME_UPPER")),
+    (3, dict(auto_pad="SAME_LOWER", strides=[2, 2])), (3, dict(auto_pad="VALID"))])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_dense_conv_equals_onnxruntimes_own(monkeypatch, kernel, attrs, bias):
     monkeypatch.setenv(blocked_conv.ENV, "1")
