@@ -10,7 +10,7 @@ ms (one thread, the reorders included).
 
 :func:`block_convs` rewrites such a convolution into what the optimiser would have made of
 it, with the weight reordered inside the graph at every run (a Reshape, Transpose, Reshape of
-a small tensor): ``ReorderInput`` (NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the
+a small tensor; for a ConvTranspose a Gather reverses its kernel taps): ``ReorderInput`` (NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the
 reordered weight, ``ReorderOutput`` back to NCHW. Depthwise Convs always (weight in OIHWBo
 order, output channels blocked innermost); dense Convs (group 1) and stride-1 ConvTransposes
 of group 1 (a Conv's data gradient, computed as the Conv of the output gradient with the
@@ -250,11 +250,10 @@ def _reorder_weight(w: str, target: _Target, block: int, p: str
                     ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
     """Nodes (and their shape constants) that reorder weight ``w`` for the blocked Conv, and
     the reordered value's name. Depthwise: OIHW -> OIHWBo ([C/B, B, 1, KH, KW] -> [C/B, 1,
-    KH, KW, B]); dense: OIHW -> OIHWBiBo ([O/B, Bo, I/B, Bi, KH, KW] -> [O/B, I/B, KH, KW,
-    Bi, Bo]); transposed: W [I, O, KH, KW] of the ConvTranspose flipped along KH and KW, then
-    read as the Conv weight [O, I, KH, KW] in OIHWBiBo."""
+    KH, KW, B]); dense: OIHW -> OIHWBiBo ([O/B, Bo, I/B, Bi, KH*KW] -> [O/B, I/B, KH*KW,
+    Bi, Bo]); transposed: W [I, O, KH, KW] of the ConvTranspose read as the Conv weight [O, I,
+    KH, KW] in OIHWBiBo with its taps flipped along KH and KW."""
     a, b, kh, kw = target.w_shape
-    src = w
     nodes: list[onnx.NodeProto] = []
     inits: list[onnx.TensorProto] = []
 
@@ -265,21 +264,21 @@ def _reorder_weight(w: str, target: _Target, block: int, p: str
     if target.kind == "depthwise":
         split, perm, flat = [a // block, block, 1, kh, kw], [0, 2, 3, 4, 1], [a, 1, kh, kw]
     elif target.kind == "dense":
-        split = [a // block, block, b // block, block, kh, kw]
-        perm, flat = [0, 2, 4, 5, 3, 1], [a, b, kh, kw]
-    else:
-        back = ints("back", [-1, -1])
-        nodes.append(helper.make_node("Slice", [w, back, ints("stop", [-(2 ** 62)] * 2),
-                                                ints("axes", [2, 3]), back], [f"{p}/wf"],
-                                      name=f"{p}/wf"))
-        src = f"{p}/wf"
-        split = [a // block, block, b // block, block, kh, kw]
-        perm, flat = [2, 0, 4, 5, 1, 3], [b, a, kh, kw]
+        split = [a // block, block, b // block, block, kh * kw]
+        perm, flat = [0, 2, 4, 3, 1], [a, b, kh, kw]
+    else:  # [I/B, Bi, O/B, Bo, KH*KW] -> [O/B, I/B, KH*KW, Bi, Bo], the taps reversed below
+        split = [a // block, block, b // block, block, kh * kw]
+        perm, flat = [2, 0, 4, 1, 3], [b, a, kh, kw]
     nodes += [
-        helper.make_node("Reshape", [src, ints("split", split)], [f"{p}/w6"], name=f"{p}/w6"),
-        helper.make_node("Transpose", [f"{p}/w6"], [f"{p}/wt"], name=f"{p}/wt", perm=perm),
-        helper.make_node("Reshape", [f"{p}/wt", ints("flat", flat)], [f"{p}/w"],
-                         name=f"{p}/w")]
+        helper.make_node("Reshape", [w, ints("split", split)], [f"{p}/w5"], name=f"{p}/w5"),
+        helper.make_node("Transpose", [f"{p}/w5"], [f"{p}/wt"], name=f"{p}/wt", perm=perm)]
+    if target.kind == "transposed":
+        # flipping both spatial axes reverses the row-major taps: a Gather of whole
+        # [Bi, Bo] blocks (a Slice with negative steps over KH and KW costs 2x the time)
+        nodes.append(helper.make_node("Gather", [f"{p}/wt", ints("taps", list(
+            range(kh * kw - 1, -1, -1)))], [f"{p}/wf"], name=f"{p}/wf", axis=2))
+    nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], ints("flat", flat)],
+                                  [f"{p}/w"], name=f"{p}/w"))
     return nodes, inits, f"{p}/w"
 
 
