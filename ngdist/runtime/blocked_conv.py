@@ -33,12 +33,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ngdist.errors import NgdistError
+from ngdist.runtime.inplace import static_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -125,20 +127,16 @@ def block_convs(model: onnx.ModelProto, block: int,
     weights = {v.name for v in model.graph.input
                if v.type.tensor_type.elem_type == TensorProto.FLOAT} - \
         {t.name for t in model.graph.initializer}
-    candidates = [(i, n) for i, n in enumerate(model.graph.node) if len(n.input) > 1 and
-                  n.input[1] in weights and n.domain in ("", "ai.onnx") and
-                  n.op_type in ("Conv", "ConvTranspose")]
-    if any(_kind(n, known.get(n.input[1]), block) in ("dense", "transposed")
-           for _, n in candidates):
+    kinds = {i: (kind, known[n.input[1]]) for i, n in enumerate(model.graph.node)
+             if len(n.input) > 1 and n.input[1] in weights and n.domain in ("", "ai.onnx") and
+             n.op_type in ("Conv", "ConvTranspose") and
+             (kind := _kind(n, known.get(n.input[1]), block)) is not None}
+    if any(kind != "depthwise" for kind, _ in kinds.values()):  # output sizes decide these
         known.update(_inferred_shapes(model, known))
     targets: dict[int, _Target] = {}
-    for i, node in candidates:
-        w_shape = known.get(node.input[1])
-        kind = _kind(node, w_shape, block)
-        if kind is None:
-            continue
+    for i, (kind, w_shape) in kinds.items():
         if kind != "depthwise":
-            y_shape = known.get(node.output[0])
+            y_shape = known.get(model.graph.node[i].output[0])
             if y_shape is None or \
                     math.prod(y_shape) < DENSE_OUTPUT_PER_WEIGHT * math.prod(w_shape):
                 continue
@@ -219,31 +217,35 @@ def _kind(node: onnx.NodeProto, w_shape: Sequence[int] | None, block: int) -> st
             return "dense"
         return None
     # ConvTranspose: stride 1 and explicit pads that its flipped Conv can take
-    auto_pad = attrs.get("auto_pad", b"NOTSET")
     kernel = list(w_shape[2:])
-    dilations = list(attrs.get("dilations", [1, 1]))
-    pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    if group != 1 or auto_pad not in (b"NOTSET", "NOTSET") or "output_shape" in attrs or \
-            any(s != 1 for s in attrs.get("strides", [1, 1])) or \
+    if group != 1 or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or \
+            "output_shape" in attrs or any(s != 1 for s in attrs.get("strides", [1, 1])) or \
             any(attrs.get("output_padding", [0, 0])) or \
             list(attrs.get("kernel_shape", kernel)) != kernel or \
-            any(p > (k - 1) * d for p, k, d in zip(pads, kernel * 2, dilations * 2)) or \
+            any(p < 0 for p in _flipped_window(attrs, kernel)[1]) or \
             w_shape[0] % block or w_shape[1] % block:
         return None
     return "transposed"
 
 
-def _as_conv(node: onnx.NodeProto, target: _Target) -> list[onnx.AttributeProto]:
-    """The attributes of the Conv that computes stride-1 ``ConvTranspose`` ``node``: the same
-    dilations, pads (k - 1) d - p on either side."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    kernel = list(target.w_shape[2:])
+def _flipped_window(attrs: Mapping[str, Any], kernel: list[int]
+                    ) -> tuple[list[int], list[int]]:
+    """(dilations, pads) of the Conv that computes a stride-1 ConvTranspose with attributes
+    ``attrs``: the same dilations, pads (k - 1) d - p on either side (negative: no such
+    Conv)."""
     dilations = list(attrs.get("dilations", [1, 1]))
     pads = list(attrs.get("pads", [0, 0, 0, 0]))
-    flipped = [(k - 1) * d - p for p, k, d in zip(pads, kernel * 2, dilations * 2)]
+    return dilations, [(k - 1) * d - p for p, k, d in zip(pads, kernel * 2, dilations * 2)]
+
+
+def _as_conv(node: onnx.NodeProto, target: _Target) -> list[onnx.AttributeProto]:
+    """The attributes of the Conv that computes stride-1 ``ConvTranspose`` ``node``."""
+    kernel = list(target.w_shape[2:])
+    dilations, pads = _flipped_window(
+        {a.name: helper.get_attribute_value(a) for a in node.attribute}, kernel)
     return [helper.make_attribute("kernel_shape", kernel),
             helper.make_attribute("dilations", dilations),
-            helper.make_attribute("pads", flipped)]
+            helper.make_attribute("pads", pads)]
 
 
 def _reorder_weight(w: str, target: _Target, block: int, p: str
@@ -284,36 +286,11 @@ def _reorder_weight(w: str, target: _Target, block: int, p: str
 
 def _inferred_shapes(model: onnx.ModelProto, known: Mapping[str, Sequence[int]]
                      ) -> dict[str, list[int]]:
-    """Static shapes of the model's values by ONNX shape inference from ``known`` input
-    shapes; {} when inference fails. ONNX infers no shape for a MaxUnpool's result even when
-    its ``output_shape`` is ``Shape(v)`` of a value of known shape (MaxPool's gradient): that
-    result gets v's shape, and inference runs again from there."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    for v in probe.graph.input:
-        dims = known.get(v.name)
-        if dims is not None:
-            v.type.tensor_type.shape.Clear()
-            for d in dims:
-                v.type.tensor_type.shape.dim.add().dim_value = int(d)
-    shape_of = {n.output[0]: n.input[0] for n in probe.graph.node
-                if n.op_type == "Shape" and not n.attribute}
-    unpooled = {n.output[0]: shape_of[n.input[2]] for n in probe.graph.node
-                if n.op_type == "MaxUnpool" and len(n.input) > 2 and n.input[2] in shape_of}
-    shapes: dict[str, list[int]] = {}
-    for _ in range(2):
-        try:
-            inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=False,
-                                                         data_prop=True)
-        except Exception:  # noqa: BLE001 - no shapes: dense convolutions stay as they are
-            return {}
-        shapes = _static_shapes(inferred)
-        hints = {out: shapes[src] for out, src in unpooled.items()
-                 if out not in shapes and src in shapes}
-        if not hints:
-            break
-        elem = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
-        probe.graph.value_info.extend(
-            helper.make_tensor_value_info(out, elem.get(out, TensorProto.FLOAT), dims)
-            for out, dims in hints.items())
-    return {k: v for k, v in shapes.items() if k not in known}
+    """Static shapes of the model's values by ONNX shape inference (``inplace.static_shapes``)
+    from ``known`` input shapes; {} when inference fails."""
+    inputs = {v.name: (tuple(known[v.name]), v.type.tensor_type.elem_type)
+              for v in model.graph.input if v.name in known}
+    constants = {t.name: t for t in model.graph.initializer}
+    shapes = static_shapes(list(model.graph.node), inputs, constants, list(model.opset_import),
+                           model.ir_version)
+    return {k: list(s) for k, (s, _) in shapes.items() if k not in known}

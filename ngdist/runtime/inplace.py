@@ -89,22 +89,40 @@ def static_shapes(nodes: Sequence[onnx.NodeProto], inputs: Shapes,
                   constants: Mapping[str, onnx.TensorProto],
                   opsets: Sequence[onnx.OperatorSetIdProto], ir_version: int) -> Shapes:
     """Shape and element type of every value of the segment whose shape is static, by ONNX
-    shape inference from the inputs' actual shapes."""
+    shape inference from the inputs' actual shapes. ONNX infers no shape for a MaxUnpool's
+    result even when its ``output_shape`` is ``Shape(v)`` of a value of known shape (MaxPool's
+    gradient): that result gets v's shape, and inference runs again from there."""
     vi = [helper.make_tensor_value_info(n, t, list(s)) for n, (s, t) in inputs.items()]
     graph = helper.make_graph(list(nodes), "segment", vi, [], initializer=list(constants.values()))
     model = helper.make_model(graph, opset_imports=list(opsets), ir_version=ir_version)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - no shapes: nothing is planned in place
-        return {}
-    out = {}
-    for v in inferred.graph.value_info:
-        t = v.type.tensor_type
-        if not t.HasField("shape") or not t.elem_type:
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-        if None not in dims:
-            out[v.name] = (tuple(int(d) for d in dims), t.elem_type)
+    shape_of = {n.output[0]: n.input[0] for n in nodes
+                if n.op_type == "Shape" and not n.attribute}
+    unpooled = {n.output[0]: shape_of[n.input[2]] for n in nodes
+                if n.op_type == "MaxUnpool" and len(n.input) > 2 and n.input[2] in shape_of}
+    out: Shapes = {}
+    for _ in range(2):
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False,
+                                                         data_prop=True)
+        except Exception:  # noqa: BLE001 - no shapes: nothing is planned in place
+            return {}
+        out = {}
+        for v in inferred.graph.value_info:
+            t = v.type.tensor_type
+            if not t.HasField("shape") or not t.elem_type:
+                continue
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+            if None not in dims:
+                out[v.name] = (tuple(int(d) for d in dims), t.elem_type)
+        known = {**inputs, **out}
+        hints = {result: known[src][0] for result, src in unpooled.items()
+                 if result not in out and src in known}
+        if not hints:
+            break
+        elem = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+        model.graph.value_info.extend(  # the shape of v, the element type of the unpooled data
+            helper.make_tensor_value_info(result, elem.get(result) or known[unpooled[result]][1],
+                                          list(shape)) for result, shape in hints.items())
     return out
 
 

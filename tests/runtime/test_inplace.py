@@ -182,3 +182,21 @@ def test_a_no_op_that_onnxruntime_may_remove_counts_as_a_view():
     # z = x * 1 may be removed by onnxruntime's optimizer (z is then x's memory): a may not
     # overwrite x while d still reads z
     assert plan_segment(graph(1.0), [Buffer("x", (4, 3), F)], SHAPES, keep={"e"}) == {"e": "x"}
+
+
+def test_static_shapes_give_a_max_unpool_the_shape_its_shape_input_reads():
+    """ONNX infers no shape for MaxUnpool's result; MaxPool's gradient unpools to Shape(x), so
+    the result (and what follows from it) gets x's shape."""
+    from ngdist.ir.model import IR_VERSION
+    from ngdist.runtime.inplace import static_shapes
+
+    nodes = [helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Shape", ["x"], ["sx"]),
+             helper.make_node("MaxUnpool", ["y", "i", "sx"], ["u"], kernel_shape=[1, 1],
+                              strides=[1, 1]),
+             helper.make_node("Relu", ["u"], ["r"])]
+    shapes = static_shapes(nodes, {"x": ((4, 3, 6, 8), TensorProto.FLOAT)}, {},
+                           [helper.make_opsetid("", 18)], IR_VERSION)
+    assert shapes["y"] == ((4, 3, 3, 4), TensorProto.FLOAT)
+    assert shapes["u"] == ((4, 3, 6, 8), TensorProto.FLOAT)
+    assert shapes["r"] == ((4, 3, 6, 8), TensorProto.FLOAT)
