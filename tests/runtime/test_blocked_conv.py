@@ -51,12 +51,15 @@ def random_feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
             .astype(np.float32) for v in model.graph.input}
 
 
-def assert_equals_onnxruntimes_own(model: onnx.ModelProto) -> None:
+def assert_equals_onnxruntimes_own(model: onnx.ModelProto, atol: float | None = None) -> None:
+    """Blocked against plain within ``atol`` (default: 2e-5 of the largest output, for the
+    dense sums over hundreds of products)."""
     feeds = random_feeds(model)
     plain = make_session(model, optimize=False).run(None, feeds)[0]
     blocked = make_session(model).run(None, feeds)[0]
     assert blocked.shape == plain.shape
-    np.testing.assert_allclose(blocked, plain, rtol=0, atol=2e-5 * np.abs(plain).max())
+    bound = 2e-5 * np.abs(plain).max() if atol is None else atol
+    np.testing.assert_allclose(blocked, plain, rtol=0, atol=bound)
 
 
 @pytest.mark.parametrize("kernel,attrs", [
@@ -69,7 +72,7 @@ def test_a_depthwise_conv_equals_onnxruntimes_own(monkeypatch, kernel, attrs):
     model = conv_model(c, [c, 1, kernel, kernel], group=c, **attrs)
     assert rewritten_ops(model) == ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv",
                                     "ReorderOutput"]
-    assert_equals_onnxruntimes_own(model)
+    assert_equals_onnxruntimes_own(model, atol=1e-5)
 
 
 DENSE_REWRITE = ["Reshape", "Transpose", "Reshape", "ReorderInput", "Conv", "ReorderOutput"]
