@@ -320,8 +320,7 @@ class _Watchdog:
 
 def _abort(work: Work, kind: str, message: str) -> None:
     rank = work.group.world_ranks()[work.group.rank]
-    work.group.abort(f"ngdist: error on rank {rank}: {kind}: {message}\n"
-                     f"ngdist: rank {rank} aborts the MPI job\n")
+    work.group.abort(f"ngdist: error on rank {rank}: {kind}: {message}\n")
 
 
 WATCHDOG = _Watchdog()

@@ -22,6 +22,7 @@ import numpy as np
 
 import ngdist.comm.shared as shared
 from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
+from ngdist.comm.rank_output import ABORT_LINE
 from ngdist.errors import CommError
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ def _finalize_at_exit() -> None:
             MpiWork(group, [world.Ibarrier()], FINALIZE_WHAT, None)._poll(0.005)
         except Exception as exc:  # CommTimeoutError / CommError: end the job, do not block
             rank = world.Get_rank()
-            abort_job(world, f"ngdist: error on rank {rank} at exit: {exc}\n"
-                             f"ngdist: rank {rank} aborts the MPI job\n")
+            abort_job(world, f"ngdist: error on rank {rank} at exit: {exc}\n")
             return
     MPI.Finalize()
 
@@ -346,14 +346,17 @@ def _unread_bytes(fd: int) -> int:
 
 
 def abort_job(world: Any, message: str, code: int = 1, drain_s: float = 3.0) -> None:
-    """Print ``message`` on stderr, then end the whole MPI job with MPI_Abort.
+    """Print ``message`` and the line that announces the abort (``ABORT_LINE``) on stderr,
+    then end the whole MPI job with MPI_Abort.
 
     mpiexec (hydra) exits as soon as it handles the abort and drops whatever output of this
     rank it has not forwarded yet, so the message could vanish. Before aborting, wait (at most
     ``drain_s``) until the launcher has read everything from this process's stdout and stderr
-    pipes; what it has read it forwards ahead of the abort request.
+    pipes; what it has read it forwards ahead of the abort request. MPICH's own line about
+    the abort is printed inside MPI_Abort, after that wait, and a loaded machine sometimes
+    loses it; the announcement is what tells the launcher which rank aborted, with what code.
     """
-    sys.stderr.write(message)
+    sys.stderr.write(message + ABORT_LINE.format(rank=world.Get_rank(), code=code))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -389,7 +392,7 @@ def install_abort_hook(world: Any) -> None:
         else:
             text = (f"ngdist: uncaught exception on rank {rank}:\n"
                     + "".join(traceback.format_exception(exc_type, exc, tb)))
-        abort_job(world, text + f"ngdist: rank {rank} aborts the MPI job\n")
+        abort_job(world, text)
 
     sys.excepthook = hook
     del previous

@@ -38,13 +38,18 @@ MarkerCallback = Callable[[int, dict[str, int]], None]
 
 
 _MPI_ABORT = re.compile(r"application called MPI_Abort\(\S+, (-?\d+)\)")
+# what a rank prints right before it calls MPI_Abort (comm/mpi.py, abort_job)
+ABORT_LINE = "ngdist: rank {rank} aborts the MPI job (MPI_Abort code {code})\n"
+_NGDIST_ABORT = re.compile(r"ngdist: rank \d+ aborts the MPI job \(MPI_Abort code (-?\d+)\)")
 
 
 class RankScan:
     """What one rank's lines tell: its first error line (the last line of a Python traceback,
     i.e. the exception, else the first line that says "error" / "Error" / "ERROR"; lines inside
     a traceback, its frames and source lines, are never taken), and the code it called
-    MPI_Abort with (MPICH prints "application called MPI_Abort(comm, code)")."""
+    MPI_Abort with (MPICH prints "application called MPI_Abort(comm, code)", ngdist's
+    ``abort_job`` announces it first, ``ABORT_LINE``, which survives where MPICH's line is lost
+    with the launcher's exit)."""
 
     def __init__(self) -> None:
         self.traceback_end: str | None = None
@@ -59,7 +64,7 @@ class RankScan:
     def line(self, stream: str, text: str) -> None:
         text = text.rstrip("\r\n")
         if self.abort_code is None and "MPI_Abort" in text:
-            match = _MPI_ABORT.search(text)
+            match = _MPI_ABORT.search(text) or _NGDIST_ABORT.search(text)
             self.abort_code = int(match.group(1)) if match else None
         if self._in_traceback.get(stream):
             if not text.strip() or text[:1] in (" ", "\t"):

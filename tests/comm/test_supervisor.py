@@ -20,7 +20,7 @@ import pytest
 
 from ngdist.comm import rankwrap
 from ngdist.comm import rank_output
-from ngdist.comm.rank_output import OutputRouter, RankScan
+from ngdist.comm.rank_output import ABORT_LINE, OutputRouter, RankScan
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -395,6 +395,11 @@ def test_rank_scan_prefers_the_exception_of_a_traceback():
     scan.line("stderr", "Abort(1) on node 1 (rank 1 in comm 0): application called "
                         "MPI_Abort(MPI_COMM_WORLD, 1) - process 1\n")
     assert (scan.first, scan.abort_code) == ("ngdist: error on rank 1: CommError: lost", 1)
+    # MPICH's own line lost with the launcher's exit: ngdist's announcement still tells
+    scan = RankScan()
+    scan.line("stderr", "ngdist: error on rank 1: CommError: lost\n")
+    scan.line("stderr", ABORT_LINE.format(rank=1, code=3))
+    assert (scan.first, scan.abort_code) == ("ngdist: error on rank 1: CommError: lost", 3)
 
 
 # ----------------------------------------------------------------------------- rank wrapper
