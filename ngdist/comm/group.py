@@ -48,6 +48,17 @@ def default_timeout() -> float:
     return value
 
 
+def divide(buf: np.ndarray, n: int) -> None:
+    """``buf /= n`` in place (floor division for integers): the mean of a sum over n ranks."""
+    if n == 1:
+        return
+    if buf.dtype.kind == "f":
+        np.multiply(buf, buf.dtype.type(1.0 / n), out=buf) if n & (n - 1) == 0 else \
+            np.divide(buf, buf.dtype.type(n), out=buf)
+    else:
+        np.floor_divide(buf, n, out=buf)
+
+
 def describe(what: Any) -> str:
     """``ngdist.AllReduce 'name'`` for a comm node, ``'label'`` for anything else."""
     op = getattr(what, "op_type", "")
@@ -151,7 +162,9 @@ class ProcessGroup(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, buf: Any, what: Any, op: str = "sum",
                   peers: Sequence[int] | None = None) -> Work:
-        """In place: ``buf`` becomes the element-wise ``op`` (sum | max) over the ranks."""
+        """In place: ``buf`` becomes the element-wise ``op`` over the ranks: ``sum``, ``max``,
+        ``min``, or ``mean`` (the sum, then ``divide`` by the group's size on every rank; a
+        backend may fold the division into its reduction, with the same result bit for bit)."""
 
     @abc.abstractmethod
     def broadcast(self, buf: Any, root: int, what: Any) -> Work:

@@ -15,13 +15,13 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 import ngdist.comm.shared as shared
-from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe
+from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe, divide
 from ngdist.comm.rank_output import ABORT_LINE
 from ngdist.errors import CommError
 
@@ -83,21 +83,31 @@ def launched_by_mpi() -> bool:
 
 
 class MpiWork(Work):
+    """MPI requests; ``then`` (if given) runs once, on the thread that sees them complete."""
+
     def __init__(self, group: MpiGroup, requests: list[Any], what: Any,
-                 peers: Sequence[int] | None) -> None:
+                 peers: Sequence[int] | None, then: Callable[[], None] | None = None) -> None:
         super().__init__(group, what, peers)
         self.requests = requests
+        self.then = then
 
     def test(self) -> bool:
-        if not self.requests:
-            return True
-        return bool(_mpi().Request.Testall(self.requests))
+        if self.requests and not _mpi().Request.Testall(self.requests):
+            return False
+        self._then()
+        return True
 
     def _block(self) -> None:
         _mpi().Request.Waitall(self.requests)
+        self._then()
+
+    def _then(self) -> None:
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
 
-_SUM_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+_SUM_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "mean": "SUM"}
 
 
 class _Job:
@@ -156,8 +166,10 @@ class MpiGroup(ProcessGroup):
         found = self._symmetric.find(buf)
         if found is not None:
             return shared.SharedAllreduceWork(self, found[0], buf, found[1], what, op, peers)
-        return self._work([self.comm.Iallreduce(MPI.IN_PLACE, buf,
-                                                op=getattr(MPI, _SUM_OPS[op]))], what, peers)
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=getattr(MPI, _SUM_OPS[op]))
+        if op == "mean":
+            return MpiWork(self, [request], what, peers, then=lambda: divide(buf, self.size))
+        return self._work([request], what, peers)
 
     def broadcast(self, buf, root, what):
         if self.rank == root:

@@ -8,7 +8,8 @@ memory" do on a node. A value written straight into its rank's buffer (an onnxru
 bound there) is reduced with two barriers and no copy in or out:
 
 1. barrier: every rank's input is written;
-2. rank r reduces block r over every rank's buffer, into its own, and writes the result into
+2. rank r reduces block r over every rank's buffer, into its own (``mean`` divides the block
+   by the group's size there, while it is in the core's cache), and writes the result into
    block r of every other rank's buffer;
 3. barrier: every buffer holds the whole result.
 
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ngdist.comm.group import Work, describe
+from ngdist.comm.group import Work, describe, divide
 from ngdist.errors import CommError
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ def blocks(count: int, itemsize: int, size: int) -> list[int]:
         [count]
 
 
-_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mean": np.add}
 
 
 class SharedAllreduceWork(Work):
@@ -202,6 +203,8 @@ class SharedAllreduceWork(Work):
         for j in range(group.size):
             if j != r:
                 reduce(mine, views[j][lo:hi], out=mine)
+        if self.op == "mean":  # the block only, while it is in this core's cache
+            divide(mine, group.size)
         for j in range(group.size):
             if j != r:
                 views[j][lo:hi] = mine

@@ -126,17 +126,6 @@ def unflatten(buffer: np.ndarray, like: Sequence[Any]) -> list[np.ndarray]:
     return out
 
 
-def divide(buf: np.ndarray, n: int) -> None:
-    """``buf /= n`` in place (floor division for integers): the mean of a sum over n ranks."""
-    if n == 1:
-        return
-    if buf.dtype.kind == "f":
-        np.multiply(buf, buf.dtype.type(1.0 / n), out=buf) if n & (n - 1) == 0 else \
-            np.divide(buf, buf.dtype.type(n), out=buf)
-    else:
-        np.floor_divide(buf, n, out=buf)
-
-
 def private_group(group: ProcessGroup, key: Any, make: Callable[[ProcessGroup], Any]) -> Any:
     """A group derived from ``group`` by ``make`` (collective: created the first time every
     rank reaches this point, in program order), kept in ``group.derived`` under ``key``, so

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngdist.kernels.base import divide, flatten, register_kernel, unflatten
+from ngdist.comm.group import divide
+from ngdist.kernels.base import flatten, register_kernel, unflatten
 
 
 @register_kernel("CentralReduce", alone_identity=True)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ngdist.kernels.allreduce_algs import sum_inplace
-from ngdist.kernels.base import divide, donated, flatten, register_kernel, unflatten
+from ngdist.comm.group import divide
+from ngdist.kernels.base import donated, flatten, register_kernel, unflatten
 from ngdist.kernels.compressed import compressed_allreduce
 from ngdist.kernels.exact import exact_allreduce
 
@@ -63,14 +64,15 @@ def allreduce(group, node, inputs):
     if node.attributes.get("compression", "none") != "none":
         compressed_allreduce(group, node, flat, algorithm)  # the mean too
     else:
-        if algorithm == "mpi":
-            group.allreduce(flat, node).wait()
+        mean = node.attributes.get("reduction", "mean") == "mean"
+        if algorithm == "mpi":  # the group divides (in its reduction, where it can)
+            group.allreduce(flat, node, op="mean" if mean else "sum").wait()
             if in_place:
                 _offer_symmetric(group, node, buf)
         else:
             sum_inplace(algorithm, group, node, flat)
-        if node.attributes.get("reduction", "mean") == "mean":
-            divide(flat, group.size)
+            if mean:
+                divide(flat, group.size)
     return [buf] if in_place else unflatten(buf, inputs)
 
 

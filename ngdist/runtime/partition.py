@@ -11,9 +11,11 @@ points where the ranks wait for each other) as the graph allows.
 
 With ``updated`` (the step outputs that replace values, such as the new parameters and
 optimizer state) the *update* nodes, the elementwise ops, views and constants that lead only
-to those outputs, come after the other nodes of their stage, and a segment is cut where its
+to those outputs, move to the stage of their earliest reader (the last stage when no node
+reads them) and come after the other nodes of that stage, and a segment is cut where its
 updates begin when a node before them reads one of ``donated`` (the values the step
-replaces). The update then runs after every other reader of a parameter has finished, so it
+replaces). So momentum's ``mu * v``, which needs no communicated value, runs with the rest of
+the update after the AllReduce, not in a segment of its own before it. The update then runs after every other reader of a parameter has finished, so it
 may write the new values into the old ones' memory (runtime/inplace.py).
 """
 from __future__ import annotations
@@ -72,6 +74,24 @@ def _updates(nodes: list[onnx.NodeProto], updated: frozenset[str], outputs: set[
     return out
 
 
+def _sink_updates(nodes: list[onnx.NodeProto], stage: list[int], update: list[bool]) -> None:
+    """Move each update node to the earliest stage among its readers (all update nodes), or
+    to the last stage when only the step's outputs read it (the step counter), so the part of
+    the update that needs no communicated value (momentum's ``mu * v``) runs in the same
+    segment as the rest of the update. Left in its stage, it came after the other nodes of
+    that stage and, without overlap, before its deferred comm nodes: a segment of its own (the
+    cut before the update), and a buffer written and read again per value crossing it."""
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for x in n.input:
+            readers.setdefault(x, []).append(i)
+    last = max(stage, default=0)
+    for i in reversed(range(len(nodes))):  # readers first: their stages are final
+        if update[i]:
+            later = [stage[r] for o in nodes[i].output if o for r in readers.get(o, ())]
+            stage[i] = max(stage[i], min(later, default=last))
+
+
 def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[str] = frozenset(),
          donated: frozenset[str] = frozenset()) -> list[Item]:
     nodes = list(graph.node)
@@ -89,6 +109,7 @@ def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[st
         stage[i] = s
     update = _updates(nodes, updated, {o.name for o in graph.output}) if updated else \
         [False] * len(nodes)
+    _sink_updates(nodes, stage, update)
 
     def key(i: int) -> tuple[int, bool, bool, int]:
         late = defer_comm and is_comm_node(nodes[i].domain, nodes[i].op_type)

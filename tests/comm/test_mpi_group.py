@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ngdist.comm.group import divide
+
 pytestmark = pytest.mark.mpi
 
 HERE = Path(__file__).resolve().parent
@@ -56,10 +58,10 @@ arrays, info = {}, {"backend": world.backend, "type": type(world).__name__, "ran
                     "size": size, "local_size": world.local_size,
                     "world_ranks": world.world_ranks(), "bytes_after_start": world.bytes_sent}
 
-# allreduce: sum and max, three dtypes, in place
+# allreduce: sum, max and mean, three dtypes, in place
 for kind in ("exact", "random"):
     for dt in ("float32", "float64", "int64"):
-        for op in ("sum", "max"):
+        for op in ("sum", "max", "mean"):
             buf = x[f"{kind}_{dt}"].copy()
             address = buf.__array_interface__["data"][0]
             work = world.allreduce(buf, f"allreduce {kind} {dt} {op}", op=op)
@@ -253,6 +255,21 @@ def test_allreduce_sum_of_random_values(res, dt):
     want = np.sum([x[f"random_{dt}"].astype(np.float64) for x in res.inputs], axis=0)
     rtol = {"float32": 1e-5, "float64": 1e-12, "int64": 0}[dt]
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * 1e3)
+
+
+@pytest.mark.parametrize("kind", ["exact", "random"])
+@pytest.mark.parametrize("dt", DTYPES)
+def test_allreduce_mean_is_the_sum_divided_by_the_size(res, dt, kind):
+    # the same bits as the sum followed by divide() (floor division for integers)
+    got = _same_on_every_rank(res, f"allreduce_{kind}_{dt}_mean")
+    want = _same_on_every_rank(res, f"allreduce_{kind}_{dt}_sum").copy()
+    divide(want, res.size)
+    assert got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes()
+    if kind == "exact":
+        total = np.sum([x[f"exact_{dt}"] for x in res.inputs], axis=0, dtype=dt)
+        np.testing.assert_array_equal(got, total // res.size if dt == "int64" else
+                                      total / np.array(res.size, dt))
 
 
 @pytest.mark.parametrize("kind", ["exact", "random"])

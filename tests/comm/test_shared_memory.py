@@ -1,8 +1,8 @@
 """Symmetric memory and the AllReduce through it (comm/shared.py), under the real mpiexec.
 
 The script makes one symmetric memory on the world group and reduces buffers that lie in it
-(several dtypes, sizes below and above the rank count, an offset inside the buffer, sum, max
-and min, each call writing the buffer right after the previous one), then one buffer outside
+(several dtypes, sizes below and above the rank count, an offset inside the buffer, sum, max,
+min and mean, each call writing the buffer right after the previous one), then one buffer outside
 it; each rank writes what it got.
 The tests compare every result with numpy's reduction of all ranks' inputs, bit for bit
 (``exact`` inputs: multiples of 1/8 far below 2**24, so any order of summation is exact).
@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from ngdist.comm import shared
+from ngdist.comm.group import divide
 from ngdist.errors import CommError
 
 CASES = [("float32", 1, 0), ("float32", 3, 0), ("float32", 37, 64), ("float64", 100, 8),
          ("int64", 5, 0), ("float32", 1000, 0)]
-OPS = ("sum", "max", "min")
+OPS = ("sum", "max", "min", "mean")
 
 
 def exact(rank: int, count: int, dtype: str) -> np.ndarray:
@@ -76,7 +77,13 @@ def _run(ranks, tmp_path, n: int, env: dict[str, str] | None = None) -> list[dic
     return out
 
 
-REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+def _mean(values: np.ndarray, axis: int) -> np.ndarray:
+    out = np.sum(values, axis=axis, dtype=values.dtype)  # then divide(), as MPI's path does
+    divide(out, values.shape[axis])
+    return out
+
+
+REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "mean": _mean}
 
 
 @pytest.mark.mpi

@@ -227,3 +227,37 @@ def test_without_overlap_the_comm_nodes_of_a_stage_come_after_its_compute():
         ("seg", ["update2", "update1", "sum_params"]),
     ]
     assert_topological(g, items)
+
+
+def momentum_step() -> onnx.GraphProto:
+    """One parameter w with momentum v and a step counter t: the gradient's AllReduce, the
+    update of v and w after it, ``mu * v`` (no communicated input) and the counter among it."""
+    nodes = [
+        node("Mul", ["x", "w"], ["g"], "grad"),
+        comm("AllReduce", ["g"], ["gr"], "bucket0"),
+        node("Mul", ["v", "mu"], ["vm"], "decay"),             # needs no communicated value
+        node("Add", ["vm", "gr"], ["v.new"], "momentum"),
+        node("Mul", ["v.new", "lr"], ["delta"], "scale"),
+        node("Sub", ["w", "delta"], ["w.new"], "update"),
+        node("Add", ["t", "one"], ["t.new"], "counter"),        # read by no node at all
+    ]
+    return graph(nodes, ["x", "w", "v", "t"], ["w.new", "v.new", "t.new"],
+                 initializers=("mu", "lr", "one"))
+
+
+UPDATED = frozenset({"w.new", "v.new", "t.new"})
+DONATED = frozenset({"w", "v", "t"})
+
+
+@pytest.mark.parametrize("defer_comm", [True, False])
+def test_the_whole_update_follows_the_comm_nodes(defer_comm):
+    # mu * v and the counter need no communicated value; they still join the update after
+    # the AllReduce instead of a segment of their own before it
+    g = momentum_step()
+    items = plan(g, defer_comm=defer_comm, updated=UPDATED, donated=DONATED)
+    assert layout(items) == [
+        ("seg", ["grad"]),
+        ("comm", "bucket0"),
+        ("seg", ["decay", "momentum", "scale", "update", "counter"]),
+    ]
+    assert_topological(g, items)
