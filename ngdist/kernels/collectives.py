@@ -26,22 +26,36 @@ def _in_place(node, inputs) -> bool:
 def _offer_symmetric(group, node, buf) -> None:
     """Ask for the next call's input in symmetric memory (``node.state["write_to"]``, which
     the runtime binds its producer's output to), where the group has it: a gradient bucket of
-    floats, made in the step for this node alone and dead after it, on ranks that share one
-    host. The group's ``allreduce`` then reduces it there without a message
-    (comm/shared.py). The first call makes the memory: a collective, reached by every rank at
-    the same call."""
+    floats, made in the step for this node alone, on ranks that share one host. The group's
+    ``allreduce`` then reduces it there without a message (comm/shared.py).
+
+    Outputs that die within the step take one memory. Outputs the step returns as values that
+    the next step's results replace (plain SGD's state is the reduced gradient) live until the
+    end of the next step: they take two memories in turn, so the next step's input is never
+    written over the value that step reads. Each memory is made at a call that every rank
+    reaches (a collective): the first one at the first call, which goes through MPI."""
     node.state.pop("write_to", None)
-    if "bucket" not in node.attributes or not node.state.get("reuse_buffer") or \
-            buf.dtype not in (np.float32, np.float64):
+    if "bucket" not in node.attributes or buf.dtype not in (np.float32, np.float64):
         return
-    if "symmetric" not in node.state:
-        node.state["symmetric"] = group.symmetric(buf.nbytes, node)
-    mem = node.state["symmetric"]
-    if mem is None or buf.nbytes > mem.nbytes:
+    turns = 1 if node.state.get("reuse_buffer") else \
+        2 if node.state.get("replaced_next_step") else 0
+    mems = node.state.setdefault("symmetric", [])
+    if not turns or None in mems:  # (None: the group has no symmetric memory)
         return
-    target = node.state.get("write_target")
+    # with one memory, that one; with two, the one that does not hold this call's result
+    # (a new one while there is only that)
+    mem = next((m for m in mems if turns == 1 or m.offset_of(buf) is None), None)
+    if mem is None:
+        mem = group.symmetric(buf.nbytes, node)
+        mems.append(mem)
+        if mem is None:
+            return
+    if buf.nbytes > mem.nbytes:
+        return
+    targets = node.state.setdefault("write_targets", {})
+    target = targets.get(id(mem))
     if target is None or target.shape != buf.shape or target.dtype != buf.dtype:
-        target = node.state["write_target"] = \
+        target = targets[id(mem)] = \
             mem.view(group.rank)[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
     node.state["write_to"] = {0: target}
 

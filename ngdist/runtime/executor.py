@@ -175,6 +175,7 @@ class Executor:
         uses: dict[str, int] = {}  # how many items read a value
         last: dict[str, int] = {}  # the last item that reads it
         produced_by_segment: set[str] = set()
+        replacing = set((donate or {}).values())  # step outputs that replace an input
         for item in self.items:
             names = item.inputs if isinstance(item, Segment) else list(item.node.input)
             for name in names:
@@ -191,6 +192,10 @@ class Executor:
                                 and name not in step_outputs for name in n.input]
                 # outputs that die within the step: the kernel may keep their buffer
                 node.state["reuse_buffer"] = not step_outputs.intersection(node.outputs)
+                # outputs the step returns only as values the next step's results replace
+                # (plain SGD's state is the reduced gradient): they live one step longer
+                node.state["replaced_next_step"] = bool(replacing) and \
+                    step_outputs.intersection(node.outputs) <= replacing
                 self.comm_nodes[item.index] = node
                 self.kernels[item.index] = get_kernel(n.op_type)
         # values made for one comm node alone, which its kernel may ask to have written
@@ -201,8 +206,8 @@ class Executor:
                 for i, name in enumerate(node.inputs):
                     if node.donated[i]:
                         self._comm_input[name] = (node, i)
-        # value name -> (the array its kernel asked for, an OrtValue over it)
-        self._kernel_values: dict[str, tuple[Any, ort.OrtValue]] = {}
+        # value name -> {id of an array its kernel asked for: (the array, an OrtValue over it)}
+        self._kernel_values: dict[str, dict[int, tuple[Any, ort.OrtValue]]] = {}
         # constants a comm node reads directly, placed once
         self.comm_constants: dict[str, ort.OrtValue] = {
             name: placement.value(numpy_helper.to_array(self.constants[name]).copy())
@@ -399,8 +404,8 @@ class Executor:
     def _kernel_memory(self, name: str) -> ort.OrtValue | None:
         """The memory a comm kernel asked value ``name`` to be written into for its next
         call (``node.state["write_to"]``: {input index: host array}), as an OrtValue made once
-        per array (kept per value: a new array replaces the old one's); None when it asked for
-        nothing."""
+        per array (a kernel may hand out two in turn; a third array replaces them); None when
+        it asked for nothing."""
         spot = self._comm_input.get(name)
         if spot is None:
             return None
@@ -408,9 +413,12 @@ class Executor:
         array = node.state.get("write_to", {}).get(i)
         if array is None:
             return None
-        made = self._kernel_values.get(name)
+        made_for = self._kernel_values.setdefault(name, {})
+        made = made_for.get(id(array))
         if made is None or made[0] is not array:
-            made = self._kernel_values[name] = (array, self.placement.value(array))
+            if len(made_for) >= 2:
+                made_for.clear()
+            made = made_for[id(array)] = (array, self.placement.value(array))
         return made[1]
 
     # ------------------------------------------------------------------ comm
