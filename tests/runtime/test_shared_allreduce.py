@@ -21,13 +21,11 @@ pytestmark = pytest.mark.mpi
 
 STEPS = 5
 
-SCRIPT = r"""
+# every script: the names of the AllReduce calls that went through shared memory
+COUNT_CALLS = r"""
 import json
 import numpy as np
-import ngdist
-from ngdist import zoo
 from ngdist.comm import shared
-from ngdist.data import load_digits
 
 calls = []
 run = shared.SharedAllreduceWork._run
@@ -35,6 +33,12 @@ def counted(self, gentle):
     calls.append(self.what.name)
     return run(self, gentle)
 shared.SharedAllreduceWork._run = counted
+"""
+
+SCRIPT = COUNT_CALLS + r"""
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
 
 x, y, _, _ = load_digits()
 tr = ngdist.compile(zoo.mlp((64, 512, 512, 10), seed=0), loss="softmax_cross_entropy",
@@ -112,22 +116,12 @@ def test_buckets_reduced_in_shared_memory_train_as_mpi_does(ranks, tmp_path, n, 
         assert not np.array_equal(on[0][k], np.zeros_like(on[0][k])), k
 
 
-STATE_SCRIPT = r"""
-import json
-import numpy as np
-import onnx
+STATE_SCRIPT = COUNT_CALLS + r"""
 from onnx import TensorProto, helper
-from ngdist.comm import shared, world_group
+from ngdist.comm import world_group
 from ngdist.ir.domain import DOMAIN
 from ngdist.runtime.executor import Executor
 from ngdist.runtime.sessions import CPU
-
-calls = []
-run = shared.SharedAllreduceWork._run
-def counted(self, gentle):
-    calls.append(self.what.name)
-    return run(self, gentle)
-shared.SharedAllreduceWork._run = counted
 
 # s_new = mean over the ranks of s transposed: the state the step returns is the AllReduce's
 # result, and the next step's input to it is made from that state by a Transpose, which
