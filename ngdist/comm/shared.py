@@ -117,9 +117,11 @@ class SymmetricMemory:
     def view(self, rank: int) -> np.ndarray:
         return self._views[rank]
 
-    def offset_of(self, buf: np.ndarray) -> int | None:
-        """The byte offset of ``buf`` when it lies in this rank's buffer, else None."""
-        start = buf.__array_interface__["data"][0]
+    def offset_of(self, buf: np.ndarray, start: int | None = None) -> int | None:
+        """The byte offset of ``buf`` (whose first byte is at address ``start``, when given)
+        when it lies in this rank's buffer, else None."""
+        if start is None:
+            start = buf.__array_interface__["data"][0]
         if self._base <= start and start + buf.nbytes <= self._base + self.nbytes:
             return start - self._base
         return None
@@ -225,8 +227,9 @@ class SymmetricRegistry:
         """(the memory, the byte offset) that ``buf`` lies in, else None."""
         if not self._mems or not isinstance(buf, np.ndarray):
             return None
+        start = buf.__array_interface__["data"][0]
         for mem in self._mems:
-            offset = mem.offset_of(buf)
+            offset = mem.offset_of(buf, start)
             if offset is not None:
                 return mem, offset
         return None
