@@ -15,8 +15,9 @@ to those outputs, move to the stage of their earliest reader (the last stage whe
 reads them) and come after the other nodes of that stage, and a segment is cut where its
 updates begin when a node before them reads one of ``donated`` (the values the step
 replaces). So momentum's ``mu * v``, which needs no communicated value, runs with the rest of
-the update after the AllReduce, not in a segment of its own before it. The update then runs after every other reader of a parameter has finished, so it
-may write the new values into the old ones' memory (runtime/inplace.py).
+the update after the AllReduce, not in a segment of its own before it. The update then runs
+after every other reader of a parameter has finished, so it may write the new values into the
+old ones' memory (runtime/inplace.py).
 """
 from __future__ import annotations
 
