@@ -10,8 +10,9 @@ ms (one thread, the reorders included).
 
 :func:`block_convs` rewrites such a convolution into what the optimiser would have made of
 it, with the weight reordered inside the graph at every run (a Reshape, Transpose, Reshape of
-a small tensor; for a ConvTranspose a Gather reverses its kernel taps): ``ReorderInput`` (NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the
-reordered weight, ``ReorderOutput`` back to NCHW. Depthwise Convs always (weight in OIHWBo
+a small tensor; for a ConvTranspose a Gather reverses its kernel taps): ``ReorderInput``
+(NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the reordered weight, ``ReorderOutput``
+back to NCHW. Depthwise Convs always (weight in OIHWBo
 order, output channels blocked innermost); dense Convs (group 1) and stride-1 ConvTransposes
 of group 1 (a Conv's data gradient, computed as the Conv of the output gradient with the
 weight flipped and its channels swapped) in OIHWBiBo order when the output holds at least

@@ -21,6 +21,7 @@ old ones' memory (runtime/inplace.py).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import onnx
@@ -51,15 +52,20 @@ class CommCall:
 Item = Segment | CommCall
 
 
-def _updates(nodes: list[onnx.NodeProto], updated: frozenset[str], outputs: set[str]
-              ) -> list[bool]:
-    """Whether each node belongs to the update: an elementwise op, a view or a constant whose
-    results are read by update nodes only and are not step outputs, except ``updated`` ones
-    (the new values of what the step replaces)."""
+def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
+    """{value: the indices of the nodes that read it}."""
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         for x in n.input:
             readers.setdefault(x, []).append(i)
+    return readers
+
+
+def _updates(nodes: list[onnx.NodeProto], readers: Mapping[str, list[int]],
+             updated: frozenset[str], outputs: set[str]) -> list[bool]:
+    """Whether each node belongs to the update: an elementwise op, a view or a constant whose
+    results are read by update nodes only and are not step outputs, except ``updated`` ones
+    (the new values of what the step replaces)."""
     out = [False] * len(nodes)
 
     def leads_to_update(o: str) -> bool:  # (a reader outside the update would come before it)
@@ -75,17 +81,14 @@ def _updates(nodes: list[onnx.NodeProto], updated: frozenset[str], outputs: set[
     return out
 
 
-def _sink_updates(nodes: list[onnx.NodeProto], stage: list[int], update: list[bool]) -> None:
+def _sink_updates(nodes: list[onnx.NodeProto], readers: Mapping[str, list[int]],
+                  stage: list[int], update: list[bool]) -> None:
     """Move each update node to the earliest stage among its readers (all update nodes), or
     to the last stage when only the step's outputs read it (the step counter), so the part of
     the update that needs no communicated value (momentum's ``mu * v``) runs in the same
     segment as the rest of the update. Left in its stage, it came after the other nodes of
     that stage and, without overlap, before its deferred comm nodes: a segment of its own (the
     cut before the update), and a buffer written and read again per value crossing it."""
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for x in n.input:
-            readers.setdefault(x, []).append(i)
     last = max(stage, default=0)
     for i in reversed(range(len(nodes))):  # readers first: their stages are final
         if update[i]:
@@ -108,9 +111,11 @@ def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[st
                 p = producer[name]
                 s = max(s, stage[p] + (1 if is_comm_node(nodes[p].domain, nodes[p].op_type) else 0))
         stage[i] = s
-    update = _updates(nodes, updated, {o.name for o in graph.output}) if updated else \
-        [False] * len(nodes)
-    _sink_updates(nodes, stage, update)
+    update = [False] * len(nodes)
+    if updated:
+        readers = _readers(nodes)
+        update = _updates(nodes, readers, updated, {o.name for o in graph.output})
+        _sink_updates(nodes, readers, stage, update)
 
     def key(i: int) -> tuple[int, bool, bool, int]:
         late = defer_comm and is_comm_node(nodes[i].domain, nodes[i].op_type)
