@@ -60,7 +60,14 @@ def divide(buf: np.ndarray, n: int) -> None:
 
 
 def describe(what: Any) -> str:
-    """``ngdist.AllReduce 'name'`` for a comm node, ``'label'`` for anything else."""
+    """``ngdist.AllReduce 'name'`` for a comm node, ``'label'`` for anything else, and
+    ``ngdist.AllReduce 'a', 'b'`` for a tuple of comm nodes (one call for several)."""
+    if type(what) is tuple:  # (a named tuple with op_type and name is one thing)
+        if len(what) == 1:
+            return describe(what[0])
+        op = getattr(what[0], "op_type", "") if what else ""
+        names = ", ".join(f"'{getattr(w, 'name', str(w))}'" for w in what)
+        return f"{('ngdist.' + op + ' ') if op else ''}{names}"
     op = getattr(what, "op_type", "")
     return f"{('ngdist.' + op + ' ') if op else ''}'{getattr(what, 'name', str(what))}'"
 
@@ -128,6 +135,25 @@ class Work(abc.ABC):
             time.sleep(0 if now < spin_until else sleep_s)
 
 
+class WorkList(Work):
+    """Several Works of one group, waited for in the order given."""
+
+    def __init__(self, group: ProcessGroup, works: Sequence[Work], what: Any) -> None:
+        super().__init__(group, what, None)
+        self.works = list(works)
+
+    def test(self) -> bool:
+        return all(w.test() for w in self.works)  # (stops at the first that is not complete)
+
+    def _block(self) -> None:  # (not reached: wait is the parts' own)
+        for w in self.works:
+            w.wait()
+
+    def wait(self, gentle: bool = False) -> None:
+        for w in self.works:
+            w.wait(gentle)
+
+
 class DoneWork(Work):
     """A Work that completed when it was made (one rank, or nothing to send)."""
 
@@ -165,6 +191,13 @@ class ProcessGroup(abc.ABC):
         """In place: ``buf`` becomes the element-wise ``op`` over the ranks: ``sum``, ``max``,
         ``min``, or ``mean`` (the sum, then ``divide`` by the group's size on every rank; a
         backend may fold the division into its reduction, with the same result bit for bit)."""
+
+    def allreduce_coalesced(self, bufs: Sequence[Any], what: Any, op: str = "sum") -> Work:
+        """:meth:`allreduce` of every buffer of ``bufs`` (each in place, each on its own: no
+        element of one meets another's), as one call whose Work completes when all have:
+        a backend may share its synchronisation between them. ``what``: a tuple of the
+        comm nodes, or a label. Default: one ``allreduce`` each, all started, then waited."""
+        return WorkList(self, [self.allreduce(b, what, op) for b in bufs], what)
 
     @abc.abstractmethod
     def broadcast(self, buf: Any, root: int, what: Any) -> Work:

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 import ngdist.comm.shared as shared
-from ngdist.comm.group import ProcessGroup, Work, default_timeout, describe, divide
+from ngdist.comm.group import (DoneWork, ProcessGroup, Work, WorkList, default_timeout,
+                               describe, divide)
 from ngdist.comm.rank_output import ABORT_LINE
 from ngdist.errors import CommError
 
@@ -161,15 +162,35 @@ class MpiGroup(ProcessGroup):
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buf, what, op="sum", peers=None):
+        return self.allreduce_coalesced((buf,), what, op, peers)
+
+    def allreduce_coalesced(self, bufs, what, op="sum", peers=None):
+        """Buffers in symmetric memory share one pair of barriers (comm/shared.py); the others
+        go to MPI's ``Iallreduce``, all started before any is waited for."""
         MPI = _mpi()
-        self.bytes_sent += buf.nbytes
-        found = self._symmetric.find(buf)
-        if found is not None:
-            return shared.SharedAllreduceWork(self, found[0], buf, found[1], what, op, peers)
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=getattr(MPI, _SUM_OPS[op]))
-        if op == "mean":
-            return MpiWork(self, [request], what, peers, then=lambda: divide(buf, self.size))
-        return self._work([request], what, peers)
+        entries, requests, on_mpi = [], [], []
+        for buf in bufs:
+            self.bytes_sent += buf.nbytes
+            found = self._symmetric.find(buf)
+            if found is not None:
+                entries.append((found[0], buf, found[1]))
+                continue
+            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf,
+                                                 op=getattr(MPI, _SUM_OPS[op])))
+            on_mpi.append(buf)
+        works: list[Work] = []
+        if requests:
+            then = None
+            if op == "mean":
+                def then() -> None:
+                    for b in on_mpi:
+                        divide(b, self.size)
+            works.append(MpiWork(self, requests, what, peers, then=then))
+        if entries:  # (after MPI's requests: its barriers are collectives too, started later)
+            works.append(shared.SharedAllreduceWork(self, entries, what, op, peers))
+        if len(works) == 1:
+            return works[0]
+        return WorkList(self, works, what) if works else DoneWork(self, what, peers)
 
     def broadcast(self, buf, root, what):
         if self.rank == root:

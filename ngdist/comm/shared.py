@@ -18,6 +18,9 @@ order). In step 2 rank r reads and writes only blocks r, so no two ranks touch t
 after step 3 no rank touches another's buffer, so a rank may write its buffer again (the next
 step's gradients, or the update's results in place) as soon as it is past the call.
 
+Several buffers reduced in one call (``allreduce_coalesced``) share the two barriers: step 2
+runs over block r of each of them in turn.
+
 The barriers are the group's own (``ProcessGroup.barrier``), so the deadline, the watchdog and
 the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
 """
@@ -173,13 +176,15 @@ _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mean": np.add}
 
 
 class SharedAllreduceWork(Work):
-    """The AllReduce of a buffer in symmetric memory (see the module docstring); it runs in
-    ``wait``."""
+    """The AllReduce of buffers in symmetric memory (see the module docstring), all between
+    one pair of barriers; it runs in ``wait``. ``entries``: (the memory, the buffer, its byte
+    offset there) per buffer."""
 
-    def __init__(self, group: ProcessGroup, mem: SymmetricMemory, buf: np.ndarray,
-                 offset: int, what: Any, op: str, peers: Sequence[int] | None = None) -> None:
+    def __init__(self, group: ProcessGroup,
+                 entries: Sequence[tuple[SymmetricMemory, np.ndarray, int]], what: Any,
+                 op: str, peers: Sequence[int] | None = None) -> None:
         super().__init__(group, what, peers)
-        self.mem, self.buf, self.offset, self.op = mem, buf, offset, op
+        self.entries, self.op = entries, op
         self.done = False
 
     def test(self) -> bool:
@@ -193,23 +198,27 @@ class SharedAllreduceWork(Work):
             self._run(gentle)
 
     def _run(self, gentle: bool) -> None:
-        group, buf = self.group, self.buf
-        flat = buf.reshape(-1)
-        views = self.mem.typed(self.offset, flat.dtype, flat.size)
-        bounds = blocks(flat.size, flat.itemsize, group.size)
-        r = group.rank
+        group = self.group
+        r, size = group.rank, group.size
         reduce = _REDUCE[self.op]
-        group.barrier(self.what).wait(gentle)  # every rank's input is written
-        lo, hi = bounds[r], bounds[r + 1]
-        mine = views[r][lo:hi]
-        for j in range(group.size):
-            if j != r:
-                reduce(mine, views[j][lo:hi], out=mine)
-        if self.op == "mean":  # the block only, while it is in this core's cache
-            divide(mine, group.size)
-        for j in range(group.size):
-            if j != r:
-                views[j][lo:hi] = mine
+        parts = []  # per buffer: every rank's block r
+        for mem, buf, offset in self.entries:
+            flat = buf.reshape(-1)
+            views = mem.typed(offset, flat.dtype, flat.size)
+            bounds = blocks(flat.size, flat.itemsize, size)
+            lo, hi = bounds[r], bounds[r + 1]
+            parts.append([v[lo:hi] for v in views])
+        group.barrier(self.what).wait(gentle)  # every rank's inputs are written
+        for part in parts:
+            mine = part[r]
+            for j in range(size):
+                if j != r:
+                    reduce(mine, part[j], out=mine)
+            if self.op == "mean":  # the block only, while it is in this core's cache
+                divide(mine, size)
+            for j in range(size):
+                if j != r:
+                    part[j][...] = mine
         group.barrier(self.what).wait(gentle)  # every buffer holds the whole result
         self.done = True
 

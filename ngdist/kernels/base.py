@@ -53,6 +53,11 @@ class KernelSpec:
     close: Callable[[CommNode], None] | None = None
     # whether the op is the identity on a group of one rank, given the node's attributes
     alone_identity: Callable[[dict[str, Any]], bool] = lambda attributes: False
+    # several nodes of the op that run one after another, as one call:
+    # batch(group, nodes, inputs of each) -> outputs of each, for the nodes whose attributes
+    # ``batchable`` accepts
+    batch: Callable[[Any, list[CommNode], list[Sequence[Any]]], list[list[Any]]] | None = None
+    batchable: Callable[[dict[str, Any]], bool] = lambda attributes: False
 
     def __call__(self, group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
         return self.fn(group, node, inputs)
@@ -62,13 +67,17 @@ KERNELS: dict[str, KernelSpec] = {}
 
 
 def register_kernel(op_type: str, memory: str = "host", drain: Any = None,
-                    close: Any = None, alone_identity: Any = None
-                    ) -> Callable[[Kernel], Kernel]:
+                    close: Any = None, alone_identity: Any = None, batch: Any = None,
+                    batchable: Any = None) -> Callable[[Kernel], Kernel]:
     """``alone_identity``: True, or a predicate on the node's attributes, when the op is the
     identity on a group of one rank (the runtime then runs it as onnxruntime Identity nodes
-    inside a segment, without cutting the step)."""
+    inside a segment, without cutting the step). ``batch``: the kernel of several nodes that
+    run one after another (their outputs in the same results as one by one), for the nodes
+    whose attributes ``batchable`` accepts."""
     def wrap(fn: Kernel) -> Kernel:
         spec = KernelSpec(op_type, fn, memory, drain, close)
+        if batch is not None:
+            spec.batch, spec.batchable = batch, batchable
         if alone_identity is not None:
             spec.alone_identity = alone_identity if callable(alone_identity) else \
                 (lambda attributes: bool(alone_identity))

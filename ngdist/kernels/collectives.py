@@ -60,33 +60,62 @@ def _offer_symmetric(group, node, buf) -> None:
     node.state["write_to"] = {0: target}
 
 
+def _plain(attributes) -> bool:
+    """Whether an AllReduce node reduces with the group's own AllReduce (algorithm ``mpi``,
+    no compression): such nodes that run one after another are reduced in one call."""
+    return attributes.get("algorithm", "mpi") == "mpi" and \
+        attributes.get("compression", "none") == "none"
+
+
+def allreduce_batch(group, nodes, inputs_list):
+    """Plain AllReduce nodes (see ``_plain``) that the runtime runs one after another, as one
+    call of the group (``allreduce_coalesced``: buffers in symmetric memory share one pair of
+    barriers), the group dividing for ``reduction="mean"``; the outputs of each node."""
+    if group.size == 1:
+        return [list(inputs) for inputs in inputs_list]
+    calls, by_op = [], {}
+    for node, inputs in zip(nodes, inputs_list):
+        in_place = _in_place(node, inputs)
+        # else a copy (in the node's reused buffer): never reduce into a value others still read
+        buf = inputs[0] if in_place else flatten(inputs, node)
+        calls.append((node, inputs, in_place, buf))
+        op = "mean" if node.attributes.get("reduction", "mean") == "mean" else "sum"
+        by_op.setdefault(op, []).append(buf.reshape(-1))  # a view: the buffer is contiguous
+    what = tuple(nodes)
+    works = [group.allreduce_coalesced(bufs, what, op=op) for op, bufs in by_op.items()]
+    for work in works:
+        work.wait()
+    outs = []
+    for node, inputs, in_place, buf in calls:
+        if in_place:  # (a collective when it makes memory: every rank, in the same order)
+            _offer_symmetric(group, node, buf)
+        outs.append([buf] if in_place else unflatten(buf, inputs))
+    return outs
+
+
 @register_kernel("AllReduce",
-                 alone_identity=lambda attributes: attributes.get("algorithm") != "exact")
+                 alone_identity=lambda attributes: attributes.get("algorithm") != "exact",
+                 batch=allreduce_batch, batchable=_plain)
 def allreduce(group, node, inputs):
     """Sum (or mean) over the ranks, with MPI's own algorithm or the one named by the
     ``algorithm`` attribute (kernels/allreduce_algs.py, kernels/exact.py); 16-bit buffers
     (``compression`` fp16/bf16) by kernels/compressed.py."""
+    if _plain(node.attributes):
+        return allreduce_batch(group, [node], [inputs])[0]
     algorithm = node.attributes.get("algorithm", "mpi")
     if algorithm == "exact":  # reproducible mode
         return exact_allreduce(group, node, inputs)
     if group.size == 1:
         return list(inputs)
     in_place = _in_place(node, inputs)
-    # else a copy (in the node's reused buffer): never reduce into a value others still read
     buf = inputs[0] if in_place else flatten(inputs, node)
-    flat = buf.reshape(-1)  # a view: the buffer is contiguous
+    flat = buf.reshape(-1)
     if node.attributes.get("compression", "none") != "none":
         compressed_allreduce(group, node, flat, algorithm)  # the mean too
     else:
-        mean = node.attributes.get("reduction", "mean") == "mean"
-        if algorithm == "mpi":  # the group divides (in its reduction, where it can)
-            group.allreduce(flat, node, op="mean" if mean else "sum").wait()
-            if in_place:
-                _offer_symmetric(group, node, buf)
-        else:
-            sum_inplace(algorithm, group, node, flat)
-            if mean:
-                divide(flat, group.size)
+        sum_inplace(algorithm, group, node, flat)
+        if node.attributes.get("reduction", "mean") == "mean":
+            divide(flat, group.size)
     return [buf] if in_place else unflatten(buf, inputs)
 
 

@@ -198,6 +198,28 @@ class Executor:
                     step_outputs.intersection(node.outputs) <= replacing
                 self.comm_nodes[item.index] = node
                 self.kernels[item.index] = get_kernel(n.op_type)
+        # without overlap, comm nodes that run one after another with a kernel for several
+        # (the plain AllReduce of each bucket of a stage): one call for all, from the first
+        # one's item (with overlap, a segment that needs one of them would wait for all)
+        self.batches: dict[int, list[int]] = {}
+        self._in_batch: set[int] = set()  # the items run by a batch that starts before them
+        run: list[int] = []
+        for item in [*self.items, None] if not overlap else []:
+            node = self.comm_nodes.get(item.index) if isinstance(item, CommCall) else None
+            spec = self.kernels.get(item.index) if node is not None else None
+            fits = spec is not None and spec.batch is not None and \
+                spec.batchable(node.attributes) and (not run or (
+                    spec is self.kernels[run[0]] and not any(  # (none reads another's result)
+                        set(node.inputs).intersection(self.comm_nodes[i].outputs)
+                        for i in run)))
+            if fits:
+                run.append(item.index)
+                continue
+            if len(run) > 1:
+                self.batches[run[0]] = run
+                self._in_batch.update(run[1:])
+            run = [item.index] if node is not None and spec.batch is not None and \
+                spec.batchable(node.attributes) else []
         # values made for one comm node alone, which its kernel may ask to have written
         # into memory of its own (on the CPU: host arrays)
         self._comm_input: dict[str, tuple[CommNode, int]] = {}
@@ -461,26 +483,41 @@ class Executor:
             wrapped.append(same)
         return wrapped
 
-    def _run_comm(self, idx: int, values: list[ort.OrtValue]) -> tuple[list[ort.OrtValue], float]:
-        node, spec = self.comm_nodes[idx], self.kernels[idx]
+    def _run_comm(self, indices: list[int], values: list[ort.OrtValue]
+                  ) -> tuple[list[ort.OrtValue], float]:
+        """Comm items ``indices`` (one, or a batch) on ``values``, the inputs of each in
+        turn; their outputs in the same order, and the time taken."""
+        nodes = [self.comm_nodes[i] for i in indices]
+        spec = self.kernels[indices[0]]
         sent0 = self.group.bytes_sent
         t0 = time.perf_counter()
         inputs = self._views(spec, values)
         try:
-            outs = spec(self.group, node, inputs)
+            if len(nodes) == 1:
+                outs = spec(self.group, nodes[0], inputs)
+            else:
+                split, at = [], 0
+                for node in nodes:
+                    split.append(inputs[at:at + len(node.inputs)])
+                    at += len(node.inputs)
+                outs = [o for each in spec.batch(self.group, nodes, split) for o in each]
         except NgdistError:
             raise
         except Exception as exc:
-            raise CommError(f"while executing ngdist.{node.op_type} '{node.name}' on rank "
+            names = ", ".join(f"'{node.name}'" for node in nodes)
+            raise CommError(f"while executing ngdist.{spec.op_type} {names} on rank "
                             f"{self.group.rank}: {exc}") from exc
         wrapped = self._wrap(outs, inputs, values)
         t1 = time.perf_counter()
         timeline = self.timeline
         if timeline is not None:
-            timeline.record("comm", node.name, t0, t1, {
+            node = nodes[0]
+            timeline.record("comm", " + ".join(n.name for n in nodes), t0, t1, {
                 "op": node.op_type, "bytes": self.group.bytes_sent - sent0,
                 "algorithm": node.attributes.get("algorithm"),
-                "bucket": node.attributes.get("bucket"), "values": node.inputs,
+                "bucket": [n.attributes.get("bucket") for n in nodes] if len(nodes) > 1
+                else node.attributes.get("bucket"),
+                "values": [x for n in nodes for x in n.inputs],
                 "group_size": self.group.size})
         return wrapped, t1 - t0
 
@@ -519,17 +556,18 @@ class Executor:
                     timeline.record("compute", self.labels[item.index], t0, t1,
                                     self.label_args[item.index])
                 env.update(zip(item.outputs, outs))
-            else:
-                names = list(item.node.input)
+            elif item.index not in self._in_batch:  # (else its batch has run it)
+                indices = self.batches.get(item.index) or [item.index]
+                names = [x for i in indices for x in self.comm_nodes[i].inputs]
                 resolve(names)
                 values = [env[n] for n in names]
-                out_names = list(item.node.output)
+                out_names = [x for i in indices for x in self.comm_nodes[i].outputs]
                 if self.pool is None:
-                    outs, dt = self._run_comm(item.index, values)
+                    outs, dt = self._run_comm(indices, values)
                     times.comm += dt
                     env.update(zip(out_names, outs))
                 else:
-                    fut = self.pool.submit(lambda i=item.index, v=values, o=out_names:
+                    fut = self.pool.submit(lambda i=indices, v=values, o=out_names:
                                            (*self._run_comm(i, v), o))
                     for o in out_names:
                         pending[o] = fut

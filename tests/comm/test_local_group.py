@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -208,6 +209,24 @@ def test_describe():
     assert describe(NODE) == "ngdist.AllReduce 'ngdist/allreduce/bucket0'"
     assert describe("start-up exchange") == "'start-up exchange'"
     assert describe(SimpleNamespace(name="no op type")) == "'no op type'"
+    other = SimpleNamespace(op_type="AllReduce", name="ngdist/allreduce/bucket1")
+    assert describe((NODE, other)) == \
+        "ngdist.AllReduce 'ngdist/allreduce/bucket0', 'ngdist/allreduce/bucket1'"
+    assert describe((NODE,)) == describe(NODE)  # one node's call, as the node itself
+
+    class Named(NamedTuple):  # a named tuple with a name is one thing, not several
+        op_type: str
+        name: str
+
+    assert describe(Named("PSPushPull", "ps/0")) == "ngdist.PSPushPull 'ps/0'"
+
+
+def test_allreduce_coalesced_by_default_reduces_each_buffer_and_waits_for_all(g):
+    bufs = [np.arange(4, dtype=np.float32), np.ones(2, np.float64)]
+    work = g.allreduce_coalesced(bufs, (NODE, NODE), op="mean")
+    assert [type(w) for w in work.works] == [DoneWork, DoneWork]
+    assert work.test() is True and work.wait() is None
+    np.testing.assert_array_equal(bufs[0], [0, 1, 2, 3])  # one rank: the mean is the value
 
 
 def test_timeout_message(g):

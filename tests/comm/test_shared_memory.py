@@ -22,6 +22,10 @@ from ngdist.errors import CommError
 CASES = [("float32", 1, 0), ("float32", 3, 0), ("float32", 37, 64), ("float64", 100, 8),
          ("int64", 5, 0), ("float32", 1000, 0)]
 OPS = ("sum", "max", "min", "mean")
+# (byte offset in the symmetric memory, dtype, count): the buffers of one coalesced call; the
+# last two lie outside the memory
+COALESCED = [(0, "float32", 1000), (4096, "float64", 37), (8192, "float32", 3),
+             (None, "float32", 300), (None, "float64", 5)]
 
 
 def exact(rank: int, count: int, dtype: str) -> np.ndarray:
@@ -34,7 +38,7 @@ SCRIPT = r"""
 import json, os, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from test_shared_memory import CASES, OPS, exact
+from test_shared_memory import CASES, COALESCED, OPS, exact
 from ngdist.comm import world_group
 
 world = world_group(timeout=60)
@@ -60,6 +64,26 @@ kinds.append(type(work).__name__)
 work.wait()
 results["outside"] = outside
 report["kinds"] = kinds
+# one call for several buffers: three in the symmetric memory (two dtypes, one at an offset),
+# two outside it; the barriers it takes are counted
+barriers, barrier = [], world.barrier
+world.barrier = lambda what="barrier": (barriers.append(what), barrier(what))[1]
+for op in ("sum", "mean"):
+    inside = [] if mem is None else [
+        mem.view(rank)[start:start + count * np.dtype(dtype).itemsize].view(dtype)
+        for start, dtype, count in COALESCED[:3]]
+    bufs = inside + [np.empty(count, dtype) for _, dtype, count in COALESCED[len(inside):]]
+    for buf, (_, dtype, count) in zip(bufs, COALESCED):
+        buf[:] = exact(rank, count, dtype)
+    before = len(barriers)
+    work = world.allreduce_coalesced(bufs, "several buffers", op=op)
+    report[f"coalesced_{op}"] = [type(work).__name__] + \
+        [type(w).__name__ for w in getattr(work, "works", [])]
+    work.wait()
+    report[f"coalesced_{op}_barriers"] = len(barriers) - before
+    for k, buf in enumerate(bufs):
+        results[f"coalesced_{op}_{k}"] = buf.copy()
+world.barrier = barrier
 np.savez(f"rank{rank}.npz", **results)
 with open(f"rank{rank}.json", "w") as fh:
     json.dump(report, fh)
@@ -107,11 +131,35 @@ def test_allreduce_in_symmetric_memory_equals_numpy_on_every_rank(ranks, tmp_pat
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_coalesced_allreduce_reduces_every_buffer_with_one_pair_of_barriers(ranks, tmp_path,
+                                                                               n):
+    reports = _run(ranks, tmp_path, n)
+    for r, rep in enumerate(reports):
+        for op in ("sum", "mean"):
+            # MPI's requests for the buffers outside, then the ones in symmetric memory
+            assert rep[f"coalesced_{op}"] == ["WorkList", "MpiWork", "SharedAllreduceWork"], rep
+            assert rep[f"coalesced_{op}_barriers"] == 2, rep  # for the three buffers inside
+            for k, (_, dtype, count) in enumerate(COALESCED):
+                everyone = np.stack([exact(j, count, dtype) for j in range(n)])
+                want = REDUCE[op](everyone, axis=0).astype(dtype)
+                got = rep["arrays"][f"coalesced_{op}_{k}"]
+                assert got.tobytes() == want.tobytes(), (r, op, k)
+
+
+@pytest.mark.mpi
 def test_switched_off_the_group_makes_no_symmetric_memory(ranks, tmp_path):
     reports = _run(ranks, tmp_path, 2, env={"NGDIST_SHM_ALLREDUCE": "0"})
     for rep in reports:
         assert rep["made"] is False
         assert rep["kinds"] == ["MpiWork"]
+        for op in ("sum", "mean"):  # every buffer of a coalesced call goes to MPI
+            assert rep[f"coalesced_{op}"] == ["MpiWork"], rep
+            assert rep[f"coalesced_{op}_barriers"] == 0, rep
+            for k, (_, dtype, count) in enumerate(COALESCED):
+                want = REDUCE[op](np.stack([exact(j, count, dtype) for j in range(2)]),
+                                  axis=0).astype(dtype)
+                assert rep["arrays"][f"coalesced_{op}_{k}"].tobytes() == want.tobytes()
         want = exact(0, 37, "float32") + exact(1, 37, "float32")
         np.testing.assert_array_equal(rep["arrays"]["outside"], want)
 

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from ngdist.comm import LocalGroup
-from ngdist.comm.group import DoneWork, ProcessGroup, divide
+from ngdist.comm.group import DoneWork, ProcessGroup, describe, divide
 from ngdist.errors import CommError, CommTimeoutError, ExecutionError
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import IR_VERSION
@@ -35,9 +35,15 @@ class TwoRanks(ProcessGroup):
         super().__init__(timeout=5)
         self.fail = fail
         self.calls: list[str] = []
+        self.coalesced: list[list[str]] = []  # the nodes of each allreduce_coalesced call
+
+    def allreduce_coalesced(self, bufs, what, op="sum"):
+        self.coalesced.append([w.name for w in what])
+        assert len(bufs) == len(what)
+        return super().allreduce_coalesced(bufs, what, op)
 
     def allreduce(self, buf, what, op="sum", peers=None):
-        self.calls.append(getattr(what, "name", str(what)))
+        self.calls.append(describe(what))
         if self.fail is not None:
             raise self.fail
         np.add(buf, buf.dtype.type(OTHER), out=buf)
@@ -237,6 +243,84 @@ def test_a_comm_failure_reaches_the_caller_as_it_is(overlap):
         ex.run(feeds(x=X, w=W))
     assert info.value is failure
     ex.close()
+
+
+# ---------------------------------------------------------------- batches of comm nodes
+def two_buckets(*between: onnx.NodeProto, second: str = "g2", algorithm: str | None = None,
+                outputs: tuple[str, ...] = ()) -> onnx.ModelProto:
+    """Two gradients, their AllReduce nodes (``between`` after the first), then a sum."""
+    extra = {} if algorithm is None else {"algorithm": algorithm}
+    return model([helper.make_node("Mul", ["x", "w"], ["g1"], name="grad1"),
+                  helper.make_node("Neg", ["x"], ["g2"], name="grad2"),
+                  allreduce("g1", "r1", name="bucket0"), *between,
+                  helper.make_node("AllReduce", [second], ["r2"], name="bucket1",
+                                   domain=DOMAIN, reduction="mean", **extra),
+                  helper.make_node("Add", ["r1", "r2"], ["y"], name="update")],
+                 ["x", "w"], ["y", *outputs])
+
+
+def test_allreduce_nodes_one_after_another_run_as_one_call():
+    group = TwoRanks()
+    ex = Executor(two_buckets(), group, overlap=False)
+    first = min(ex.comm_nodes)
+    assert ex.batches == {first: [first, first + 1]}
+    seen = spy_comm(ex)
+    for _ in range(2):  # (the second step: buffers bound as the first one left them)
+        out = ex.run(feeds(x=X, w=W))
+        np.testing.assert_array_equal(out["y"].numpy(), (X * W + OTHER) / 2 + (OTHER - X) / 2)
+    assert group.coalesced == [["bucket0", "bucket1"]] * 2  # one call of the group a step
+    assert len(seen) == 2  # one kernel call a step, both nodes' values in and out
+    values, outs = seen[0]
+    assert len(values) == len(outs) == 2 and all(o is v for o, v in zip(outs, values))
+    ex.close()
+
+
+def test_with_overlap_each_allreduce_node_is_a_call_of_its_own():
+    group = TwoRanks()
+    ex = Executor(two_buckets(), group, overlap=True)
+    assert ex.batches == {}
+    out = ex.run(feeds(x=X, w=W))
+    np.testing.assert_array_equal(out["y"].numpy(), (X * W + OTHER) / 2 + (OTHER - X) / 2)
+    assert group.coalesced == [["bucket0"], ["bucket1"]]
+    ex.close()
+
+
+def test_a_batch_failure_names_every_node_of_it():
+    ex = Executor(two_buckets(), TwoRanks(fail=ValueError("no route to rank 1")),
+                  overlap=False)
+    with pytest.raises(CommError) as info:
+        ex.run(feeds(x=X, w=W))
+    assert str(info.value) == ("while executing ngdist.AllReduce 'bucket0', 'bucket1' on rank "
+                               "0: no route to rank 1")
+    ex.close()
+
+
+def test_an_allreduce_of_another_ones_result_is_not_in_its_batch():
+    group = TwoRanks()
+    ex = Executor(two_buckets(second="r1"), group, overlap=False)
+    assert ex.batches == {}
+    out = ex.run(feeds(x=X, w=W))
+    r1 = (X * W + OTHER) / 2
+    np.testing.assert_array_equal(out["y"].numpy(), r1 + (r1 + OTHER) / 2)
+    assert group.coalesced == [["bucket0"], ["bucket1"]]
+
+
+def test_allreduce_nodes_with_an_algorithm_of_their_own_run_alone():
+    group = TwoRanks()
+    ex = Executor(two_buckets(algorithm="ring"), group, overlap=False)
+    assert ex.batches == {}
+    first = min(ex.comm_nodes)
+    assert [ex.comm_nodes[i].name for i in (first, first + 1)] == ["bucket0", "bucket1"]
+
+
+def test_another_comm_op_between_two_allreduce_nodes_splits_them():
+    group = TwoRanks()
+    ex = Executor(two_buckets(helper.make_node("ReduceScatter", ["x"], ["s"], name="rs",
+                                               domain=DOMAIN), outputs=("s",)),
+                  group, overlap=False)
+    assert ex.batches == {}
+    assert [n.op_type for n in ex.comm_nodes.values()] == ["AllReduce", "ReduceScatter",
+                                                            "AllReduce"]
 
 
 # ---------------------------------------------------------------- in place, or not

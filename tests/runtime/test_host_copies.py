@@ -2,7 +2,7 @@
 
 Two real ranks train an MLP whose buckets include several flat (Concat) buckets and single-
 gradient buckets. After warm-up steps the test records, during further steps:
-* every AllReduce kernel call: its input was donated (made in the step for it alone) and the
+* every AllReduce node's call (alone or in one call with the buckets next to it): its input was donated (made in the step for it alone) and the
   kernel returned that very array, reduced in place: the same memory went to MPI and on to
   the next segment;
 * every value the trainer holds after the step (parameters, momentum) is memory that a
@@ -38,14 +38,18 @@ for s in range(3):
 
 calls, produced, wrapped = [], set(), [0]
 inner = KERNELS["AllReduce"]
+def spy_batch(group, nodes, inputs_list):  # consecutive buckets: one call for several
+    ptrs = [[a.__array_interface__["data"][0] for a in inputs] for inputs in inputs_list]
+    outs_list = inner.batch(group, nodes, inputs_list)
+    for node, inputs, outs, p in zip(nodes, inputs_list, outs_list, ptrs):
+        calls.append({"donated": list(node.donated), "n_in": len(inputs),
+                      "same": [o is i for o, i in zip(outs, inputs)],
+                      "ptr_same": [o.__array_interface__["data"][0] == q
+                                   for o, q in zip(outs, p)]})
+    return outs_list
 def spy(group, node, inputs):
-    ptrs = [a.__array_interface__["data"][0] for a in inputs]
-    outs = inner.fn(group, node, inputs)
-    calls.append({"donated": list(node.donated), "n_in": len(inputs),
-                  "same": [o is i for o, i in zip(outs, inputs)],
-                  "ptr_same": [o.__array_interface__["data"][0] == p for o, p in zip(outs, ptrs)]})
-    return outs
-KERNELS["AllReduce"] = dataclasses.replace(inner, fn=spy)
+    return spy_batch(group, [node], [inputs])[0]
+KERNELS["AllReduce"] = dataclasses.replace(inner, fn=spy, batch=spy_batch)
 for e in [tr.executor]:
     e.kernels = {i: (KERNELS["AllReduce"] if k.op_type == "AllReduce" else k)
                  for i, k in e.kernels.items()}

@@ -21,16 +21,19 @@ pytestmark = pytest.mark.mpi
 
 STEPS = 5
 
-# every script: the names of the AllReduce calls that went through shared memory
+# every script: the names of the AllReduce nodes whose buckets went through shared memory,
+# and how many buckets each call through it reduced
 COUNT_CALLS = r"""
 import json
 import numpy as np
 from ngdist.comm import shared
 
-calls = []
+calls, batches = [], []
 run = shared.SharedAllreduceWork._run
 def counted(self, gentle):
-    calls.append(self.what.name)
+    names = [w.name for w in self.what]  # (the nodes of the call, all in shared memory)
+    calls.extend(names if len(names) == len(self.entries) else ["some of " + str(names)])
+    batches.append(len(self.entries))
     return run(self, gentle)
 shared.SharedAllreduceWork._run = counted
 """
@@ -43,7 +46,7 @@ from ngdist.data import load_digits
 x, y, _, _ = load_digits()
 tr = ngdist.compile(zoo.mlp((64, 512, 512, 10), seed=0), loss="softmax_cross_entropy",
                     labels="y", optimizer=ngdist.optim.SGD(lr=0.05, momentum=%(momentum)s),
-                    bucket_bytes=16_000, intra_op_threads=1)
+                    bucket_bytes=16_000, intra_op_threads=1, overlap=False)
 B = 12
 for s in range(%(steps)d):
     lo = (s * tr.size + tr.rank) * B
@@ -54,7 +57,7 @@ reduced = {o for n in tr.executor.comm_nodes.values() for o in n.outputs}
 # results the update writes into the memory of a reduced bucket
 into_reduced = sorted(r for plans in tr.executor._inplace.values() for plan in plans.values()
                       for r, (buf, _) in plan.items() if buf in reduced)
-json.dump({"calls": calls, "nodes": nodes, "into_reduced": into_reduced},
+json.dump({"calls": calls, "batches": batches, "nodes": nodes, "into_reduced": into_reduced},
           open(f"report_{tr.rank}.json", "w"))
 tr.close()
 # the oracle: one trainer on the combined batch of every rank, no communication
@@ -96,6 +99,9 @@ def test_buckets_reduced_in_shared_memory_train_as_mpi_does(ranks, tmp_path, n, 
         # the first call of each bucket goes through MPI and asks for the memory; every
         # later one finds its input there
         assert sorted(rep["calls"]) == sorted(nodes * (STEPS - 1)), rep
+        # comm in program order: the buckets of the one stage, one after another, are
+        # reduced in one call, between one pair of barriers
+        assert rep["batches"] == [len(nodes)] * (STEPS - 1), rep
     assert all(rep["calls"] == [] for rep in off_rep)
     # the update writes a result into the reduced fc1 weight gradient's memory (its symmetric
     # memory, or the buffer MPI reduced in place); without momentum that gradient is the
@@ -144,7 +150,7 @@ for _ in range(%(steps)d):
     values.append(s.numpy().copy())
     addresses.append(s.numpy().__array_interface__["data"][0])
 np.save(f"values_{group.rank}.npy", np.stack(values))
-json.dump({"calls": calls, "addresses": addresses}, open(f"report_{group.rank}.json", "w"))
+json.dump({"calls": calls, "batches": batches, "addresses": addresses}, open(f"report_{group.rank}.json", "w"))
 """
 
 
@@ -164,5 +170,6 @@ def test_a_reduced_state_the_next_step_reads_takes_two_memories_in_turn(ranks, t
         # the first call goes through MPI and makes the first memory; every later call
         # reduces in shared memory, alternating between two
         assert rep["calls"] == ["ngdist/allreduce/bucket0"] * (steps - 1)
+        assert rep["batches"] == [1] * (steps - 1)
         later = rep["addresses"][1:]
         assert len(set(later)) == 2 and later[0::2] == [later[0]] * len(later[0::2]), later
