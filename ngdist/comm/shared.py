@@ -73,7 +73,7 @@ class SymmetricMemory:
         self._maps = maps
         self._views = [np.frombuffer(m, np.uint8, nbytes) for m in maps]
         self._base = self._views[group.rank].__array_interface__["data"][0]
-        self._typed: dict[tuple, list[np.ndarray]] = {}
+        self._parts: dict[tuple, list[np.ndarray]] = {}
 
     @classmethod
     def create(cls, group: ProcessGroup, nbytes: int, what: Any) -> SymmetricMemory | None:
@@ -129,14 +129,17 @@ class SymmetricMemory:
             return start - self._base
         return None
 
-    def typed(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
-        """Every rank's ``count`` elements of ``dtype`` at byte ``offset``."""
-        key = (offset, dtype.str, count)
-        views = self._typed.get(key)
-        if views is None:
-            views = self._typed[key] = [np.frombuffer(m, dtype, count, offset)
+    def parts(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
+        """Block ``rank`` (:func:`blocks`) of every rank's ``count`` elements of ``dtype`` at
+        byte ``offset``: what this rank reduces of such a buffer (views, made once)."""
+        key = (offset, dtype, count)
+        parts = self._parts.get(key)
+        if parts is None:
+            bounds = blocks(count, dtype.itemsize, self.group.size)
+            lo, hi = bounds[self.group.rank], bounds[self.group.rank + 1]
+            parts = self._parts[key] = [np.frombuffer(m, dtype, count, offset)[lo:hi]
                                         for m in self._maps]
-        return views
+        return parts
 
 
 def _path(pid: int, counter: int) -> str:
@@ -201,13 +204,8 @@ class SharedAllreduceWork(Work):
         group = self.group
         r, size = group.rank, group.size
         reduce = _REDUCE[self.op]
-        parts = []  # per buffer: every rank's block r
-        for mem, buf, offset in self.entries:
-            flat = buf.reshape(-1)
-            views = mem.typed(offset, flat.dtype, flat.size)
-            bounds = blocks(flat.size, flat.itemsize, size)
-            lo, hi = bounds[r], bounds[r + 1]
-            parts.append([v[lo:hi] for v in views])
+        # per buffer: every rank's block r
+        parts = [mem.parts(offset, buf.dtype, buf.size) for mem, buf, offset in self.entries]
         group.barrier(self.what).wait(gentle)  # every rank's inputs are written
         for part in parts:
             mine = part[r]
@@ -226,8 +224,11 @@ class SharedAllreduceWork(Work):
 class SymmetricRegistry:
     """The symmetric memories of one group, found again from a buffer's address."""
 
+    SEEN = 256  # buffers found, remembered by (address, bytes): a step's buckets again
+
     def __init__(self) -> None:
         self._mems: weakref.WeakSet[SymmetricMemory] = weakref.WeakSet()
+        self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
 
     def add(self, mem: SymmetricMemory) -> None:
         self._mems.add(mem)
@@ -236,9 +237,17 @@ class SymmetricRegistry:
         """(the memory, the byte offset) that ``buf`` lies in, else None."""
         if not self._mems or not isinstance(buf, np.ndarray):
             return None
-        start = buf.__array_interface__["data"][0]
+        key = (buf.__array_interface__["data"][0], buf.nbytes)
+        seen = self._seen.get(key)
+        if seen is not None:
+            mem = seen[0]()  # (a memory still alive still maps those addresses)
+            if mem is not None:
+                return mem, seen[1]
         for mem in self._mems:
-            offset = mem.offset_of(buf, start)
+            offset = mem.offset_of(buf, key[0])
             if offset is not None:
+                if len(self._seen) >= self.SEEN:
+                    self._seen.clear()
+                self._seen[key] = (weakref.ref(mem), offset)
                 return mem, offset
         return None

@@ -9,13 +9,15 @@ The tests compare every result with numpy's reduction of all ranks' inputs, bit 
 """
 from __future__ import annotations
 
+import gc
 import json
+import mmap
 import os
 
 import numpy as np
 import pytest
 
-from ngdist.comm import shared
+from ngdist.comm import LocalGroup, shared
 from ngdist.comm.group import divide
 from ngdist.errors import CommError
 
@@ -248,3 +250,38 @@ def test_ranks_that_disagree_on_the_switch_all_fail_saying_so(ranks, tmp_path):
             "message": "NGDIST_SHM_ALLREDUCE is 0 on some ranks and not on ranks [0]; set it "
                        "the same on every rank (mpiexec -genv NGDIST_SHM_ALLREDUCE=0, or not "
                        "at all)"}
+
+
+def _memory(nbytes: int) -> shared.SymmetricMemory:
+    """A one-rank symmetric memory over anonymous pages (the lookups need no other rank)."""
+    return shared.SymmetricMemory(LocalGroup(timeout=5), nbytes, [mmap.mmap(-1, nbytes)])
+
+
+def test_the_registry_finds_a_buffer_again_and_forgets_a_memory_that_is_gone():
+    a, b = _memory(4096), _memory(4096)
+    registry = shared.SymmetricRegistry()
+    registry.add(a)
+    registry.add(b)
+    inside = a.view(0)[128:128 + 400].view(np.float32)
+    for _ in range(2):  # found, then remembered
+        mem, offset = registry.find(inside)
+        assert mem is a and offset == 128
+    assert registry.find(b.view(0)[64:]) == (b, 64)
+    assert registry.find(np.zeros(100, np.float32)) is None
+    assert registry.find(inside[1:]) == (a, 132)  # another buffer in it: looked up anew
+    del a, mem
+    gc.collect()
+    # the pages outlive the memory (the view holds them), but the memory is no longer one
+    assert registry.find(inside) is None
+    assert registry.find(b.view(0)[64:]) == (b, 64)
+
+
+def test_parts_are_each_ranks_block_of_a_buffer():
+    mem = _memory(4096)
+    buf = mem.view(0)[256:256 + 4 * 100].view(np.float32)
+    buf[:] = np.arange(100)
+    (part,) = mem.parts(256, np.dtype(np.float32), 100)  # one rank: the whole buffer
+    np.testing.assert_array_equal(part, np.arange(100))
+    assert mem.parts(256, np.dtype(np.float32), 100)[0] is part  # made once
+    # two ranks: block 1 starts on the first 64-byte line (16 floats) from the middle on
+    assert shared.blocks(100, 4, 2) == [0, 64, 100]
