@@ -17,12 +17,17 @@ times, alternating in rounds:
   program which communicates after computing can spend (the Allreduce meets the caches a step
   leaves and ranks that arrive at slightly different times, as a step's Allreduce does).
 
-The communication cost inside the step is ``allreduce - local`` (the best of each round's
-median, the slowest rank's time). A machine whose speed drifts from second to second (a shared
-virtual machine) moves the two medians apart by more than the cost itself, so each round also
-times ``steps`` pairs of an ``allreduce`` step and a ``local`` step right after it, and
-``paired`` is the median of those differences over all rounds (likewise ``local+mpi4py``
-against ``local`` for the least program). The ratios printed:
+The communication cost inside the step is ``allreduce - local``: in each round, the median of
+its ``allreduce`` steps minus the median of its ``local`` steps (the slowest rank's time of
+each step), then the median of those differences over the rounds. A machine whose speed drifts
+from second to second (a shared virtual machine) moves the medians of rounds apart by more
+than the cost itself; within a round the two run back to back, each on caches warmed by its
+own steps as in training. The step columns show the best round's median of each, for scale;
+``mpi4py`` is the best round's median too (the fastest the MPI library did it, the harder bar).
+Each round also times ``steps`` pairs of an ``allreduce`` step and a ``local`` step right
+after it, and ``paired`` is the median of those differences over all rounds (likewise
+``local+mpi4py`` against ``local`` for the least program); alternating the two trainers step
+by step, each meets caches the other's step has filled. The ratios printed:
 
 * ``vs mpi4py`` = ``mpi4py / (allreduce - local)``, ``paired vs mpi4py`` = ``mpi4py /
   paired``: 1.0 means the step's communication costs what the MPI library's own Allreduce of
@@ -95,16 +100,22 @@ def worker(sizes: list[int], rounds: int, steps: int, batch: int,
             return _max(world, time.perf_counter() - t0)
 
         best: dict[str, float] = {}
+        medians: dict[str, list[float]] = {name: [] for name in runs}
         pairs: dict[str, list[float]] = {"allreduce": [], "local+mpi4py": []}
         for _ in range(rounds):
             for name, fn in runs.items():
                 times = [timed(fn) for _ in range(steps)]
-                best[name] = min(best.get(name, float("inf")), statistics.median(times))
+                medians[name].append(statistics.median(times))
+                best[name] = min(best.get(name, float("inf")), medians[name][-1])
             for _ in range(steps):  # each against a local step right after it
                 for name in pairs:
                     pairs[name].append(timed(runs[name]) - timed(runs["local"]))
-        cost = best["allreduce"] - best["local"]
-        least = best["local+mpi4py"] - best["local"]
+
+        def minus_local(name: str) -> float:  # the median over rounds of the round's difference
+            return statistics.median(a - b for a, b in zip(medians[name], medians["local"]))
+
+        cost = minus_local("allreduce")
+        least = minus_local("local+mpi4py")
         paired = statistics.median(pairs["allreduce"])
         paired_least = statistics.median(pairs["local+mpi4py"])
         rows.append({"MiB": mib, "bytes": nbytes, **{f"{k}_ms": v * 1e3 for k, v in best.items()},

@@ -137,6 +137,9 @@ class MpiGroup(ProcessGroup):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._one_host: bool | None = None  # every rank on this host (known once asked)
         self._symmetric = shared.SymmetricRegistry()
+        # the flags the AllReduce through symmetric memory synchronises with (made with the
+        # first memory; False where they cannot be made)
+        self._signals: shared.Signals | bool | None = None
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         if job is None and _WORLD_JOB:  # another world group of this process: share its job
             job = _WORLD_JOB[0]
@@ -187,7 +190,8 @@ class MpiGroup(ProcessGroup):
                         divide(b, self.size)
             works.append(MpiWork(self, requests, what, peers, then=then))
         if entries:  # (after MPI's requests: its barriers are collectives too, started later)
-            works.append(shared.SharedAllreduceWork(self, entries, what, op, peers))
+            works.append(shared.SharedAllreduceWork(self, entries, what, op, peers,
+                                                    self._signals or None))
         if len(works) == 1:
             return works[0]
         return WorkList(self, works, what) if works else DoneWork(self, what, peers)
@@ -259,6 +263,9 @@ class MpiGroup(ProcessGroup):
             self.bytes_sent = sent
         if mem is not None:
             self._symmetric.add(mem)
+            if self._signals is None:  # (collective: every rank has just made mem)
+                self._signals = shared.Signals.create(self, what) or False
+                self.bytes_sent = sent
         return mem
 
     def _shared_memory_usable(self, what) -> bool:

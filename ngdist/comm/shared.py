@@ -21,8 +21,9 @@ step's gradients, or the update's results in place) as soon as it is past the ca
 Several buffers reduced in one call (``allreduce_coalesced``) share the two barriers: step 2
 runs over block r of each of them in turn.
 
-The barriers are the group's own (``ProcessGroup.barrier``), so the deadline, the watchdog and
-the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
+The barriers are flags in symmetric memory (:class:`Signals`, on machines whose stores other
+cores see in order: x86-64), else the group's own (``ProcessGroup.barrier``); either way they
+are Works, so the deadline, the watchdog and the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import itertools
 import logging
 import mmap
 import os
+import platform
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -178,6 +180,71 @@ def blocks(count: int, itemsize: int, size: int) -> list[int]:
 _REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mean": np.add}
 
 
+FLAG_BYTES = 64  # a rank's flag: one cache line of its own
+# where a store another core sees implies every earlier store of the same core (x86's total
+# store order), so a flag can announce the data written before it without a fence
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class Signals:
+    """Barriers of a one-host group through flags in symmetric memory: one int64 per rank,
+    each on a cache line of its own. Barrier number k: a rank writes k into its flag, then
+    waits until every other rank's flag holds k or more. The ranks pass the barriers of these
+    flags in the same order (the AllReduce calls of the group through symmetric memory), so the
+    numbers agree. A rank that sees another's flag at k sees every write that rank made
+    before it (``ORDERED_STORES``; elsewhere the group's own barrier serves). No message and
+    no MPI request: the round trip of a line between the cores."""
+
+    def __init__(self, group: ProcessGroup, mem: SymmetricMemory) -> None:
+        self.group, self.mem = group, mem
+        flags = [memoryview(mem.view(j)).cast("q") for j in range(group.size)]
+        self.mine = flags[group.rank]
+        self.others = [f for j, f in enumerate(flags) if j != group.rank]
+        self.count = int(self.mine[0])
+
+    @classmethod
+    def create(cls, group: ProcessGroup, what: Any) -> Signals | None:
+        """Collective, like :meth:`SymmetricMemory.create`; None where the memory could not
+        be made or the machine's stores are not seen in order."""
+        if not ORDERED_STORES:
+            return None
+        mem = SymmetricMemory.create(group, FLAG_BYTES, what)
+        return None if mem is None else cls(group, mem)
+
+    def barrier(self, what: Any) -> Work:
+        self.count += 1
+        self.mine[0] = self.count
+        return FlagBarrierWork(self.group, self.others, self.count, what)
+
+
+class FlagBarrierWork(Work):
+    """Waits until every other rank's flag has reached ``count`` (:class:`Signals`): in
+    ``wait`` it spins on the flags, giving the core up between looks once it has looked a
+    while (ranks may outnumber cores), under the deadline and the dead-peer watch of every
+    wait."""
+
+    SPINS = 64  # looks before the first yield
+
+    def __init__(self, group: ProcessGroup, flags: list[memoryview], count: int,
+                 what: Any) -> None:
+        super().__init__(group, what, None)
+        self.flags, self.count = flags, count
+
+    def test(self) -> bool:
+        count = self.count
+        for flag in self.flags:
+            if flag[0] < count:
+                return False
+        return True
+
+    def _block(self) -> None:
+        spins = 0
+        while not self.test():
+            spins += 1
+            if spins > self.SPINS:
+                os.sched_yield()
+
+
 class SharedAllreduceWork(Work):
     """The AllReduce of buffers in symmetric memory (see the module docstring), all between
     one pair of barriers; it runs in ``wait``. ``entries``: (the memory, the buffer, its byte
@@ -185,9 +252,12 @@ class SharedAllreduceWork(Work):
 
     def __init__(self, group: ProcessGroup,
                  entries: Sequence[tuple[SymmetricMemory, np.ndarray, int]], what: Any,
-                 op: str, peers: Sequence[int] | None = None) -> None:
+                 op: str, peers: Sequence[int] | None = None,
+                 signals: Signals | None = None) -> None:
+        """``signals``: the group's flags for the barriers, else its own ``barrier``."""
         super().__init__(group, what, peers)
         self.entries, self.op = entries, op
+        self.barrier = group.barrier if signals is None else signals.barrier
         self.done = False
 
     def test(self) -> bool:
@@ -206,7 +276,7 @@ class SharedAllreduceWork(Work):
         reduce = _REDUCE[self.op]
         # per buffer: every rank's block r
         parts = [mem.parts(offset, buf.dtype, buf.size) for mem, buf, offset in self.entries]
-        group.barrier(self.what).wait(gentle)  # every rank's inputs are written
+        self.barrier(self.what).wait(gentle)  # every rank's inputs are written
         for part in parts:
             mine = part[r]
             for j in range(size):
@@ -217,7 +287,7 @@ class SharedAllreduceWork(Work):
             for j in range(size):
                 if j != r:
                     part[j][...] = mine
-        group.barrier(self.what).wait(gentle)  # every buffer holds the whole result
+        self.barrier(self.what).wait(gentle)  # every buffer holds the whole result
         self.done = True
 
 

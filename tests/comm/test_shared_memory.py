@@ -13,6 +13,7 @@ import gc
 import json
 import mmap
 import os
+import time
 
 import numpy as np
 import pytest
@@ -68,8 +69,10 @@ results["outside"] = outside
 report["kinds"] = kinds
 # one call for several buffers: three in the symmetric memory (two dtypes, one at an offset),
 # two outside it; the barriers it takes are counted
-barriers, barrier = [], world.barrier
-world.barrier = lambda what="barrier": (barriers.append(what), barrier(what))[1]
+from ngdist.comm import shared
+barriers, barrier, flag_barrier = [], world.barrier, shared.Signals.barrier
+world.barrier = lambda what="barrier": (barriers.append("mpi"), barrier(what))[1]
+shared.Signals.barrier = lambda self, what: (barriers.append("flags"), flag_barrier(self, what))[1]
 for op in ("sum", "mean"):
     inside = [] if mem is None else [
         mem.view(rank)[start:start + count * np.dtype(dtype).itemsize].view(dtype)
@@ -82,10 +85,11 @@ for op in ("sum", "mean"):
     report[f"coalesced_{op}"] = [type(work).__name__] + \
         [type(w).__name__ for w in getattr(work, "works", [])]
     work.wait()
-    report[f"coalesced_{op}_barriers"] = len(barriers) - before
+    report[f"coalesced_{op}_barriers"] = barriers[before:]
     for k, buf in enumerate(bufs):
         results[f"coalesced_{op}_{k}"] = buf.copy()
 world.barrier = barrier
+report["ordered_stores"] = shared.ORDERED_STORES
 np.savez(f"rank{rank}.npz", **results)
 with open(f"rank{rank}.json", "w") as fh:
     json.dump(report, fh)
@@ -141,7 +145,10 @@ def test_a_coalesced_allreduce_reduces_every_buffer_with_one_pair_of_barriers(ra
         for op in ("sum", "mean"):
             # MPI's requests for the buffers outside, then the ones in symmetric memory
             assert rep[f"coalesced_{op}"] == ["WorkList", "MpiWork", "SharedAllreduceWork"], rep
-            assert rep[f"coalesced_{op}_barriers"] == 2, rep  # for the three buffers inside
+            # for the three buffers inside: flags in the memory where the machine's stores are
+            # seen in order (x86-64), else MPI's
+            kind = "flags" if rep["ordered_stores"] else "mpi"
+            assert rep[f"coalesced_{op}_barriers"] == [kind, kind], rep
             for k, (_, dtype, count) in enumerate(COALESCED):
                 everyone = np.stack([exact(j, count, dtype) for j in range(n)])
                 want = REDUCE[op](everyone, axis=0).astype(dtype)
@@ -157,7 +164,7 @@ def test_switched_off_the_group_makes_no_symmetric_memory(ranks, tmp_path):
         assert rep["kinds"] == ["MpiWork"]
         for op in ("sum", "mean"):  # every buffer of a coalesced call goes to MPI
             assert rep[f"coalesced_{op}"] == ["MpiWork"], rep
-            assert rep[f"coalesced_{op}_barriers"] == 0, rep
+            assert rep[f"coalesced_{op}_barriers"] == [], rep
             for k, (_, dtype, count) in enumerate(COALESCED):
                 want = REDUCE[op](np.stack([exact(j, count, dtype) for j in range(2)]),
                                   axis=0).astype(dtype)
@@ -187,28 +194,33 @@ def test_blocks_start_on_cache_lines_and_cover_every_element():
         assert all(b % (shared.ALIGN // itemsize) == 0 for b in bounds[:-1] if b < count)
 
 
-DEAD = r"""
+# rank 1 exits, or sleeps past the deadline, while rank 0 reduces a buffer in
+# symmetric memory
+WAITER = r"""
 import json, os, sys, time
 import numpy as np
 from ngdist.comm import world_group
 
-world = world_group(timeout=60)
+world = world_group(timeout=%(timeout)d)
 mem = world.symmetric(4096, "buffers of the test")
 if world.rank == 1:
     with open("pid1", "w") as fh:
         fh.write(str(os.getpid()))
+    %(rank1)s
+else:
+    buf = mem.view(0)[:64].view(np.float32)
+    start = time.monotonic()
+    try:
+        world.allreduce(buf, "grad-sum").wait()
+        caught = None
+    except Exception as exc:
+        caught = {"type": type(exc).__name__, "message": str(exc)}
+    with open("caught.json", "w") as fh:
+        json.dump({"caught": caught, "elapsed": time.monotonic() - start}, fh)
     os._exit(0)
-buf = mem.view(0)[:64].view(np.float32)
-start = time.monotonic()
-try:
-    world.allreduce(buf, "grad-sum").wait()
-    caught = None
-except Exception as exc:
-    caught = {"type": type(exc).__name__, "message": str(exc)}
-with open("caught.json", "w") as fh:
-    json.dump({"caught": caught, "elapsed": time.monotonic() - start}, fh)
-os._exit(0)
 """
+DEAD = WAITER % {"timeout": 60, "rank1": "os._exit(0)"}
+LATE = WAITER % {"timeout": 2, "rank1": "time.sleep(5)  # alive, but past rank 0's deadline"}
 
 
 @pytest.mark.mpi
@@ -222,6 +234,32 @@ def test_a_dead_peer_fails_the_shared_allreduce_long_before_the_timeout(ranks, t
         "message": f"'grad-sum' cannot complete on rank 0: the process of rank 1 (pid {pid1}) "
                    "has exited. Look at that rank's output for why it stopped"}, seen
     assert result["elapsed"] < 10, result
+
+
+@pytest.mark.mpi
+def test_a_dead_peer_ends_the_job_from_a_blocking_shared_allreduce(ranks, tmp_path):
+    """The default wait (the watchdog's): rank 0 waits in the barrier of the AllReduce through
+    symmetric memory for a rank that has exited; the watchdog ends the job, naming it."""
+    start = time.monotonic()
+    proc = ranks(2, DEAD, timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    seen = proc.stdout + proc.stderr
+    pid1 = int((tmp_path / "pid1").read_text())
+    assert proc.returncode != 0
+    assert (f"ngdist: error on rank 0: CommError: 'grad-sum' cannot complete on rank 0: the "
+            f"process of rank 1 (pid {pid1}) has exited") in seen, seen
+    assert not (tmp_path / "caught.json").exists()
+    assert elapsed < 30, elapsed
+
+
+@pytest.mark.mpi
+def test_a_peer_that_never_arrives_fails_the_shared_allreduce_at_the_deadline(ranks, tmp_path):
+    ranks(2, LATE, timeout=60, check=False, env={"NGDIST_WAIT": "poll"})
+    result = json.loads((tmp_path / "caught.json").read_text())
+    assert result["caught"]["type"] == "CommTimeoutError", result
+    assert result["caught"]["message"].startswith(
+        "'grad-sum' did not complete within 2 s on rank 0"), result
+    assert 2 <= result["elapsed"] < 6, result
 
 
 DISAGREE = r"""
