@@ -76,8 +76,9 @@ def register_kernel(op_type: str, memory: str = "host", drain: Any = None,
     whose attributes ``batchable`` accepts."""
     def wrap(fn: Kernel) -> Kernel:
         spec = KernelSpec(op_type, fn, memory, drain, close)
-        if batch is not None:
-            spec.batch, spec.batchable = batch, batchable
+        if batch is not None:  # (for every node of the op unless ``batchable`` says)
+            spec.batch = batch
+            spec.batchable = batchable or (lambda attributes: True)
         if alone_identity is not None:
             spec.alone_identity = alone_identity if callable(alone_identity) else \
                 (lambda attributes: bool(alone_identity))

@@ -201,25 +201,9 @@ class Executor:
         # without overlap, comm nodes that run one after another with a kernel for several
         # (the plain AllReduce of each bucket of a stage): one call for all, from the first
         # one's item (with overlap, a segment that needs one of them would wait for all)
-        self.batches: dict[int, list[int]] = {}
-        self._in_batch: set[int] = set()  # the items run by a batch that starts before them
-        run: list[int] = []
-        for item in [*self.items, None] if not overlap else []:
-            node = self.comm_nodes.get(item.index) if isinstance(item, CommCall) else None
-            spec = self.kernels.get(item.index) if node is not None else None
-            fits = spec is not None and spec.batch is not None and \
-                spec.batchable(node.attributes) and (not run or (
-                    spec is self.kernels[run[0]] and not any(  # (none reads another's result)
-                        set(node.inputs).intersection(self.comm_nodes[i].outputs)
-                        for i in run)))
-            if fits:
-                run.append(item.index)
-                continue
-            if len(run) > 1:
-                self.batches[run[0]] = run
-                self._in_batch.update(run[1:])
-            run = [item.index] if node is not None and spec.batch is not None and \
-                spec.batchable(node.attributes) else []
+        self.batches = {} if overlap else self._batches()
+        # the items run by a batch that starts before them
+        self._in_batch = {i for run in self.batches.values() for i in run[1:]}
         # values made for one comm node alone, which its kernel may ask to have written
         # into memory of its own (on the CPU: host arrays)
         self._comm_input: dict[str, tuple[CommNode, int]] = {}
@@ -263,6 +247,31 @@ class Executor:
         self._own: dict[int, set[str]] = {}  # the donated values each segment writes into
         self._extra: dict[int, list[str]] = {}  # results a segment returns to write in place
         self._inplace: dict[int, dict[tuple, dict[str, tuple[str, tuple[int, ...]]]]] = {}
+
+    def _batches(self) -> dict[int, list[int]]:
+        """{the first item: the items} of every run of two or more comm items, one after
+        another, whose kernel has a batch form that takes them, none reading another's
+        result."""
+        def spec_for(item: Any) -> KernelSpec | None:
+            node = self.comm_nodes.get(item.index) if isinstance(item, CommCall) else None
+            spec = self.kernels.get(item.index) if node is not None else None
+            fits = spec is not None and spec.batch is not None and \
+                spec.batchable(node.attributes)
+            return spec if fits else None
+
+        batches: dict[int, list[int]] = {}
+        run: list[int] = []
+        for item in [*self.items, None]:
+            spec = None if item is None else spec_for(item)
+            if spec is not None and run and spec is self.kernels[run[0]] and not any(
+                    set(self.comm_nodes[item.index].inputs).intersection(
+                        self.comm_nodes[i].outputs) for i in run):
+                run.append(item.index)
+                continue
+            if len(run) > 1:
+                batches[run[0]] = run
+            run = [item.index] if spec is not None else []
+        return batches
 
     # ------------------------------------------------------------------ sessions
     def _session(self, seg: Segment, env: dict[str, ort.OrtValue]) -> ort.InferenceSession:
