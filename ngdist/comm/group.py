@@ -66,10 +66,17 @@ def describe(what: Any) -> str:
         if len(what) == 1:
             return describe(what[0])
         op = getattr(what[0], "op_type", "") if what else ""
-        names = ", ".join(f"'{getattr(w, 'name', str(w))}'" for w in what)
+        names = ", ".join(f"'{_name(w)}'" for w in what)
         return f"{('ngdist.' + op + ' ') if op else ''}{names}"
     op = getattr(what, "op_type", "")
-    return f"{('ngdist.' + op + ' ') if op else ''}'{getattr(what, 'name', str(what))}'"
+    return f"{('ngdist.' + op + ' ') if op else ''}'{_name(what)}'"
+
+
+def _name(what: Any) -> str:
+    """Its name, else its text (made only then: a comm node's text shows its state's arrays,
+    which numpy formats at length)."""
+    name = getattr(what, "name", None)
+    return str(what) if name is None else name
 
 
 class Work(abc.ABC):

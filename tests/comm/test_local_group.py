@@ -220,6 +220,15 @@ def test_describe():
 
     assert describe(Named("PSPushPull", "ps/0")) == "ngdist.PSPushPull 'ps/0'"
 
+    class Costly:  # a comm node's text shows its state's arrays: never made for its name
+        op_type, name = "AllReduce", "bucket0"
+
+        def __str__(self) -> str:
+            raise AssertionError("describe() made the text of a thing with a name")
+
+    assert describe(Costly()) == "ngdist.AllReduce 'bucket0'"
+    assert describe((Costly(), Costly())) == "ngdist.AllReduce 'bucket0', 'bucket0'"
+
 
 def test_allreduce_coalesced_by_default_reduces_each_buffer_and_waits_for_all(g):
     bufs = [np.arange(4, dtype=np.float32), np.ones(2, np.float64)]
