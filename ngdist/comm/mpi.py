@@ -259,13 +259,12 @@ class MpiGroup(ProcessGroup):
             if not self._one_host:
                 return None
             mem = shared.SymmetricMemory.create(self, nbytes, what)
+            if mem is not None and self._signals is None:  # (collective: every rank made mem)
+                self._signals = shared.Signals.create(self, what) or False
         finally:
             self.bytes_sent = sent
         if mem is not None:
             self._symmetric.add(mem)
-            if self._signals is None:  # (collective: every rank has just made mem)
-                self._signals = shared.Signals.create(self, what) or False
-                self.bytes_sent = sent
         return mem
 
     def _shared_memory_usable(self, what) -> bool:

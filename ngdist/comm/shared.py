@@ -23,7 +23,8 @@ runs over block r of each of them in turn.
 
 The barriers are flags in symmetric memory (:class:`Signals`, on machines whose stores other
 cores see in order: x86-64), else the group's own (``ProcessGroup.barrier``); either way they
-are Works, so the deadline, the watchdog and the dead-peer check of every wait hold here too. ``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
+are Works, so the deadline, the watchdog and the dead-peer check of every wait hold here too.
+``NGDIST_SHM_ALLREDUCE=0`` turns the path off.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.comm.group import divide
+from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.kernels.base import donated, flatten, register_kernel, unflatten
 from ngdist.kernels.compressed import compressed_allreduce
 from ngdist.kernels.exact import exact_allreduce
