@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -132,7 +134,41 @@ def run(args: argparse.Namespace) -> int:
                               f"--servers {args.servers} -- ...`")
         env["NGDIST_PS_SERVERS"] = str(args.servers)
     timeline_env(args.timeline, env)
+    command = own_interpreter(command, env)
     return launch(command, args.n, args, hostfile=args.hostfile, hosts=args.hosts, env=env)
+
+
+PYTHON_NAMES = ("python", "python3")
+_FINDS_NGDIST = "import importlib.util, sys; sys.exit(importlib.util.find_spec('ngdist') is None)"
+
+
+def own_interpreter(command: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """``python ...`` / ``python3 ...`` as the ranks would run it, unless the program of that
+    name on the ranks' PATH cannot import ngdist: then this Python (as torchrun runs scripts
+    with its own interpreter), said in one log line. Any other command, a path included, runs
+    as given."""
+    command = list(command)
+    if command[0] not in PYTHON_NAMES:
+        return command
+    found = shutil.which(command[0], path=env.get("PATH", os.defpath))
+    if found is not None and _imports_ngdist(found, env):
+        return command
+    why = (f"`{command[0]}` on PATH ({found}) cannot import ngdist" if found is not None
+           else f"no `{command[0]}` on PATH")
+    logger.warning("%s: the ranks run %s, the Python ngdist runs in", why, sys.executable)
+    return [sys.executable, *command[1:]]
+
+
+def _imports_ngdist(python: str, env: Mapping[str, str]) -> bool:
+    """Whether ``python`` finds the ngdist package (without importing it)."""
+    if python == sys.executable:
+        return True
+    try:
+        return subprocess.run([python, "-c", _FINDS_NGDIST], env=dict(env), timeout=60,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              stdin=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def launch(command: Sequence[str], n: int, args: argparse.Namespace | None = None, *,

@@ -20,6 +20,9 @@ and tells the supervisor (comm/supervisor.py) how that command ended.
   whole process group by someone else reaches the command twice.) The command dies with the
   wrapper (Linux parent-death signal), so a killed wrapper leaves no orphan.
 - Exit status: the command's own, or 128 + the signal that killed it (as a shell reports it).
+- Environment: torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``
+  from hydra's ``PMI_RANK``, ``MPI_LOCALRANKID``, ``PMI_SIZE`` and ``MPI_LOCALNRANKS``
+  (``TORCHRUN_VARIABLES``), replacing any inherited value.
 
 Standard library only, run as a file (``-I``): a rank pays no import of ngdist for it.
 """
@@ -36,6 +39,8 @@ MARKER = b"\x07ngdist-rankwrap "
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
+TORCHRUN_VARIABLES = {"RANK": "PMI_RANK", "LOCAL_RANK": "MPI_LOCALRANKID",
+                      "WORLD_SIZE": "PMI_SIZE", "LOCAL_WORLD_SIZE": "MPI_LOCALNRANKS"}
 
 
 def marker(**fields: int) -> bytes:
@@ -55,6 +60,11 @@ def parse_marker(line: bytes) -> dict[str, int] | None:
     if not isinstance(fields, dict) or not all(isinstance(v, int) for v in fields.values()):
         return None
     return fields
+
+
+def torchrun_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with torchrun's variables set from hydra's (see the module docstring)."""
+    return {**env, **{name: env[pmi] for name, pmi in TORCHRUN_VARIABLES.items() if pmi in env}}
 
 
 def _write(data: bytes) -> None:
@@ -91,7 +101,7 @@ def run(command: list[str]) -> int:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     _write(marker(pid=os.getpid()))
     try:
-        child = subprocess.Popen(command, close_fds=False,
+        child = subprocess.Popen(command, close_fds=False, env=torchrun_env(dict(os.environ)),
                                  preexec_fn=_child_setup(os.getpid(), mask))
     except OSError as exc:
         code = 126 if isinstance(exc, PermissionError) else 127
