@@ -8,6 +8,7 @@ value (e.g. a Dropout mask). The step is run once in onnxruntime.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -145,3 +146,18 @@ def torch_step(module, inputs, labels, loss_fn, masks: Mapping[str, np.ndarray] 
     loss.backward()
     grads = {n: p.grad.numpy().copy() for n, p in ref.named_parameters() if p.grad is not None}
     return float(loss.detach()), grads, ref
+
+
+def check_step_graph(model) -> None:
+    """A rewritten step graph (``trainer.step_model``, an ir.Model or ModelProto) is valid:
+    ``onnx.checker`` with ``full_check`` (strict shape inference) passes, no two named nodes
+    share a name (onnxruntime rejects such a graph) and every value is defined once."""
+    proto = model if isinstance(model, onnx.ModelProto) else ir.to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    names = collections.Counter(n.name for n in proto.graph.node if n.name)
+    dup = sorted(k for k, c in names.items() if c > 1)
+    assert not dup, f"{len(dup)} node names used more than once, e.g. {dup[:5]}"
+    values = collections.Counter(o for n in proto.graph.node for o in n.output if o)
+    values.update({i.name for i in proto.graph.input} | {t.name for t in proto.graph.initializer})
+    dup = sorted(k for k, c in values.items() if c > 1)
+    assert not dup, f"{len(dup)} values defined more than once, e.g. {dup[:5]}"

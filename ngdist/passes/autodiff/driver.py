@@ -9,7 +9,8 @@ import onnx_ir as ir
 from ngdist.errors import GradientError
 from ngdist.ir.domain import PREVIEW_TRAINING
 import ngdist.passes.autodiff.rules  # noqa: F401  (registers every rule family)
-from ngdist.passes.autodiff.registry import NON_DIFFERENTIABLE, GradContext, attr, get_rule
+from ngdist.passes.autodiff.registry import (NON_DIFFERENTIABLE, GradContext, attr, get_rule,
+                                             taken_names)
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,12 @@ def _is_float(value: ir.Value) -> bool:
 
 
 def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value,
-                  opset: int) -> list[ir.Value | None]:
-    """Emit nodes (before ``anchor``) computing dy/dx for every x; None where y ignores x."""
+                  opset: int, taken: set[str] | None = None) -> list[ir.Value | None]:
+    """Emit nodes (before ``anchor``) computing dy/dx for every x; None where y ignores x.
+
+    ``taken``: the graph's node and value names, shared with other contexts that emit into
+    the same graph (see ``taken_names``); every emitted name is new and is added to it.
+    """
     nodes = [n for n in graph if n is not anchor and n.domain != PREVIEW_TRAINING]
     # forward reachability from xs, backward reachability from y
     from_x: set[int] = {id(x) for x in xs}
@@ -61,7 +66,7 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
             f"Ops without a rule: {', '.join(ops)}. Mark the inputs that feed them as frozen, "
             "or register a rule with ngdist.passes.autodiff.register")
 
-    ctx = GradContext(graph, anchor, opset)
+    ctx = GradContext(graph, anchor, opset, taken)
     ctx.needed = from_x
     grads: dict[int, list[ir.Value]] = {}
 
@@ -122,6 +127,7 @@ class AutodiffPass(ir.passes.InPlacePass):
         graph = model.graph
         opset = model.opset_imports.get("", 18)
         modified = False
+        taken = taken_names(graph)  # one name authority for every context below
         for node in [n for n in graph if n.domain == PREVIEW_TRAINING and n.op_type == "Gradient"]:
             table = _values_by_name(graph)
             xs_names = list(attr(node, "xs", []))
@@ -131,21 +137,22 @@ class AutodiffPass(ir.passes.InPlacePass):
                 raise GradientError(f"Gradient node '{node.name}' names values {unknown} that "
                                     "the graph does not define")
             xs = [table[n] for n in xs_names]
-            dxs = differentiate(graph, node, xs, table[y_name], opset)
+            dxs = differentiate(graph, node, xs, table[y_name], opset, taken)
+            ctx = GradContext(graph, node, opset, taken)
             for x, dx, out in zip(xs, dxs, node.outputs):
                 if dx is None:
                     logger.warning("loss '%s' does not depend on '%s': its gradient is zero",
                                    y_name, x.name)
-                    ctx = GradContext(graph, node, opset)
                     dx = ctx.zeros_like(x)
                 if dx.producer() is None or dx.is_graph_input() or dx.is_graph_output() or \
                         dx.is_initializer() or any(dx is o for o in graph.outputs):
-                    dx = GradContext(graph, node, opset).op("Identity", dx)
+                    dx = ctx.op("Identity", dx)
                 out_name = out.name
                 dx.shape, dx.type = x.shape, x.type
                 out.replace_all_uses_with(dx, replace_graph_outputs=True)
                 out.name = f"{out_name}.replaced"
                 dx.name = out_name
+                taken.add(out_name)
             graph.remove(node, safe=True)
             modified = True
         return ir.passes.PassResult(model, modified)

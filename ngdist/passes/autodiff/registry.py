@@ -77,14 +77,28 @@ def _numpy_dtype(dtype: ir.DataType | None) -> np.dtype | None:
     return None
 
 
+def taken_names(graph: ir.Graph) -> set[str]:
+    """Every node and value name in ``graph`` (its inputs, initializers and node outputs)."""
+    names = {v.name for v in graph.inputs if v.name} | set(graph.initializers)
+    for node in graph:
+        if node.name:
+            names.add(node.name)
+        names.update(o.name for o in node.outputs if o.name)
+    return names
+
+
 class GradContext:
     """Emits backward nodes before ``anchor`` in the graph; small helpers for common idioms."""
 
-    def __init__(self, graph: ir.Graph, anchor: ir.Node, opset: int) -> None:
+    def __init__(self, graph: ir.Graph, anchor: ir.Node, opset: int,
+                 taken: set[str] | None = None) -> None:
         self.graph = graph
         self.anchor = anchor
         self.opset = opset
         self._count = 0
+        # node and value names in use: shared by every context working on one graph, so that
+        # names stay unique across contexts (onnxruntime rejects a graph with duplicates)
+        self.taken = taken_names(graph) if taken is None else taken
         self.current: ir.Node | None = None  # the forward node being differentiated
         self.needed: set[int] | None = None  # ids of values that want a gradient (None: all)
         self._consts: dict[tuple, ir.Value] = {}  # constants emitted so far, by value
@@ -96,10 +110,16 @@ class GradContext:
             (value.dtype is None or value.dtype.is_floating_point())
 
     # -- emission ---------------------------------------------------------------------------
-    def _name(self, op_type: str) -> str:
-        self._count += 1
+    def _name(self, op_type: str, num_outputs: int = 1) -> str:
+        """A node name (its outputs are ``name:i``) that no node or value of the graph has."""
         base = self.current.name if self.current is not None and self.current.name else "grad"
-        return f"{base}/grad/{op_type}_{self._count}"
+        while True:
+            self._count += 1
+            name = f"{base}/grad/{op_type}_{self._count}"
+            if name not in self.taken and \
+                    not any(f"{name}:{i}" in self.taken for i in range(num_outputs)):
+                self.taken.add(name)
+                return name
 
     def op(self, op_type: str, *inputs: ir.Value | None, domain: str = "",
            **attributes: Any) -> ir.Value:
@@ -108,10 +128,11 @@ class GradContext:
     def op_multi(self, op_type: str, *inputs: ir.Value | None, num_outputs: int,
                  domain: str = "", **attributes: Any) -> Sequence[ir.Value]:
         attrs = [_attr(k, v) for k, v in attributes.items() if v is not None]
-        name = self._name(op_type)
+        name = self._name(op_type, num_outputs)
         node = ir.Node(domain, op_type, list(inputs), attrs, num_outputs=num_outputs, name=name)
         for i, out in enumerate(node.outputs):
             out.name = f"{name}:{i}"
+            self.taken.add(out.name)
         self.graph.insert_before(self.anchor, node)
         return node.outputs
 
