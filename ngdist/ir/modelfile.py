@@ -30,6 +30,7 @@ from ngdist.errors import ModelLoadError
 
 MAX_BYTES_ENV = "NGDIST_MAX_MODEL_BYTES"
 DEFAULT_MAX_BYTES = 2 ** 31  # protobuf cannot parse a message of 2 GiB or more
+MAX_DIMS = 64  # numpy's NPY_MAXDIMS (2.x) and the most an onnxruntime tensor is given here
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -113,7 +114,9 @@ def iter_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
 def check_nodes(model: onnx.ModelProto, where: str) -> None:
     """Every node of every graph names its op and every attribute has a name and a type
     (onnx's checker passes nodes of domains it has no schema for, and training_info's), and
-    every value's declared element type is one ONNX defines."""
+    every value's declared element type is one ONNX defines; a graph's inputs and outputs (fed
+    and returned as numpy arrays) have at most ``MAX_DIMS`` dimensions (onnxruntime runs
+    intermediate values of more)."""
     for graph in iter_graphs(model):
         for idx, node in enumerate(graph.node):
             what = f"{where}: node {node.name or idx!r} of graph {graph.name!r}"
@@ -129,24 +132,38 @@ def check_nodes(model: onnx.ModelProto, where: str) -> None:
             if bad is not None:
                 raise ModelLoadError(f"{where}: value {value.name!r} of graph {graph.name!r} has "
                                      f"the unknown element type {bad}; the file is damaged")
+        for value in [*graph.input, *graph.output]:  # what a caller feeds and gets as arrays
+            rank = max((len(t.shape.dim) for t in _tensor_types(value.type)), default=0)
+            if rank > MAX_DIMS:
+                raise _too_many_dims(f"{where}: value {value.name!r} of graph {graph.name!r}",
+                                     rank)
 
 
-def _unknown_elem_type(tp: onnx.TypeProto) -> int | None:
-    """An element type in ``tp`` (tensors, and those inside sequences, optionals and maps)
-    that ONNX does not define, else None; 0 (unset) is allowed."""
+def _tensor_types(tp: onnx.TypeProto) -> Iterator[onnx.TypeProto.Tensor]:
+    """The tensor types in ``tp``: itself, and those inside sequences, optionals and maps."""
     stack = [tp]
     while stack:
         t = stack.pop()
         kind = t.WhichOneof("value")
         if kind in ("tensor_type", "sparse_tensor_type"):
-            elem = getattr(t, kind).elem_type
-            if elem and elem not in _KNOWN_TYPES:
-                return elem
+            yield getattr(t, kind)
         elif kind in ("sequence_type", "optional_type"):
             stack.append(getattr(t, kind).elem_type)
         elif kind == "map_type":
             stack.append(t.map_type.value_type)
+
+
+def _unknown_elem_type(tp: onnx.TypeProto) -> int | None:
+    """An element type in ``tp`` that ONNX does not define, else None; 0 (unset) is allowed."""
+    for tensor in _tensor_types(tp):
+        if tensor.elem_type and tensor.elem_type not in _KNOWN_TYPES:
+            return tensor.elem_type
     return None
+
+
+def _too_many_dims(what: str, rank: int) -> ModelLoadError:
+    return ModelLoadError(f"{what} has {rank} dimensions; numpy and onnxruntime hold at most "
+                          f"{MAX_DIMS}: re-export the model with tensors of at most {MAX_DIMS}")
 
 
 def iter_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -299,10 +316,13 @@ def _is_repeated(desc: FieldDescriptor) -> bool:
 
 
 def check_tensor_data(model: onnx.ModelProto, where: str) -> None:
-    """Every tensor's data fits its element type and dims (raw bytes by their size, typed
-    fields by decoding them), so that no later step meets a tensor it cannot read."""
+    """Every tensor has at most ``MAX_DIMS`` dimensions and its data fit its element type and
+    dims (raw bytes by their size, typed fields by decoding them), so that no later step meets
+    a tensor it cannot read."""
     for tensor in iter_tensors(model):
         what = f"{where}: tensor {tensor.name!r}"
+        if len(tensor.dims) > MAX_DIMS:
+            raise _too_many_dims(what, len(tensor.dims))
         if any(d < 0 for d in tensor.dims):
             raise ModelLoadError(f"{what} has negative dims {list(tensor.dims)}")
         if tensor.data_location == TensorProto.EXTERNAL:
@@ -383,6 +403,6 @@ def resolve_external_data(model: onnx.ModelProto, folder: str | os.PathLike,
         tensor.ClearField("data_location")  # as a tensor saved without external data
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "check_nodes", "check_tensor_data",
+__all__ = ["DEFAULT_MAX_BYTES", "MAX_BYTES_ENV", "MAX_DIMS", "check_nodes", "check_tensor_data",
            "check_text", "iter_graphs", "iter_tensors", "max_model_bytes",
            "read_model_bytes", "refuse_external_data", "resolve_external_data"]
