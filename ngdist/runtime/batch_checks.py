@@ -1,7 +1,7 @@
-"""Checks of a batch against the model before a training step runs: every input of one size
-along axis 0, labels of softmax_cross_entropy that are class ids in range (their number of
-classes from the step graph, or from shape inference with the batch's shapes), shapes that fit
-the model's inputs. Each failure is an InputError that says what to change."""
+"""Checks of a batch against the model before a training step runs: every input with one row
+per sample along axis 0 (or a whole number of rows per sample: per-token rows), labels of
+softmax_cross_entropy that are class ids in range (their number of classes from the step
+graph, or from shape inference with the batch's shapes), shapes that fit the model's inputs. Each failure is an InputError that says what to change."""
 from __future__ import annotations
 
 import logging
@@ -36,14 +36,40 @@ def leaf_sizes(batch: Any, prefix: str = "") -> dict[str, int]:
     return {prefix or "batch": shape[0]} if shape else {}
 
 
+def _differ(what: str, sizes: Mapping[str, int], a: str, b: str) -> InputError:
+    first, second = (a, b) if list(sizes).index(a) < list(sizes).index(b) else (b, a)
+    return InputError(f"{what}'s inputs differ in size along axis 0: '{first}' has "
+                      f"{sizes[first]} samples, '{second}' has {sizes[second]}; every input of "
+                      "a batch needs one row per sample")
+
+
 def check_same_size(sizes: Mapping[str, int], what: str) -> None:
+    """Every array holds the same number of rows (one per sample)."""
     items = list(sizes.items())
     for name, n in items[1:]:
         if n != items[0][1]:
-            first, n0 = items[0]
-            raise InputError(f"{what}'s inputs differ in size along axis 0: '{first}' has {n0} "
-                             f"samples, '{name}' has {n}; every input of a batch needs one row "
-                             "per sample")
+            raise _differ(what, sizes, items[0][0], name)
+
+
+def batch_samples(sizes: Mapping[str, int], what: str) -> int:
+    """The number of samples of a batch whose arrays have ``sizes`` rows: the smallest size.
+    Every other size is a whole multiple of it: k rows per sample (per-token rows, e.g. the
+    flattened labels ``ids[:, 1:].reshape(-1)`` of a language model), in sample order."""
+    if not sizes:
+        return 1
+    smallest = min(sizes, key=sizes.__getitem__)
+    n = sizes[smallest]
+    for name, rows in sizes.items():
+        if rows % n if n else rows:
+            raise _differ(what, sizes, smallest, name)
+    return n
+
+
+def sample_rows(rows: int, samples: int, lo: int, hi: int) -> slice:
+    """The rows of samples ``lo:hi`` in an array of ``rows`` rows for ``samples`` samples
+    (``rows // samples`` consecutive rows per sample)."""
+    k = rows // samples if samples else 1
+    return slice(k * lo, k * hi)
 
 
 def label_checks(graph: onnx.GraphProto, data_inputs: Mapping[str, Any],

@@ -11,7 +11,7 @@ import onnx
 import onnxruntime as ort
 
 from ngdist.errors import InputError
-from ngdist.runtime.batch_checks import (check_label_values, check_same_size, infer_classes,
+from ngdist.runtime.batch_checks import (batch_samples, check_label_values, infer_classes,
                                          shape_str)
 from ngdist.runtime.sessions import Placement
 
@@ -57,8 +57,7 @@ class BatchFeeds:
                                          f"expects {shape_str(dims)} (axis {axis})")
             arrays[name] = arr
         sizes = {n: a.shape[0] for n, a in arrays.items() if a.ndim}
-        check_same_size(sizes, "the batch")
-        samples = next(iter(sizes.values()), 1)
+        samples = batch_samples(sizes, "the batch")  # per-token rows: a multiple of it
         self._check_fixed_batch(arrays)
         run_time = self._run_time_classes(arrays)
         for name, (scores, ignore_index, classes) in self._label_checks.items():

@@ -31,7 +31,7 @@ from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
-from ngdist.runtime.batch_checks import check_same_size, label_checks, leaf_sizes
+from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
 from ngdist.runtime.feeds import BatchFeeds
 from ngdist.runtime.inference import Inference
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
@@ -241,26 +241,27 @@ class Trainer(BatchFeeds, Inference, StateAccess):
     # ------------------------------------------------------------------ data
     def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
         """This rank's contiguous slice of every global batch (dict, tuple or array); nothing
-        on a dedicated parameter-server rank."""
+        on a dedicated parameter-server rank. An array with k rows per sample (per-token rows)
+        gives the k rows of each of this rank's samples."""
         if self.role == "server":
             return
         for batch in batches:
             t0 = time.perf_counter()
-            self._check_global_batch(batch)
-            mine = self._slice(batch)
+            n = self._check_global_batch(batch)
+            mine = self._slice(batch, n, self._sample_bounds(n))
             timeline = self.timeline
             if timeline is not None:
                 timeline.record("feed", "shard batch", t0, time.perf_counter())
             yield mine
 
-    def _check_global_batch(self, batch: Any) -> None:
-        """Every array of a global batch holds the same number of samples, at least one per
-        training rank; uneven shards are allowed and logged once."""
+    def _check_global_batch(self, batch: Any) -> int:
+        """Every array of a global batch holds the same number of samples (or a whole number of
+        rows per sample), at least one per training rank; uneven shards are allowed and logged
+        once. The number of samples."""
         sizes = leaf_sizes(batch)
         if not sizes:
-            return
-        check_same_size(sizes, "the global batch")
-        n, w = next(iter(sizes.values())), self.num_workers
+            return 0
+        n, w = batch_samples(sizes, "the global batch"), self.num_workers
         m = self.micro_batch
         if m and n % m == 0:  # whole micro-batches to every rank
             if n // m < w:
@@ -281,21 +282,28 @@ class Trainer(BatchFeeds, Inference, StateAccess):
                         "shards differ by up to %d sample(s) (np.array_split), and the averaged "
                         "gradient weighs a sample of a smaller shard slightly more (logged once)",
                         n, w, m or 1)
+        return n
 
-    def _slice(self, batch: Any) -> Any:
+    def _sample_bounds(self, n: int) -> tuple[int, int]:
+        """This rank's samples of a global batch of ``n``: whole micro-batches in reproducible
+        mode, else the ``np.array_split`` shard."""
+        w, r, m = self.num_workers, self.rank, self.micro_batch
+        if m and n % m == 0:
+            k = n // m
+            return m * (k * r // w), m * (k * (r + 1) // w)
+        q, extra = divmod(n, w)
+        return r * q + min(r, extra), (r + 1) * q + min(r + 1, extra)
+
+    def _slice(self, batch: Any, n: int, bounds: tuple[int, int]) -> Any:
         if isinstance(batch, Mapping):
-            return {k: self._slice(v) for k, v in batch.items()}
+            return {k: self._slice(v, n, bounds) for k, v in batch.items()}
         if isinstance(batch, (tuple, list)):
-            return type(batch)(self._slice(v) for v in batch)
+            return type(batch)(self._slice(v, n, bounds) for v in batch)
         arr = np.asarray(batch)
-        m = self.micro_batch
-        if m and arr.ndim and arr.shape[0] % m == 0:  # whole micro-batches to every rank
-            k, w, r = arr.shape[0] // m, self.num_workers, self.rank
-            return arr[m * (k * r // w):m * (k * (r + 1) // w)]
         if not arr.ndim:
             raise InputError(f"a global batch holds a scalar ({arr!r}); trainer.shard() splits "
                              "arrays along axis 0: give every input one row per sample")
-        return np.array_split(arr, self.num_workers)[self.rank]
+        return arr[sample_rows(arr.shape[0], n, *bounds)]
 
     # ------------------------------------------------------------------ training
     def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats | None:
