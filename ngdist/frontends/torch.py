@@ -12,7 +12,8 @@ BatchNormalization altogether, so the module is exported twice with the TorchScr
 
 Both exports name their initializers after ``module.state_dict()``, which is how trained values
 are written back (``trainer.to_torch(module)``). Exporting runs the module's forward, which
-updates BatchNorm buffers in training mode: the frontend restores every buffer afterwards.
+updates BatchNorm buffers in training mode: the frontend copies every parameter and buffer
+back in place afterwards (the same tensor objects; the state dict's ``_metadata`` untouched).
 
 Semantic adjustments: ONNX's BatchNormalization updates the running variance with the
 *biased* batch variance, PyTorch with the unbiased one; the frontend rescales the
@@ -180,6 +181,33 @@ def _mark_unique(module: Any) -> dict[str, np.ndarray]:
             if t.is_floating_point()}
 
 
+def _snapshot(module: Any) -> dict[str, tuple[Any, Any]]:
+    """state_dict name -> (the tensor object, a copy of its value), for ``_restore``."""
+    torch = _torch()
+    return {k: (v, v.detach().clone()) for k, v in module.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _restore(module: Any, snapshot: dict[str, tuple[Any, Any]]) -> None:
+    """Puts every parameter and buffer back as ``_snapshot`` found it: the same tensor objects
+    (a module that rebound one gets the original back) holding the same values.
+
+    Values are copied in place, not through ``load_state_dict``: that would run the modules'
+    ``_load_from_state_dict`` hooks without the state dict's ``_metadata`` (module versions),
+    and torchvision's MNASNet, for one, refuses a state dict without its version.
+    """
+    torch = _torch()
+    current = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, (tensor, value) in snapshot.items():
+            tensor.copy_(value)
+            if current.get(name) is not tensor:
+                owner, _, leaf = name.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                table = sub._parameters if leaf in sub._parameters else sub._buffers
+                table[leaf] = tensor
+
+
 def _check_batchnorm(module: Any) -> None:
     torch = _torch()
     for name, sub in module.named_modules():
@@ -219,7 +247,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         raise ValueError(f"{len(in_names)} input names for {len(args)} example inputs")
     out_names = list(output_names) if output_names else ["output"]
     was_training = module.training
-    snapshot = {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+    snapshot = _snapshot(module)
     try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
         # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
         train = _export_once(module, args, torch.onnx.TrainingMode.TRAINING, in_names,
@@ -230,9 +258,9 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         ev = _export_once(module, args, torch.onnx.TrainingMode.EVAL, in_names,
                           out_names, opset)
     finally:
-        module.load_state_dict(snapshot)  # tracing in training mode moved BN statistics
+        _restore(module, snapshot)  # tracing in training mode moved BN statistics
         module.train(was_training)
-    state = {k: v.cpu().numpy() for k, v in snapshot.items() if v.is_floating_point()}
+    state = {k: v.cpu().numpy() for k, (_, v) in snapshot.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
     result = TorchExport(train, ev, in_names, out_names)
     for model, values in ((train, state), (ev, marked)):
