@@ -143,6 +143,11 @@ def op_case(cid: str, op: str, inputs: list, n_out: int = 1, used: list[int] | N
                 fresh, reference)
 
 
+def case(cid: str, op: str, make, **kw) -> Case:
+    """``op_case`` with the inputs ``make(Gen(cid))`` (reproducible from the id)."""
+    return op_case(cid, op, make(Gen(cid)), **kw)
+
+
 def graph_case(cid: str, nodes: list[onnx.NodeProto], inputs: dict, consts: dict | None = None,
                outputs: list[str] | None = None, opset: int = 18) -> Case:
     return Case(cid, nodes, {k: np.asarray(v, np.float64) for k, v in inputs.items()},

@@ -1,0 +1,76 @@
+"""Reductions beyond sum, mean, max and min against central differences (the harness of
+``grad_harness``): ReduceSumSquare, ReduceL1, ReduceL2 (F.normalize, weight norm),
+ReduceLogSum, ReduceLogSumExp, ReduceProd (zeros included)."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from grad_harness import Runner, case, check_case, grad_model, op_case, weights_for
+from ngdist.errors import GradientError
+from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.ir.model import IR_VERSION
+from ngdist.passes.autodiff import AutodiffPass
+
+
+def _cases() -> list:
+    out = []
+    for op, make in [("ReduceSumSquare", lambda g: g.n(2, 3, 4)),
+                     ("ReduceL1", lambda g: g.away(2, 3, 4)),
+                     ("ReduceL2", lambda g: g.n(2, 3, 4)),
+                     ("ReduceLogSum", lambda g: g.pos(2, 3, 4)),
+                     ("ReduceLogSumExp", lambda g: g.n(2, 3, 4) * 3),
+                     ("ReduceProd", lambda g: g.away(2, 3, 4))]:
+        out.append(case(f"{op}-axis1-keep", op, lambda g, m=make: [m(g), np.array([1])]))
+        out.append(case(f"{op}-neg-drop", op, lambda g, m=make: [m(g), np.array([-1, 0])],
+                        keepdims=0))
+        out.append(case(f"{op}-all", op, lambda g, m=make: [m(g)], keepdims=0))
+    out.append(case("ReduceL2-opset17-attr", "ReduceL2", lambda g: [g.n(3, 5)], axes=[1],
+                    opset=17))
+    zeros = np.array([[0.0, 1.5, -2.0, 0.7], [0.0, 0.0, 1.3, -0.9], [1.1, -0.6, 0.8, 2.0]])
+    out.append(op_case("ReduceProd-zeros", "ReduceProd", [zeros, np.array([1])]))
+    out.append(op_case("ReduceProd-zeros-axis0", "ReduceProd", [zeros.T.copy(), np.array([0])],
+                       keepdims=0))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rule_matches_central_differences(case) -> None:
+    check_case(case)
+
+
+def test_reduce_l2_of_a_zero_row_has_zero_gradient() -> None:
+    """torch's norm backward is 0 where the norm is 0 (not NaN)."""
+    x = np.array([[0.0, 0.0, 0.0], [3.0, 4.0, 0.0]])
+    c = op_case("ReduceL2-zero-row", "ReduceL2", [x, np.array([1])])
+    w = weights_for(c)
+    got = Runner(grad_model(c, np.float64, w))({"in0": x})[1]
+    np.testing.assert_array_equal(got[0], [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(got[1], w["w0"][1, 0] * x[1] / 5.0, rtol=1e-12)
+
+
+def test_noop_reduction_of_squares_is_refused_with_the_node() -> None:
+    nodes = [helper.make_node("Constant", [], ["axes"], name="axes0",
+                              value=helper.make_tensor("v", TensorProto.INT64, [0], [])),
+             helper.make_node("ReduceL2", ["x", "axes"], ["y"], name="l2",
+                              noop_with_empty_axes=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
+             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
+                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, [2, 3])])
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
+    with pytest.raises(GradientError) as info:
+        AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
+    assert str(info.value) == (
+        "gradient rule of ReduceL2 failed on node 'l2': ReduceL2 with empty axes and "
+        "noop_with_empty_axes=1 is not differentiated (runtimes differ on what it computes); "
+        "give the reduced axes explicitly")
