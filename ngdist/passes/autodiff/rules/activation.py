@@ -1,5 +1,7 @@
 """Activations: Relu, Sigmoid, Tanh, Softmax, LogSoftmax, LeakyRelu, Gelu (exact and tanh),
-HardSigmoid, HardSwish."""
+HardSigmoid, HardSwish, Elu, Selu, Celu, Softplus, Softsign, Mish, Swish, PRelu,
+ThresholdedRelu, Shrink. At a kink the gradient is torch's one-sided choice (x > 0 takes the
+positive piece)."""
 from __future__ import annotations
 
 import math
@@ -110,3 +112,98 @@ def hard_swish(ctx, node, gys):
     above = ctx.op("CastLike", ctx.op("GreaterOrEqual", z, ctx.scalar(1.0, x)), x)
     slope = ctx.op("Add", ctx.op("Mul", x, ctx.scalar(1.0 / 3.0, x)), ctx.scalar(0.5, x))
     return [ctx.op("Mul", g, ctx.op("Add", ctx.op("Mul", inside, slope), above))]
+
+
+def _positive(ctx, x, threshold: float = 0.0):
+    return ctx.op("Greater", x, ctx.scalar(threshold, x))
+
+
+@register("Elu")
+def elu(ctx, node, gys):
+    """x > 0: 1, else y + alpha (alpha e^x)."""
+    (x,), (y,), g = node.inputs, node.outputs, gys[0]
+    neg = ctx.op("Add", y, ctx.scalar(attr(node, "alpha", 1.0), y))
+    return [ctx.op("Mul", g, ctx.op("Where", _positive(ctx, x), ctx.scalar(1.0, x), neg))]
+
+
+@register("Selu")
+def selu(ctx, node, gys):
+    """x > 0: gamma, else y + alpha gamma."""
+    (x,), (y,), g = node.inputs, node.outputs, gys[0]
+    alpha = attr(node, "alpha", 1.67326319217681884765625)
+    gamma = attr(node, "gamma", 1.05070102214813232421875)
+    neg = ctx.op("Add", y, ctx.scalar(alpha * gamma, y))
+    return [ctx.op("Mul", g, ctx.op("Where", _positive(ctx, x), ctx.scalar(gamma, x), neg))]
+
+
+@register("Celu")
+def celu(ctx, node, gys):
+    """x > 0: 1, else e^(x / alpha) = y / alpha + 1."""
+    (x,), (y,), g = node.inputs, node.outputs, gys[0]
+    alpha = attr(node, "alpha", 1.0)
+    neg = ctx.op("Add", ctx.op("Mul", y, ctx.scalar(1.0 / alpha, y)), ctx.scalar(1.0, y))
+    return [ctx.op("Mul", g, ctx.op("Where", _positive(ctx, x), ctx.scalar(1.0, x), neg))]
+
+
+@register("Softplus")
+def softplus(ctx, node, gys):
+    return [ctx.op("Mul", gys[0], ctx.op("Sigmoid", node.inputs[0]))]
+
+
+@register("Softsign")
+def softsign(ctx, node, gys):
+    """1 / (1 + |x|)^2."""
+    (x,) = node.inputs
+    den = ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Abs", x))
+    return [ctx.op("Div", gys[0], ctx.op("Mul", den, den))]
+
+
+@register("Mish")
+def mish(ctx, node, gys):
+    """y = x tanh(softplus(x)): tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)."""
+    (x,), g = node.inputs, gys[0]
+    t = ctx.op("Tanh", ctx.op("Softplus", x))
+    sech2 = ctx.op("Sub", ctx.scalar(1.0, x), ctx.op("Mul", t, t))
+    dy = ctx.op("Add", t, ctx.op("Mul", ctx.op("Mul", x, ctx.op("Sigmoid", x)), sech2))
+    return [ctx.op("Mul", g, dy)]
+
+
+@register("Swish")
+def swish(ctx, node, gys):
+    """y = x sigmoid(alpha x): s + alpha y (1 - s)."""
+    (x,), (y,), g = node.inputs, node.outputs, gys[0]
+    alpha = attr(node, "alpha", 1.0)
+    s = ctx.op("Sigmoid", ctx.op("Mul", x, ctx.scalar(alpha, x)))
+    dy = ctx.op("Add", s, ctx.op("Mul", ctx.op("Mul", y, ctx.scalar(alpha, y)),
+                                 ctx.op("Sub", ctx.scalar(1.0, x), s)))
+    return [ctx.op("Mul", g, dy)]
+
+
+@register("PRelu")
+def prelu(ctx, node, gys):
+    """x > 0: 1, else slope; the slope (broadcast to x) gets g x where x <= 0."""
+    (x, slope), g = node.inputs, gys[0]
+    pos = _positive(ctx, x)
+    zero = ctx.scalar(0.0, g)
+    out = [None, None]
+    if ctx.needs(x):
+        out[0] = ctx.op("Where", pos, g, ctx.op("Mul", g, slope))
+    if ctx.needs(slope):
+        out[1] = ctx.unbroadcast(ctx.op("Where", pos, zero, ctx.op("Mul", g, x)), slope)
+    return out
+
+
+@register("ThresholdedRelu")
+def thresholded_relu(ctx, node, gys):
+    (x,), g = node.inputs, gys[0]
+    keep = _positive(ctx, x, attr(node, "alpha", 1.0))
+    return [ctx.op("Where", keep, g, ctx.scalar(0.0, g))]
+
+
+@register("Shrink")
+def shrink(ctx, node, gys):
+    """1 outside [-lambd, lambd], 0 inside."""
+    (x,), g = node.inputs, gys[0]
+    lambd = attr(node, "lambd", 0.5)
+    outside = ctx.op("Or", _positive(ctx, x, lambd), ctx.op("Less", x, ctx.scalar(-lambd, x)))
+    return [ctx.op("Where", outside, g, ctx.scalar(0.0, g))]

@@ -1,5 +1,5 @@
 """Elementwise arithmetic with numpy broadcasting: Add, Sub, Mul, Div, Neg, Identity, Cast,
-CastLike (its target-type input gets no gradient), Sum."""
+CastLike (its target-type input gets no gradient), Sum, Mean, Mod."""
 from __future__ import annotations
 
 from ngdist.passes.autodiff.registry import register
@@ -59,3 +59,22 @@ def cast_like(ctx, node, gys):
 @register("Sum")
 def sum_(ctx, node, gys):
     return [ctx.unbroadcast(gys[0], x) for x in node.inputs]
+
+
+@register("Mean")
+def mean(ctx, node, gys):
+    share = ctx.op("Mul", gys[0], ctx.scalar(1.0 / len(node.inputs), gys[0]))
+    return [ctx.unbroadcast(share, x) for x in node.inputs]
+
+
+@register("Mod")
+def mod(ctx, node, gys):
+    """y = a - q b with q the integer quotient (truncated for fmod=1, floored otherwise):
+    da = g, db = -g q, q read back as round((a - y) / b) so both modes share the rule (torch:
+    fmod and remainder)."""
+    (g,), (a, b), (y,) = gys, node.inputs, node.outputs
+    out = [ctx.unbroadcast(g, a) if ctx.needs(a) else None, None]
+    if ctx.needs(b):
+        q = ctx.op("Round", ctx.op("Div", ctx.op("Sub", a, y), b))
+        out[1] = ctx.unbroadcast(ctx.op("Neg", ctx.op("Mul", g, q)), b)
+    return out
