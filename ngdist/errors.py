@@ -41,3 +41,12 @@ class CheckpointError(NgdistError):
 
 class ExecutionError(NgdistError):
     """onnxruntime failed while running a compute segment (the message names the segment)."""
+
+
+class LaunchError(NgdistError):
+    """A rank of ``ngdist.launch`` failed (the message names the rank and its error), or the
+    function cannot be sent to the ranks. ``rank``: the rank that failed, when one did;
+    ``remote_traceback``: its traceback, as text."""
+
+    rank: int | None = None
+    remote_traceback: str | None = None
