@@ -318,3 +318,25 @@ def check_case(case: Case) -> dict[str, np.ndarray]:
                                    err_msg=f"{case.id}: float32 gradient of {name}")
     return grads
 
+
+
+def lowering_error(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: int = 18,
+                   initializers=()) -> str:
+    """The GradientError message of lowering d sum(y) / d x through ``nodes`` (x -> ... ->
+    y; x float32 of shape ``x_dims``); fails if the lowering succeeds."""
+    import pytest
+
+    from ngdist.errors import GradientError
+
+    nodes = [*nodes, helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
+             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
+                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
+        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, x_dims)],
+        list(initializers))
+    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
+        helper.make_opsetid("", opset), helper.make_opsetid(PREVIEW_TRAINING, 1)])
+    with pytest.raises(GradientError) as info:
+        AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
+    return str(info.value)

@@ -28,6 +28,10 @@ NON_DIFFERENTIABLE: set[str] = {
     "Or", "Xor", "ArgMax", "ArgMin", "NonZero", "ConstantOfShape", "Constant", "OneHot",
     "Range", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
     "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Bernoulli", "Multinomial", "EyeLike",
+    # piecewise constant in their float inputs, or integer/boolean results
+    "Hardmax", "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "Unique",
+    "NonMaxSuppression", "HannWindow", "HammingWindow", "BlackmanWindow", "MelWeightMatrix",
+    "DynamicQuantizeLinear",
 }
 
 

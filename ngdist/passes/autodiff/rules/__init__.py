@@ -2,7 +2,10 @@
 from ngdist.passes.autodiff.rules import (  # noqa: F401
     activation,
     conv,
+    cumulative,
+    einsum,
     elementwise,
+    group_norm,
     indexing,
     linalg,
     loss,
@@ -10,6 +13,8 @@ from ngdist.passes.autodiff.rules import (  # noqa: F401
     pointwise,
     pool,
     reduce,
+    resize,
     select,
     shape,
+    trig,
 )

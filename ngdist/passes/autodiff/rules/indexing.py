@@ -1,5 +1,5 @@
-"""Indexing: Gather (embedding lookup), GatherElements, Slice. Indices, starts, ends, axes and
-steps get no gradient.
+"""Indexing: Gather (embedding lookup), GatherElements, GatherND, Slice, ScatterElements and
+ScatterND (reduction none or add). Indices, starts, ends, axes and steps get no gradient.
 
 Gather and GatherElements scatter-add the gradient back (repeated indices accumulate; negative
 indices count from the end). Slice scatters the gradient into zeros at the positions that a
@@ -74,3 +74,61 @@ def slice_(ctx, node, gys):
                   ctx.op("Reshape", picked, ctx.ints([-1])),
                   ctx.op("Reshape", gys[0], ctx.ints([-1])), axis=0)
     return [ctx.op("Reshape", flat, shape), None, None, None, None]
+
+
+@register("GatherND")
+def gather_nd(ctx, node, gys):
+    """Scatter-add the gradient back to the gathered slices (batch_dims 0)."""
+    data, indices = node.inputs
+    if attr(node, "batch_dims", 0):
+        raise ValueError(f"GatherND with batch_dims={attr(node, 'batch_dims')} is not "
+                         "differentiated (only 0); index with batch_dims=0 (prepend the batch "
+                         "positions to the indices)")
+    shape = ctx.op("Shape", data)
+    return [ctx.op("ScatterND", _zeros(ctx, shape, gys[0]), indices, gys[0], reduction="add"),
+            None]
+
+
+def _scatter_reduction(node) -> str:
+    reduction = attr(node, "reduction", "none")
+    if reduction not in ("none", "add"):
+        raise ValueError(f"{node.op_type} with reduction={reduction!r} is not differentiated "
+                         "(only 'none' and 'add')")
+    return reduction
+
+
+@register("ScatterElements")
+def scatter_elements(ctx, node, gys):
+    """data: g, zeroed where an update overwrote it (reduction none); updates: g gathered at
+    their positions. Repeated indices under reduction none: each update gets the gradient of
+    its position, as torch's scatter backward gives (torch documents such indices as
+    unsupported: which write lands is unspecified)."""
+    data, indices, updates = node.inputs
+    g = gys[0]
+    axis = attr(node, "axis", 0)
+    if axis < 0:
+        axis %= known_rank(data, "ScatterElements data")
+    idx = _wrap(ctx, indices, ctx.op("Shape", data), axis)
+    out = [None, None, None]
+    if ctx.needs(data):
+        out[0] = g if _scatter_reduction(node) == "add" else ctx.op(
+            "ScatterElements", g, idx, _zeros(ctx, ctx.op("Shape", updates), g), axis=axis)
+    if ctx.needs(updates):
+        _scatter_reduction(node)
+        out[2] = ctx.op("GatherElements", g, idx, axis=axis)
+    return out
+
+
+@register("ScatterND")
+def scatter_nd(ctx, node, gys):
+    """As ScatterElements, over index tuples of the leading axes."""
+    data, indices, updates = node.inputs
+    g = gys[0]
+    out = [None, None, None]
+    if ctx.needs(data):
+        out[0] = g if _scatter_reduction(node) == "add" else ctx.op(
+            "ScatterND", g, indices, _zeros(ctx, ctx.op("Shape", updates), g))
+    if ctx.needs(updates):
+        _scatter_reduction(node)
+        out[2] = ctx.op("GatherND", g, indices)
+    return out

@@ -1,11 +1,16 @@
-"""Selection: Where (the condition gets no gradient) and variadic Max / Min.
+"""Selection: Where (the condition gets no gradient), variadic Max / Min, TopK (its values; the
+indices output is an integer and carries none).
 
 Max and Min share the gradient equally among the inputs that tie for the result (as
 ``torch.maximum`` does for two), so the rule is deterministic and its sum is exact.
 """
 from __future__ import annotations
 
-from ngdist.passes.autodiff.registry import register
+import numpy as np
+import onnx_ir as ir
+
+from ngdist.passes.autodiff.registry import attr, register
+from ngdist.passes.autodiff.rules._common import ensure_output, known_rank
 
 
 @register("Where")
@@ -30,3 +35,19 @@ def max_min(ctx, node, gys):
     share = ctx.op("Div", g, ctx.op("Sum", *masks))
     return [ctx.unbroadcast(ctx.op("Mul", share, m), x) if ctx.needs(x) else None
             for x, m in zip(node.inputs, masks)]
+
+
+@register("TopK")
+def top_k(ctx, node, gys):
+    """The values' gradient written back at the indices the forward node returns (added to
+    it if unused); the k input gets none."""
+    x, g = node.inputs[0], gys[0]
+    if g is None:
+        return [None, None]
+    axis = attr(node, "axis", -1)
+    if axis < 0:
+        axis %= known_rank(x, "TopK input")
+    indices = ensure_output(node, 1, "indices", ir.DataType.INT64, node.outputs[0].shape)
+    zero = ctx.op("CastLike", ctx.op("ConstantOfShape", ctx.op("Shape", x),
+                                     value=ir.tensor(np.zeros(1, np.float32))), g)
+    return [ctx.op("ScatterElements", zero, indices, g, axis=axis), None]

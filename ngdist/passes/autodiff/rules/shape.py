@@ -1,5 +1,6 @@
-"""Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad (the
-data inputs only; shape, axes, pads and split-size inputs get no gradient)."""
+"""Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad, Tile,
+Trilu, DepthToSpace, SpaceToDepth (the data inputs only; shape, axes, pads, repeats, k and
+split-size inputs get no gradient)."""
 from __future__ import annotations
 
 import numpy as np
@@ -74,3 +75,66 @@ def pad(ctx, node, gys):
     axes = [node.inputs[3]] if len(node.inputs) > 3 and node.inputs[3] is not None else []
     inputs = [gys[0], neg, None, *axes] if axes else [gys[0], neg]
     return [ctx.op("Pad", *inputs), None, None, None]
+
+
+@register("Tile")
+def tile(ctx, node, gys):
+    """The copies summed: g reshaped to [r0, n0, r1, n1, ...] and reduced over the r axes
+    (repeats and sizes read at run time)."""
+    x, repeats = node.inputs
+    rank = known_rank(x, "Tile input")
+    pairs = ctx.op("Concat", ctx.op("Unsqueeze", repeats, ctx.ints([1])),
+                   ctx.op("Unsqueeze", ctx.op("Shape", x), ctx.ints([1])), axis=1)
+    split = ctx.op("Reshape", gys[0], ctx.op("Reshape", pairs, ctx.ints([-1])))
+    return [ctx.op("ReduceSum", split, ctx.ints(list(range(0, 2 * rank, 2))), keepdims=0),
+            None]
+
+
+@register("Trilu")
+def trilu(ctx, node, gys):
+    """The same triangle of the gradient (a mask is its own adjoint)."""
+    k = node.inputs[1:2] if len(node.inputs) > 1 and node.inputs[1] is not None else []
+    return [ctx.op("Trilu", gys[0], *k, upper=attr(node, "upper", 1)), None]
+
+
+def _blocks(ctx, x, b: int, depth_first: bool):
+    """The 6-D view [N, C / b^2, H, b, W, b] (CRD) or [N, b, b, C / b^2, H, W] (DCR) of a
+    [N, C, H, W] tensor ``x``, its sizes read at run time."""
+    shape = ctx.op("Shape", x)
+    n, c = ctx.op("Slice", shape, ctx.ints([0]), ctx.ints([1])), \
+        ctx.op("Div", ctx.op("Slice", shape, ctx.ints([1]), ctx.ints([2])), ctx.ints([b * b]))
+    h, w = (ctx.op("Slice", shape, ctx.ints([i]), ctx.ints([i + 1])) for i in (2, 3))
+    bb = ctx.ints([b])
+    parts = [n, bb, bb, c, h, w] if depth_first else [n, c, bb, bb, h, w]
+    return ctx.op("Concat", *parts, axis=0)
+
+
+# DepthToSpace: x [N, C, H, W] viewed 6-D, permuted, then [N, C / b^2, H b, W b]
+_D2S_PERM = {"DCR": [0, 3, 4, 1, 5, 2], "CRD": [0, 1, 4, 2, 5, 3]}
+
+
+@register("DepthToSpace")
+def depth_to_space(ctx, node, gys):
+    """A permutation: the gradient is g viewed as the permuted 6-D tensor, permuted back."""
+    x, b = node.inputs[0], attr(node, "blocksize")
+    mode = attr(node, "mode", "DCR")
+    known_rank(x, "DepthToSpace input")
+    perm = _D2S_PERM[mode]
+    view = ctx.op("Gather", _blocks(ctx, x, b, mode == "DCR"), ctx.ints(perm))
+    moved = ctx.op("Transpose", ctx.op("Reshape", gys[0], view),
+                   perm=np.argsort(perm).tolist())
+    return [ctx.op("Reshape", moved, ctx.op("Shape", x))]
+
+
+@register("SpaceToDepth")
+def space_to_depth(ctx, node, gys):
+    """x [N, C, H, W] viewed [N, C, H/b, b, W/b, b], permuted to [N, b, b, C, H/b, W/b]."""
+    x, b = node.inputs[0], attr(node, "blocksize")
+    (y,) = node.outputs
+    known_rank(x, "SpaceToDepth input")
+    perm = [0, 3, 5, 1, 2, 4]
+    # y [N, C b^2, H/b, W/b] viewed [N, C, b, b, H/b, W/b], reordered to the permuted view
+    after = ctx.op("Gather", _blocks(ctx, y, b, False), ctx.ints([0, 2, 3, 1, 4, 5]))
+    moved = ctx.op("Transpose", ctx.op("Reshape", gys[0], after),
+                   perm=np.argsort(perm).tolist())
+    return [ctx.op("Reshape", moved, ctx.op("Shape", x))]

@@ -1,0 +1,87 @@
+"""Indexing, scatter, selection and layout ops against central differences (the harness of
+``grad_harness``): GatherND, ScatterElements and ScatterND (data and updates; reduction none
+and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from grad_harness import Const, case, check_case, lowering_error
+
+ROWS = np.array([[1, 0, 2, -1], [0, 2, 1, -3]])  # distinct rows within each column
+PAIRS = np.array([[[0, 1], [2, 3]], [[1, 0], [0, 1]]])  # GatherND: index pairs into [3, 4, 2]
+
+
+def _cases() -> list:
+    out = []
+    add = out.append
+    add(case("GatherND-pairs", "GatherND", lambda g: [g.n(3, 4, 2), PAIRS]))
+    add(case("GatherND-rows-repeated", "GatherND",
+             lambda g: [g.n(3, 4), np.array([[2], [0], [2]])]))
+    add(case("GatherND-full", "GatherND", lambda g: [g.n(3, 4), np.array([[0, 1], [2, 3],
+                                                                          [0, 1]])]))
+    for red in ("none", "add"):
+        add(case(f"ScatterElements-axis0-{red}", "ScatterElements",
+                 lambda g: [g.n(3, 4), ROWS, g.n(2, 4)], axis=0, reduction=red))
+        add(case(f"ScatterElements-axis-last-{red}", "ScatterElements",
+                 lambda g: [g.n(2, 5), np.array([[4, 0], [-1, 2]]), g.n(2, 2)], axis=-1,
+                 reduction=red))
+        add(case(f"ScatterND-rows-{red}", "ScatterND",
+                 lambda g: [g.n(4, 3), np.array([[3], [1]]), g.n(2, 3)], reduction=red))
+        add(case(f"ScatterND-elements-{red}", "ScatterND",
+                 lambda g: [g.n(3, 4), np.array([[0, 1], [2, 3], [1, 1]]), g.n(3)],
+                 reduction=red))
+    add(case("ScatterElements-add-repeated", "ScatterElements",
+             lambda g: [g.n(3, 2), np.array([[1, 1], [1, 0], [1, 1]]), g.n(3, 2)],
+             reduction="add"))
+    add(case("ScatterND-add-repeated", "ScatterND",
+             lambda g: [g.n(3, 2), np.array([[1], [1], [0]]), g.n(3, 2)], reduction="add"))
+    add(case("ScatterElements-const-data", "ScatterElements",
+             lambda g: [Const(g.n(3, 4)), ROWS, g.n(2, 4)]))
+    add(case("TopK-last", "TopK", lambda g: [g.distinct(3, 5), np.array([2])], n_out=2))
+    add(case("TopK-axis0-smallest", "TopK", lambda g: [g.distinct(4, 3), np.array([3])],
+             n_out=2, axis=0, largest=0))
+    add(case("TopK-indices-used", "TopK", lambda g: [g.distinct(2, 6), np.array([4])],
+             n_out=2, used=[0], sorted=0))
+    for excl in (0, 1):
+        for rev in (0, 1):
+            add(case(f"CumSum-excl{excl}-rev{rev}", "CumSum",
+                     lambda g: [g.n(3, 4), np.array(1)], exclusive=excl, reverse=rev))
+    add(case("CumSum-axis-neg", "CumSum", lambda g: [g.n(2, 3, 4), np.array(-3)]))
+    add(case("Trilu-upper", "Trilu", lambda g: [g.n(2, 3, 4)]))
+    add(case("Trilu-lower-k", "Trilu", lambda g: [g.n(4, 4), np.array(-1)], upper=0))
+    add(case("Trilu-upper-k", "Trilu", lambda g: [g.n(3, 5), np.array(2)]))
+    add(case("Tile", "Tile", lambda g: [g.n(2, 3), np.array([2, 3])]))
+    add(case("Tile-3d-ones", "Tile", lambda g: [g.n(2, 1, 3), np.array([1, 4, 1])]))
+    add(case("Tile-symbolic", "Tile", lambda g: [g.n(2, 3), np.array([3, 2])], symbolic=True))
+    for mode in ("DCR", "CRD"):
+        add(case(f"DepthToSpace-{mode}", "DepthToSpace", lambda g: [g.n(2, 8, 2, 3)],
+                 blocksize=2, mode=mode))
+    add(case("DepthToSpace-symbolic-batch", "DepthToSpace", lambda g: [g.n(2, 9, 2, 2)],
+             blocksize=3, mode="CRD", symbolic="batch"))
+    add(case("SpaceToDepth", "SpaceToDepth", lambda g: [g.n(2, 3, 4, 6)], blocksize=2))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rule_matches_central_differences(case) -> None:
+    check_case(case)
+
+
+@pytest.mark.parametrize("op, attrs, message", [
+    ("ScatterElements", {"reduction": "mul"}, "gradient rule of ScatterElements failed on node "
+     "'scatter0': ScatterElements with reduction='mul' is not differentiated (only 'none' and "
+     "'add')"),
+    ("GatherND", {"batch_dims": 1}, "gradient rule of GatherND failed on node 'scatter0': "
+     "GatherND with batch_dims=1 is not differentiated (only 0); index with batch_dims=0 "
+     "(prepend the batch positions to the indices)"),
+])
+def test_unsupported_forms_are_refused_with_op_node_and_form(op, attrs, message) -> None:
+    ins = ["x", "idx", "x"] if op == "ScatterElements" else ["x", "idx"]
+    idx = helper.make_tensor("idx", TensorProto.INT64, [2, 1], [0, 1])
+    nodes = [helper.make_node(op, ins, ["y"], name="scatter0", **attrs)]
+    assert lowering_error(nodes, [2, 1], initializers=[idx]) == message

@@ -1,0 +1,98 @@
+"""Resize (what F.interpolate exports) against central differences (the harness of
+``grad_harness``): nearest, linear and cubic, every coordinate transformation, antialias, roi,
+scales and sizes, 1-D to 3-D; forms that need run-time sizes are refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from grad_harness import (Gen, Runner, _model, check_case, grad_model, graph_case,
+                          lowering_error, weights_for)
+
+
+def _const(name: str, value) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=f"const_{name}",
+                            value=numpy_helper.from_array(np.asarray(value), name))
+
+
+def resize_case(cid: str, shape, *, scales=None, sizes=None, roi=None, opset: int = 19,
+                **attrs):
+    nodes, ins = [], ["x", "", "", ""]
+    for k, (name, value, dtype) in enumerate([("roi", roi, np.float32),
+                                              ("scales", scales, np.float32),
+                                              ("sizes", sizes, np.int64)], start=1):
+        if value is not None:
+            nodes.append(_const(name, np.asarray(value, dtype)))
+            ins[k] = name
+    while ins[-1] == "":
+        ins.pop()
+    nodes.append(helper.make_node("Resize", ins, ["y"], name="node0", **attrs))
+    return graph_case(cid, nodes, {"x": Gen(cid).n(*shape)}, opset=opset)
+
+
+CASES = [
+    resize_case("Resize-linear-half-pixel-x2", (1, 2, 3, 4), scales=[1, 1, 2, 2],
+                mode="linear"),
+    resize_case("Resize-bilinear-align-corners-sizes", (2, 1, 3, 4), sizes=[2, 1, 5, 7],
+                mode="linear", coordinate_transformation_mode="align_corners"),
+    resize_case("Resize-linear-pytorch-half-pixel-down", (1, 2, 5, 6), scales=[1, 1, 0.75, 0.5],
+                mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+    resize_case("Resize-linear-antialias-down", (1, 1, 6, 8), scales=[1, 1, 0.5, 0.5],
+                mode="linear", antialias=1),
+    resize_case("Resize-nearest-asymmetric-floor", (1, 2, 3, 3), scales=[1, 1, 2, 2],
+                mode="nearest", coordinate_transformation_mode="asymmetric",
+                nearest_mode="floor"),
+    resize_case("Resize-nearest-round-prefer-floor-1.5", (1, 1, 4, 4), scales=[1, 1, 1.5, 1.5],
+                mode="nearest"),
+    resize_case("Resize-nearest-down-sizes", (1, 1, 6, 5), sizes=[1, 1, 3, 2], mode="nearest",
+                nearest_mode="ceil"),
+    resize_case("Resize-cubic-torch-bicubic", (1, 1, 4, 4), scales=[1, 1, 2, 2], mode="cubic",
+                cubic_coeff_a=-0.75, coordinate_transformation_mode="pytorch_half_pixel"),
+    resize_case("Resize-cubic-exclude-outside-align", (1, 2, 3, 5), sizes=[1, 2, 6, 4],
+                mode="cubic", exclude_outside=1, coordinate_transformation_mode="align_corners"),
+    resize_case("Resize-cubic-antialias-down", (1, 1, 8, 6), scales=[1, 1, 0.5, 0.75],
+                mode="cubic", antialias=1),
+    resize_case("Resize-tf-crop-and-resize", (1, 1, 4, 5),
+                roi=[0, 0, 0.2, 0.1, 1, 1, 0.9, 1.2], sizes=[1, 1, 3, 4], mode="linear",
+                coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=2.0),
+    resize_case("Resize-axes-middle-1d", (2, 3, 4), sizes=[5], axes=[1], mode="linear"),
+    resize_case("Resize-trilinear", (1, 2, 3, 2, 3), scales=[1, 1, 2, 1.5, 2], mode="linear",
+                coordinate_transformation_mode="align_corners"),
+    resize_case("Resize-1d-linear", (2, 2, 5), scales=[1, 1, 1.6], mode="linear"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_rule_matches_central_differences(case) -> None:
+    check_case(case)
+
+
+def test_nearest_upsampling_gradient_sums_each_block() -> None:
+    """Nearest x2: each input element gets the sum of the output gradient over its 2x2 block
+    (the oracle independent of ONNX's reference Resize, which builds the rule's matrices)."""
+    case = CASES[4]
+    w = weights_for(case)
+    got = Runner(grad_model(case, np.float64, w))({"x": case.inputs["x"]})[1]
+    expected = w["w0"].reshape(1, 2, 3, 2, 3, 2).sum(axis=(3, 5))
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_run_time_sizes_are_refused_naming_op_node_and_mode() -> None:
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], name="shape0"),
+             helper.make_node("Resize", ["x", "", "", "shape"], ["y"], name="up0", mode="cubic")]
+    assert lowering_error(nodes, ["n", 1, "h", 4], opset=19) == (
+        "gradient rule of Resize failed on node 'up0': Resize (mode 'cubic'): its output sizes "
+        "are computed at run time; the gradient needs them static (export with static spatial "
+        "sizes, or scale_factor instead of size)")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_reference_resize_is_onnxruntimes(case) -> None:
+    """The rule's matrices come from ONNX's reference Resize; training runs onnxruntime's:
+    both give the same forward values (float32), so the gradient is that of the op trained."""
+    x = case.inputs["x"]
+    ref = Runner(_model(case, np.float64, ["y"]), reference=True)({"x": x})[0]
+    ort32 = Runner(_model(case, np.float32, ["y"]), ort_only=True)({"x": x.astype(np.float32)})[0]
+    np.testing.assert_allclose(ort32, ref, rtol=1e-5, atol=1e-5)
