@@ -9,6 +9,9 @@ before bucketing.
 AllReduce's input cast to 16 bits and its result back to float32).
 ``local``: autodiff -> optimizer lowering (one process, no communication).
 ``pushsum``, ``ps`` and ``simple``: their comm pass between autodiff and optimizer lowering.
+A loss that is a mean over counted tokens (ignore_index, class weights, a mask) is divided by
+the global batch's count under ``allreduce`` and ``simple`` (passes/losscount.py), refused
+under ``ps`` and in reproducible mode, and left to each rank's own mean under ``pushsum``.
 Each factory takes its strategy's typed options (passes/options.py); nothing is swallowed.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ngdist.passes.compression import (COMPRESSED_ALGORITHMS, CompressionMarking
                                        GradientCompressionPass)
 from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.gradscale import GradientPrescalePass
+from ngdist.passes.losscount import CountedLossPass, GlobalCountPass
 from ngdist.passes.optimizers import OptimizerLoweringPass
 from ngdist.passes.options import (AllReduceOptions, LocalOptions, OptionError, PSOptions,
                                    PushSumOptions, SimpleOptions, StrategyOptions,
@@ -41,6 +45,16 @@ from ngdist.passes.simple import CentralReducePass
 logger = logging.getLogger(__name__)
 
 PipelineFactory = Callable[[Any], list[ir.passes.PassBase]]
+# passes that rewrite the loss, run before autodiff (in this order)
+BEFORE_AUTODIFF = (CountedLossPass, GradientPrescalePass)
+REPRODUCIBLE_COUNT = (
+    "reproducible mode averages the losses of micro-batches, and a micro-batch's mean over its "
+    "own counted tokens is not the global batch's: leave reproducible_micro_batch out, or "
+    "write the loss as a sum divided by a fixed number")
+PS_COUNT = (
+    "the ps strategy cannot divide it by the count of the whole global batch (its shard owners "
+    "may not run the forward pass): train with strategy='allreduce' or 'simple', or write the "
+    "loss as a sum divided by a fixed number")
 
 
 def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
@@ -70,9 +84,13 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
                               f"choose one of {list(COMPRESSED_ALGORITHMS)}")
         marking = [CompressionMarkingPass(o.compression)]
         compression = [GradientCompressionPass(o.compression_error_feedback)]
-    return [*prescale, AllReduceInsertionPass("mean", algorithm),
+    # a mean over counted tokens divided by the global count (passes/losscount.py), whose
+    # AllReduce comes after bucketing and compression
+    counted = [CountedLossPass(REPRODUCIBLE_COUNT if reproducible else None)]
+    count = [] if reproducible else [GlobalCountPass()]
+    return [*counted, *prescale, AllReduceInsertionPass("mean", algorithm),
             BufferAverageInsertionPass(algorithm), *reproducible, *marking,
-            BucketingPass(o.bucket_bytes), *compression]
+            BucketingPass(o.bucket_bytes), *compression, *count]
 
 
 def _local(o: LocalOptions) -> list[ir.passes.PassBase]:
@@ -86,11 +104,12 @@ def _pushsum(o: PushSumOptions) -> list[ir.passes.PassBase]:
 def _simple(o: SimpleOptions) -> list[ir.passes.PassBase]:
     # buffers (BatchNorm statistics) averaged like allreduce does, so that simple's results
     # equal allreduce's for models with buffers too
-    return [CentralReducePass(root=0), BufferAverageInsertionPass()]
+    return [CountedLossPass(), CentralReducePass(root=0), BufferAverageInsertionPass(),
+            GlobalCountPass()]
 
 
 def _ps(o: PSOptions) -> list[ir.passes.PassBase]:
-    return [PSPushPullPass(o.grad_shard_bytes, o.servers)]
+    return [CountedLossPass(PS_COUNT), PSPushPullPass(o.grad_shard_bytes, o.servers)]
 
 
 # strategy name -> the pipeline built from its options (passes/options.py STRATEGY_OPTIONS)
@@ -115,7 +134,7 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
     else:
         typed = strategy_options(strategy, options)
     chosen = STRATEGIES[typed.strategy](typed)
-    before = [p for p in chosen if isinstance(p, GradientPrescalePass)]  # act on the loss
+    before = [p for p in chosen if isinstance(p, BEFORE_AUTODIFF)]  # act on the loss
     passes: list[ir.passes.PassBase] = [*before, AutodiffPass(),
                                         *(p for p in chosen if p not in before)]
     if lower:

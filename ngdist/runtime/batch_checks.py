@@ -1,7 +1,8 @@
 """Checks of a batch against the model before a training step runs: every input with one row
 per sample along axis 0 (or a whole number of rows per sample: per-token rows), labels of
 softmax_cross_entropy that are class ids in range (their number of classes from the step
-graph, or from shape inference with the batch's shapes), shapes that fit the model's inputs. Each failure is an InputError that says what to change."""
+graph, or from shape inference with the batch's shapes), shapes that fit the model's inputs.
+Each failure is an InputError that says what to change."""
 from __future__ import annotations
 
 import logging

@@ -296,6 +296,9 @@ def eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
     builds it)."""
     producers = {o.name: n for n in step.graph for o in n.outputs}
     node = producers.get(loss)
+    divisor = node.inputs[1].producer() if node is not None and node.op_type == "Div" else None
+    if divisor is not None and divisor.domain == "ngdist" and divisor.op_type == "AllReduce":
+        node = node.inputs[0].producer()  # a sum over the global count (passes/losscount.py)
     if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
         for labels, (scores, ignore, _) in label_checks.items():
             if scores == node.inputs[0].name:
