@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from ngdist.comm.launch import slurm_allocation, slurm_env
 from ngdist.comm.supervisor import JobResult, supervise
 from ngdist.errors import NgdistError
 
@@ -49,9 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "program built on ngdist.compile resumes from its newest complete "
                        "checkpoint. Across machines pass --hostfile (one host "
                        "per line, optionally host:slots) and make sure every host has the same "
-                       "Python environment.")
-    p.add_argument("-n", type=int, default=DEFAULT_RANKS,
-                   help=f"number of ranks (default {DEFAULT_RANKS})")
+                       "Python environment; inside a Slurm allocation (salloc, sbatch) the "
+                       "ranks are started through srun on its nodes, -n defaulting to its "
+                       "task count.")
+    p.add_argument("-n", type=int,
+                   help=f"number of ranks (default: the task count of the Slurm allocation "
+                        f"it runs in, else {DEFAULT_RANKS})")
     p.add_argument("--hostfile", help="MPICH hostfile for several machines")
     p.add_argument("--hosts", help="comma-separated host list (alternative to --hostfile)")
     p.add_argument("--servers", type=int, default=0,
@@ -125,17 +129,21 @@ def run(args: argparse.Namespace) -> int:
         raise NgdistError("nothing to run: give a command after --, e.g. "
                           "`ngdist run -n 2 -- python train.py`")
     env = dict(os.environ)
+    n = args.n
+    if n is None:
+        slurm = slurm_allocation(env) if not (args.hostfile or args.hosts) else None
+        n = slurm.tasks if slurm is not None else DEFAULT_RANKS
     if args.timeout is not None:
         env["NGDIST_TIMEOUT"] = str(args.timeout)
     if args.servers:
-        if not 0 < args.servers < args.n:
+        if not 0 < args.servers < n:
             raise NgdistError(f"--servers {args.servers} needs more ranks than servers "
-                              f"(-n {args.n}); e.g. `ngdist run -n {args.servers + 2} "
+                              f"(-n {n}); e.g. `ngdist run -n {args.servers + 2} "
                               f"--servers {args.servers} -- ...`")
         env["NGDIST_PS_SERVERS"] = str(args.servers)
     timeline_env(args.timeline, env)
     command = own_interpreter(command, env)
-    return launch(command, args.n, args, hostfile=args.hostfile, hosts=args.hosts, env=env)
+    return launch(command, n, args, hostfile=args.hostfile, hosts=args.hosts, env=env)
 
 
 PYTHON_NAMES = ("python", "python3")
@@ -188,6 +196,11 @@ def launch(command: Sequence[str], n: int, args: argparse.Namespace | None = Non
         raise NgdistError(f"--min-ranks must be between 1 and the number of ranks (-n {n}), "
                           f"got {min_ranks}")
     env = dict(os.environ if env is None else env)
+    slurm = slurm_allocation(env) if not (hostfile or hosts) else None
+    if slurm is not None:
+        env = slurm_env(env)
+        logger.info("inside Slurm job %s: %s through srun on %s", slurm.job, _ranks(n),
+                    slurm.nodes)
     servers = int(env.get("NGDIST_PS_SERVERS") or 0)
     if min_ranks is not None and min_ranks <= servers:
         raise NgdistError(f"--min-ranks {min_ranks} leaves no worker beside the {servers} "
