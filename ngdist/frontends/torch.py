@@ -19,6 +19,9 @@ Semantic adjustments: ONNX's BatchNormalization updates the running variance wit
 *biased* batch variance, PyTorch with the unbiased one; the frontend rescales the
 running-variance output by n / (n - 1) so that running statistics match PyTorch's.
 ``BatchNorm(momentum=None)`` (cumulative average) has no ONNX counterpart and is refused.
+``nn.Embedding(padding_idx=p)`` keeps row p out of the lookup's gradient; ``max_norm``,
+``scale_grad_by_freq`` and sparse gradients torch's optimizer refuses are refused
+(``frontends/torch_embedding.py``).
 
 Optimizers follow PyTorch's formulas exactly (``docs/ARCHITECTURE.md``, "Optimizer formulas"):
 ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) maps onto ONNX Momentum
@@ -49,6 +52,7 @@ from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
 from ngdist.frontends.torch_attention import sdpa_export
+from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends.torch_optim import _optimizer_params, translate_optimizer
 from ngdist.ir.writeback import WriteBack
 
@@ -311,7 +315,6 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     """The standard ONNX training model of ``module``: training-mode algorithm, eval graph."""
     from ngdist.frontends.onnx import build_training_model
 
-    exp = export(module, example_inputs, input_names=input_names, output_names=output_names)
     if optimizer is _UNSET or optimizer is None:
         opt, trained = optim.SGD(lr=0.01), [n for n, p in module.named_parameters()
                                             if p.requires_grad]
@@ -320,6 +323,10 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         trained = [n for n, p in module.named_parameters() if p.requires_grad]
     else:
         opt, trained = translate_optimizer(optimizer), _optimizer_params(module, optimizer)
+    check_embeddings(module, opt if optimizer is _UNSET or optimizer is None or
+                     isinstance(optimizer, (str, *optim.OPTIMIZERS)) else optimizer)
+    exp = export(module, example_inputs, input_names=input_names, output_names=output_names)
+    mark_padding_rows(module, exp.train)
     frozen_set = set(frozen or [])
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
     if not trained:

@@ -15,6 +15,9 @@ from ngdist.passes.autodiff.registry import (NON_DIFFERENTIABLE, GradContext, at
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+# metadata_props key of an axis-0 Gather (an embedding lookup): the row of its data input whose
+# gradient from this lookup is zero (torch's nn.Embedding(padding_idx=p)), a decimal integer
+PADDING_IDX = "ngdist.padding_idx"
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
@@ -105,12 +108,32 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
                                 f"{exc}") from exc
         if len(gxs) < len(node.inputs):
             gxs += [None] * (len(node.inputs) - len(gxs))
+        if PADDING_IDX in node.metadata_props and gxs[0] is not None:
+            gxs[0] = _without_padding_row(ctx, node, gxs[0])
         for inp, gx in zip(node.inputs, gxs):
             if inp is None or gx is None or id(inp) not in from_x or not _is_float(inp):
                 continue
             grads.setdefault(id(inp), []).append(gx)
     ctx.current = None
     return [total(x) for x in xs]
+
+
+def _without_padding_row(ctx: GradContext, node: ir.Node, grad: ir.Value) -> ir.Value:
+    """``grad`` (the lookup's gradient of its table) with the padding row set to zero."""
+    table = node.inputs[0]
+    dims = list(table.shape.dims) if table.shape is not None else []
+    if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or \
+            attr(node, "axis", 0) != 0 or len(dims) < 1 or \
+            not all(isinstance(d, int) for d in dims[1:]):
+        raise GradientError(f"node '{node.name}' ({node.op_type}) carries {PADDING_IDX}, which "
+                            "applies to an axis-0 Gather of a table with static row shape")
+    text = node.metadata_props[PADDING_IDX]
+    row = int(text) if text.strip().isdigit() else -1
+    if row < 0 or (isinstance(dims[0], int) and row >= dims[0]):
+        raise GradientError(f"node '{node.name}': {PADDING_IDX}={text} is not a row of its "
+                            f"{dims[0]}-row table")
+    zeros = ctx.const(np.zeros([1, *dims[1:]], np.float32), like=grad)
+    return ctx.op("ScatterND", grad, ctx.const(np.array([[row]], np.int64)), zeros)
 
 
 class AutodiffPass(ir.passes.InPlacePass):
@@ -120,7 +143,9 @@ class AutodiffPass(ir.passes.InPlacePass):
     it, reusing forward activations; its outputs keep their names (e.g. ``W.grad``), so later
     passes and ``update_binding`` see the same names. A parameter the loss does not depend on
     gets a zero gradient (with a warning). An op on the path without a rule raises
-    GradientError listing every such node at once.
+    GradientError listing every such node at once. An axis-0 Gather carrying
+    ``metadata_props[PADDING_IDX] = p`` (nn.Embedding's padding_idx) adds nothing to row p
+    of its table's gradient.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
