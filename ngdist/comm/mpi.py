@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 import ngdist.comm.shared as shared
+from ngdist.comm import exits
 from ngdist.comm.group import (DoneWork, ProcessGroup, Work, WorkList, default_timeout,
                                describe, divide)
 from ngdist.comm.rank_output import ABORT_LINE
@@ -36,8 +37,10 @@ def _mpi():
         import mpi4py
 
         mpi4py.rc.finalize = False
+        exits.starting_mpi()
         from mpi4py import MPI  # noqa: F401  (initialises MPI)
 
+        exits.track()
         atexit.register(_finalize_at_exit)
     return sys.modules["mpi4py.MPI"]
 
@@ -46,24 +49,41 @@ FINALIZE_WHAT = "the end of the job (every rank reaching MPI_Finalize)"
 
 
 def _finalize_at_exit() -> None:
-    """MPI_Finalize, bounded: first a non-blocking barrier of every rank, polled against the
-    job's timeout and the dead-peer check; a rank that is frozen or gone after its last
-    collective makes the others end the job with a message instead of blocking for ever."""
+    """The end of this rank's program in a multi-rank job, never blocking for ever (see
+    comm/exits.py and ARCHITECTURE.md "How a rank ends").
+
+    Status 0 (a return, ``sys.exit(0)``): the rank says so to its peers on this host
+    (``exits.mark_at_exit``: a peer that waits for it in a collective fails within seconds),
+    then waits for every rank in a non-blocking barrier polled against the job's timeout and
+    the dead-peer check, then MPI_Finalize. A rank that never made a world group takes part
+    in the start-up exchange of process ids first (a peer may be waiting in it).
+    Another status (``sys.exit(3)``, ``SystemExit("msg")``): one error line; under
+    ``ngdist run`` the process exits with that status without MPI_Finalize (the supervisor
+    stops the others), under a bare mpiexec the job ends with MPI_Abort(status)."""
     MPI = sys.modules["mpi4py.MPI"]
     if MPI.Is_finalized() or not MPI.Is_initialized():
         return
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
+        rank = world.Get_rank()
+        status, how = exits.exit_status()
+        if status != 0:
+            message = f"ngdist: error on rank {rank}: {how} (exit status {status})\n"
+            if exits.supervised():
+                sys.stderr.write(message)
+                sys.stderr.flush()
+                return  # the interpreter exits with ``status``
+            abort_job(world, message, status)
+            return
+        exits.mark_at_exit()
         try:
-            timeout = default_timeout()
-        except Exception:  # a malformed NGDIST_TIMEOUT was reported where it was read
-            timeout = 300.0
-        job = _WORLD_JOB[0] if _WORLD_JOB else _Job(world)
-        group = MpiGroup(timeout, comm=world, job=job)
-        try:
-            MpiWork(group, [world.Ibarrier()], FINALIZE_WHAT, None)._poll(0.005)
+            if not _WORLD_JOB:
+                MpiGroup()  # the start-up exchange a peer may be waiting in
+            job = _WORLD_JOB[0]
+            group = MpiGroup(job.timeout or default_timeout(), comm=job.exit_comm, job=job)
+            group.at_exit = True  # (a barrier of its own: it never meets another collective)
+            MpiWork(group, [job.exit_comm.Ibarrier()], FINALIZE_WHAT, None)._poll(0.005)
         except Exception as exc:  # CommTimeoutError / CommError: end the job, do not block
-            rank = world.Get_rank()
             abort_job(world, f"ngdist: error on rank {rank} at exit: {exc}\n")
             return
     MPI.Finalize()
@@ -120,6 +140,8 @@ class _Job:
         self.local_pids: dict[int, int] = {}
         self.local_size = 1
         self.local_rank = 0
+        self.timeout: float | None = None  # the largest timeout its groups were given
+        self.exit_comm: Any = world  # the end of the job's barrier: a dup of the world
 
 
 _WORLD_JOB: list[_Job] = []  # the job of this process's world groups, once known
@@ -151,11 +173,15 @@ class MpiGroup(ProcessGroup):
             self._job = job
             self._world_ranks = list(range(self.size))
             self._exchange_pids()
+            job.exit_comm, request = self.comm.Idup()  # the end of the job's own messages
+            self._work([request], "start-up: the communicator of the end of the job").wait()
             job.local_size, job.local_rank = self.local_size, self.local_rank
             _WORLD_JOB.append(job)
         else:
             self._job = job
             self._world_ranks = world_ranks or list(range(self.size))
+        if timeout is not None:  # the end of the job waits as long as its longest wait
+            job.timeout = max(job.timeout or 0.0, self.timeout)
 
     def world_ranks(self) -> list[int]:
         return self._world_ranks
@@ -326,19 +352,24 @@ class MpiGroup(ProcessGroup):
         self.local_size = len(same)
         self.local_rank = same.index(self.rank)
 
+    at_exit = False  # this group's wait is the end of the job (peers at exit are not gone)
+
     def gone(self, peers):
+        """Peers on this host whose process has exited, or (except at the end of the job)
+        whose program has ended and that wait at exit (comm/exits.py)."""
         ranks = range(self.size) if peers is None else peers
         pids = self._job.local_pids
-        return [r for r in ranks
-                if self._world_ranks[r] in pids and not _alive(pids[self._world_ranks[r]])]
+        return [r for r in ranks if self._world_ranks[r] in pids and (
+            not _alive(pids[self._world_ranks[r]])
+            or not self.at_exit and exits.at_exit(pids[self._world_ranks[r]]))]
 
     def gone_message(self, what, dead):
-        pids = self._job.local_pids
-        who = ", ".join(f"rank {self._world_ranks[r]} (pid {pids[self._world_ranks[r]]})"
-                        for r in dead)
-        return (f"{describe(what)} cannot complete on rank {self._world_ranks[self.rank]}: "
-                f"the process of {who} has exited. Look at that rank's output for why it "
-                "stopped")
+        ended = [r for r in dead if _alive(self._job.local_pids[self._world_ranks[r]])]
+        if not ended:
+            return super().gone_message(what, dead)
+        who = [f"rank {self._world_ranks[r]} (pid {self._job.local_pids[self._world_ranks[r]]})"
+               for r in ended]
+        return exits.at_exit_message(describe(what), self._world_ranks[self.rank], who)
 
     def abort(self, message, code=1):
         abort_job(self._job.world, message, code)

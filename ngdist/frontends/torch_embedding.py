@@ -87,11 +87,7 @@ def mark_padding_rows(module: Any, model: onnx.ModelProto) -> int:
         if sub.padding_idx is None or not sub.weight.requires_grad:
             continue
         names = [k for k, v in state.items() if v is sub.weight and k in inits]
-        if not names:
-            raise GraphError(f"Embedding '{name}' has padding_idx={sub.padding_idx}, but its "
-                             "weight is not an initializer of the exported graph; ngdist "
-                             "cannot keep its padding row out of the gradient")
-        for init in names:
+        for init in names:  # none: forward does not read the weight, nothing to keep
             earlier = rows.setdefault(init, (sub.padding_idx, name))
             if earlier[0] != sub.padding_idx:
                 raise GraphError(f"Embeddings '{earlier[1]}' and '{name}' share a weight but "

@@ -164,6 +164,21 @@ def test_sparse_embedding_with_sgd_trains_as_torch_sparse_sgd():
     _assert_parameters_match(module, ref, ref32)
 
 
+def test_padding_embedding_that_forward_does_not_use_is_no_obstacle():
+    class Unused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spare = nn.Embedding(V, D, padding_idx=PAD)
+            self.fc = nn.Linear(T, CLASSES)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    trainer = ngdist.compile(Unused(), torch.zeros(2, T), loss=nn.CrossEntropyLoss(),
+                             strategy="local")
+    check_step_graph(trainer.step_model)
+
+
 def _refusal(module: nn.Module, optimizer=None) -> str:
     with warnings.catch_warnings(), pytest.raises(GraphError) as info:
         warnings.simplefilter("ignore")
