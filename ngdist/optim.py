@@ -4,28 +4,109 @@
 ``ai.onnx.preview.training.Momentum``, ``Adam`` becomes ``Adam`` and ``Adagrad`` becomes
 ``Adagrad``, exactly as the ONNX operator specification defines them;
 ``passes.optimizers.OptimizerLoweringPass`` later rewrites them as ordinary ops. ``SGD`` is
-PyTorch's ``torch.optim.SGD`` (ONNX Momentum with beta = 1 - dampening); ``Adam`` is ONNX's Adam
-(epsilon added to sqrt(h), bias correction folded into the learning rate).
+PyTorch's ``torch.optim.SGD`` (ONNX Momentum with beta = 1 - dampening), ``Adagrad`` is
+``torch.optim.Adagrad``; ``Adam`` is ONNX's Adam (epsilon added to sqrt(h), bias correction
+folded into the learning rate).
 
-``TorchAdam`` and ``AdamW`` are PyTorch's ``torch.optim.Adam`` and ``torch.optim.AdamW``
-(epsilon added after the second-moment bias correction; AdamW's decay decoupled from the
-gradient). They are ONNX ``Adam`` nodes carrying the attribute ``ngdist_formula``
-(``"torch_adam"`` / ``"torch_adamw"``; AMSGrad adds ``ngdist_amsgrad=1`` and a third state),
-which the lowering pass reads; the attributes survive saving and loading the training model.
+``TorchAdam``, ``AdamW``, ``Adamax``, ``NAdam``, ``RAdam`` (ONNX ``Adam`` nodes), ``RMSprop``
+and ``Adadelta`` (ONNX ``Adagrad`` nodes) are PyTorch's optimizers of those names: the node
+carries the attribute ``ngdist_formula`` that the lowering pass reads (and ``ngdist_*``
+attributes for the hyper-parameters ONNX's op lacks); they survive saving and loading the
+training model. Every optimizer takes ``maximize`` (the update ascends) and ``groups``:
+parameter groups as torch's ``param_groups``, e.g. ``AdamW(lr=1e-3, weight_decay=0.01,
+groups=[{"params": ["fc.bias", "norm.weight"], "weight_decay": 0.0}])``: group i has the
+optimizer's hyper-parameters with the group's own values in their place, and the parameters no
+group names form one more group, last, with the optimizer's values. Each group is one optimizer
+node with its own learning rate input (``ngdist.ir.hyper.lr_name``).
+
+A hyper-parameter of the wrong type (``SGD(lr="0.05")``) or out of torch's range is an
+OptionError naming it.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-# the Adam attribute that selects PyTorch's formula, and its values
-from ngdist.passes.optimizers import AMSGRAD_ATTR, FORMULA_ATTR, TORCH_ADAM, TORCH_ADAMW
+from ngdist.errors import OptionError
+from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
+                                      FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
+                                      TORCH_ADAM, TORCH_ADAMW, state_kinds)
+
+Group = Mapping[str, Any]
 
 
+class _Optimizer:
+    """What every optimizer shares: checks, state kinds, groups (the fields are the class's)."""
+
+    op_type = ""
+    formula: str | None = None
+    step_offset = 0  # added to the step count: ONNX Momentum and Adagrad count from 0
+    maximize: bool
+    groups: tuple[Group, ...]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.name != "groups":
+                object.__setattr__(self, f.name, _checked(self, f.name, f.type,
+                                                          getattr(self, f.name)))
+        object.__setattr__(self, "groups", _checked_groups(self, self.groups))
+
+    def _attributes(self) -> dict[str, object]:
+        raise NotImplementedError
+
+    def attributes(self) -> dict[str, object]:
+        """The optimizer node's attributes."""
+        out = self._attributes()
+        if self.formula is not None:
+            out[FORMULA_ATTR] = self.formula
+        if self.maximize:
+            out[MAXIMIZE_ATTR] = 1
+        return out
+
+    @property
+    def state_suffixes(self) -> tuple[str, ...]:
+        """The states of each parameter, as the suffixes of their names."""
+        return state_kinds(self.op_type, self.attributes())
+
+    def state_init(self, suffix: str) -> float:
+        """The value a state starts at (0 unless the optimizer says otherwise)."""
+        return 0.0
+
+    def param_groups(self, params: Sequence[str]) -> list[tuple[int, Any, list[str]]]:
+        """(group index, the group's optimizer without groups, its parameters of ``params``
+        in their order) for each group that has some; the parameters no group names are
+        group ``len(groups)``. A named parameter that is not in ``params`` is an OptionError."""
+        known, owner = set(params), {}
+        for i, g in enumerate(self.groups):
+            for p in g["params"]:
+                if p not in known:
+                    raise OptionError(f"{type(self).__name__} group {i} names {p!r}, which is "
+                                      f"not a trained parameter; the trained parameters are "
+                                      f"{sorted(known)}")
+                if p in owner:
+                    raise OptionError(f"{type(self).__name__}: parameter {p!r} is in groups "
+                                      f"{owner[p]} and {i}; a parameter belongs to one group")
+                owner[p] = i
+        out = []
+        for i in range(len(self.groups) + 1):
+            hyper = {k: v for k, v in self.groups[i].items() if k != "params"} \
+                if i < len(self.groups) else {}
+            mine = [p for p in params if owner.get(p, len(self.groups)) == i]
+            if mine:
+                out.append((i, dataclasses.replace(self, groups=(), **hyper), mine))  # type: ignore
+        return out
+
+
+def _groups_field() -> Any:
+    return field(default=(), hash=False)
 
 
 @dataclass(frozen=True)
-class SGD:
+class SGD(_Optimizer):
     """PyTorch's SGD: g' = g + weight_decay * x; v = g' on the first step, then
     v <- momentum * v + (1 - dampening) * g'; x <- x - lr * v (Nesterov: x <- x - lr *
     (g' + momentum * v))."""
@@ -35,13 +116,18 @@ class SGD:
     nesterov: bool = False
     weight_decay: float = 0.0
     dampening: float = 0.0
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Momentum"
-    state_suffixes = ("momentum",)
 
-    def attributes(self) -> dict[str, object]:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("Nesterov momentum requires momentum > 0 and dampening 0")
+            raise OptionError("SGD(nesterov=True): Nesterov momentum requires momentum > 0 "
+                              "and dampening 0")
+
+    def _attributes(self) -> dict[str, object]:
         # ONNX Momentum: v <- alpha * v + beta * g' with beta taken as 1 on the first step
         # (T == 0), which is torch's first step buf = g'. Without momentum torch ignores
         # dampening (x <- x - lr * g'), so beta stays 1 there.
@@ -50,50 +136,52 @@ class SGD:
                 "mode": "nesterov" if self.nesterov else "standard",
                 "norm_coefficient": float(self.weight_decay)}
 
-    step_offset = 0  # ONNX Momentum treats T == 0 as the first step
-
 
 @dataclass(frozen=True)
-class Adam:
+class Adam(_Optimizer):
     """ONNX Adam: bias-corrected moments; ``weight_decay`` is L2 added to the gradient."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adam"
-    state_suffixes = ("adam_m", "adam_v")
+    step_offset = 1  # ONNX Adam applies bias correction for T > 0; the first step is T = 1
 
-    def attributes(self) -> dict[str, object]:
+    def _attributes(self) -> dict[str, object]:
         return {"alpha": float(self.betas[0]), "beta": float(self.betas[1]),
                 "epsilon": float(self.eps), "norm_coefficient": float(self.weight_decay),
                 "norm_coefficient_post": 0.0}
 
-    step_offset = 1  # ONNX Adam applies bias correction for T > 0; the first step is T = 1
-
 
 @dataclass(frozen=True)
-class Adagrad:
-    """ONNX Adagrad: lr / (1 + T * decay), accumulated squared gradients."""
+class Adagrad(_Optimizer):
+    """ONNX Adagrad, which is PyTorch's: lr / (1 + (t - 1) * lr_decay), accumulated squared
+    gradients starting at ``initial_accumulator_value``."""
 
     lr: float = 0.01
     lr_decay: float = 0.0
     eps: float = 1e-10
     weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adagrad"
-    state_suffixes = ("adagrad_h",)
 
-    def attributes(self) -> dict[str, object]:
+    def _attributes(self) -> dict[str, object]:
         return {"decay_factor": float(self.lr_decay), "epsilon": float(self.eps),
                 "norm_coefficient": float(self.weight_decay)}
 
-    step_offset = 0
+    def state_init(self, suffix: str) -> float:
+        return float(self.initial_accumulator_value)
 
 
 @dataclass(frozen=True)
-class TorchAdam:
+class TorchAdam(_Optimizer):
     """PyTorch's ``torch.optim.Adam``: g' = g + weight_decay * x;
     m <- b1 m + (1 - b1) g'; v <- b2 v + (1 - b2) g'^2; with t the 1-based step,
     x <- x - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). AMSGrad: v_max <-
@@ -104,24 +192,21 @@ class TorchAdam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     amsgrad: bool = False
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adam"
     formula = TORCH_ADAM
+    step_offset = 1  # T is torch's step count: 1 on the first step
 
-    @property
-    def state_suffixes(self) -> tuple[str, ...]:
-        return ("adam_m", "adam_v", "adam_vmax") if self.amsgrad else ("adam_m", "adam_v")
-
-    def attributes(self) -> dict[str, object]:
+    def _attributes(self) -> dict[str, object]:
         out: dict[str, object] = {
             "alpha": float(self.betas[0]), "beta": float(self.betas[1]),
             "epsilon": float(self.eps), "norm_coefficient": float(self.weight_decay),
-            "norm_coefficient_post": 0.0, FORMULA_ATTR: self.formula}
+            "norm_coefficient_post": 0.0}
         if self.amsgrad:
             out[AMSGRAD_ATTR] = 1
         return out
-
-    step_offset = 1  # T is torch's step count: 1 on the first step
 
 
 @dataclass(frozen=True)
@@ -134,57 +219,233 @@ class AdamW(TorchAdam):
     formula = TORCH_ADAMW
 
 
-Optimizer = SGD | Adam | Adagrad | TorchAdam | AdamW
-# every optimizer class, for isinstance checks
-OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW)
+@dataclass(frozen=True)
+class Adamax(_Optimizer):
+    """PyTorch's ``torch.optim.Adamax``: g' = g + weight_decay * x; m <- lerp(m, g', 1 - b1);
+    u <- max(b2 u, |g'| + eps); x <- x - lr / (1 - b1^t) * m / u."""
 
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
+
+    op_type = "Adam"
+    formula = ADAMAX
+    step_offset = 1
+
+    def _attributes(self) -> dict[str, object]:
+        return {"alpha": float(self.betas[0]), "beta": float(self.betas[1]),
+                "epsilon": float(self.eps), "norm_coefficient": float(self.weight_decay)}
+
+
+@dataclass(frozen=True)
+class NAdam(Adamax):
+    """PyTorch's ``torch.optim.NAdam``: Nesterov momentum with the schedule
+    mu_t = b1 (1 - 0.5 * 0.96^(t * momentum_decay)); weight decay L2, or decoupled as AdamW's
+    with ``decoupled_weight_decay``."""
+
+    momentum_decay: float = 4e-3
+    decoupled_weight_decay: bool = False
+    formula = NADAM
+
+    def _attributes(self) -> dict[str, object]:
+        return {**super()._attributes(), "ngdist_momentum_decay": float(self.momentum_decay),
+                DECOUPLED_ATTR: int(self.decoupled_weight_decay)}
+
+
+@dataclass(frozen=True)
+class RAdam(Adamax):
+    """PyTorch's ``torch.optim.RAdam``: Adam whose adaptive step is rectified once the
+    variance estimate is tractable (rho_t > 5), plain momentum SGD before; weight decay L2,
+    or decoupled with ``decoupled_weight_decay``."""
+
+    lr: float = 1e-3
+    decoupled_weight_decay: bool = False
+    formula = RADAM
+
+    def _attributes(self) -> dict[str, object]:
+        return {**super()._attributes(), DECOUPLED_ATTR: int(self.decoupled_weight_decay)}
+
+
+@dataclass(frozen=True)
+class RMSprop(_Optimizer):
+    """PyTorch's ``torch.optim.RMSprop``: sq <- alpha sq + (1 - alpha) g'^2; ``centered``
+    subtracts the squared running mean of g'; with ``momentum`` a buffer
+    b <- momentum b + g' / (sqrt(sq) + eps) steps, else g' / (sqrt(sq) + eps) does."""
+
+    lr: float = 0.01
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
+
+    op_type = "Adagrad"
+    formula = RMSPROP
+
+    def _attributes(self) -> dict[str, object]:
+        return {"decay_factor": 0.0, "epsilon": float(self.eps),
+                "norm_coefficient": float(self.weight_decay), "ngdist_alpha": float(self.alpha),
+                "ngdist_momentum": float(self.momentum), "ngdist_centered": int(self.centered)}
+
+
+@dataclass(frozen=True)
+class Adadelta(_Optimizer):
+    """PyTorch's ``torch.optim.Adadelta``: sq <- rho sq + (1 - rho) g'^2;
+    delta = sqrt(acc + eps) / sqrt(sq + eps) g'; acc <- rho acc + (1 - rho) delta^2;
+    x <- x - lr delta."""
+
+    lr: float = 1.0
+    rho: float = 0.9
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    maximize: bool = False
+    groups: tuple[Group, ...] = _groups_field()
+
+    op_type = "Adagrad"
+    formula = ADADELTA
+
+    def _attributes(self) -> dict[str, object]:
+        return {"decay_factor": 0.0, "epsilon": float(self.eps),
+                "norm_coefficient": float(self.weight_decay), "ngdist_rho": float(self.rho)}
+
+
+Optimizer = (SGD | Adam | Adagrad | TorchAdam | AdamW | Adamax | NAdam | RAdam | RMSprop |
+             Adadelta)
+# every optimizer class, for isinstance checks
+OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta)
+# the CLI's names (``from_spec``)
+KINDS = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam, "adamw": AdamW,
+         "adamax": Adamax, "nadam": NAdam, "radam": RAdam, "rmsprop": RMSprop,
+         "adadelta": Adadelta}
+
+# ------------------------------------------------------------------------- checks
+
+# the range torch.optim accepts for a hyper-parameter: (low, high, low included, high included)
+_RANGES = {"lr": (0.0, math.inf, True, False), "eps": (0.0, math.inf, True, False),
+           "weight_decay": (0.0, math.inf, True, False), "momentum": (0.0, math.inf, True, False),
+           "betas": (0.0, 1.0, True, False), "alpha": (0.0, math.inf, True, False),
+           "rho": (0.0, 1.0, True, True), "lr_decay": (0.0, math.inf, True, False),
+           "initial_accumulator_value": (0.0, math.inf, True, False),
+           "momentum_decay": (0.0, math.inf, True, False)}
+_EXPECTED = {"float": "a number", "bool": "True or False",
+             "tuple[float, float]": "two numbers (BETA1, BETA2)"}
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _checked(opt: object, name: str, kind: str, value: object) -> object:
+    """``value`` of hyper-parameter ``name`` in its type (float, bool, pair of floats); a value
+    of another type or out of torch's range is an OptionError naming both."""
+    cls = type(opt).__name__
+    if kind == "float" and _real(value):
+        out: object = float(value)  # type: ignore[arg-type]
+    elif kind == "bool" and (isinstance(value, bool) or type(value).__name__ == "bool_"):
+        out = bool(value)
+    elif kind.startswith("tuple") and isinstance(value, (tuple, list)) and len(value) == 2 \
+            and all(_real(v) for v in value):
+        out = (float(value[0]), float(value[1]))
+    else:
+        raise OptionError(f"{cls}({name}={value!r}): {name} takes {_EXPECTED.get(kind, kind)}, "
+                          f"not a {type(value).__name__}")
+    low, high, low_in, high_in = _RANGES.get(name, (-math.inf, math.inf, True, True))
+    for v in (out if isinstance(out, tuple) else (out,)):
+        if isinstance(v, float) and not ((low <= v if low_in else low < v) and
+                                         (v <= high if high_in else v < high)):
+            span = f"{'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+            raise OptionError(f"{cls}({name}={value!r}): {name} must be in {span}")
+    return out
+
+
+def _checked_groups(opt: object, groups: object) -> tuple[Group, ...]:
+    """``groups`` as a tuple of dicts whose ``params`` is a tuple of names; a group that is not
+    a mapping with ``params``, or names a key the optimizer does not take, is an OptionError
+    (the values are checked when the group's optimizer is made, ``param_groups``)."""
+    from ngdist.passes.options import unknown_option
+
+    cls = type(opt).__name__
+    if isinstance(groups, Mapping) or not isinstance(groups, Sequence) or isinstance(groups, str):
+        raise OptionError(f"{cls}(groups=...) takes a list of dicts like "
+                          "{'params': [names], 'lr': 0.01}, not a "
+                          f"{type(groups).__name__}")
+    valid = [f.name for f in dataclasses.fields(opt) if f.name != "groups"]  # type: ignore
+    out = []
+    for i, g in enumerate(groups):
+        params = g.get("params") if isinstance(g, Mapping) else None
+        if isinstance(params, str) or not isinstance(params, Sequence) or \
+                not all(isinstance(p, str) for p in params):
+            raise OptionError(f"{cls} group {i} needs 'params': a list of parameter names, "
+                              f"e.g. {{'params': ['fc.bias'], 'weight_decay': 0.0}}")
+        for key in g:
+            if key != "params" and key not in valid:
+                raise unknown_option(key, f"{cls} group {i}", ["params", *valid], noun="key",
+                                     listed_as=f"Valid keys of a {cls} group")
+        dataclasses.replace(opt, groups=(), **{k: v for k, v in g.items() if k != "params"})
+        out.append({**g, "params": tuple(params)})
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------- CLI form
 
 def from_spec(spec: str | Optimizer) -> Optimizer:
     """``"sgd:lr=0.1,momentum=0.9"`` or ``"adam:lr=1e-3,betas=0.9/0.999"`` (the CLI form) ->
-    optimizer (``adam`` is ONNX's Adam, ``torch_adam`` and ``adamw`` PyTorch's Adam and AdamW).
-    An unknown optimizer or key, or a value that is not a number (``nesterov``:
-    1/0/true/false), is an OptionError naming the valid ones."""
-    from ngdist.passes.options import OptionError, unknown_option
+    optimizer (``adam`` is ONNX's Adam; ``torch_adam``, ``adamw``, ``adamax``, ``nadam``,
+    ``radam``, ``rmsprop``, ``adadelta`` and ``adagrad`` PyTorch's optimizers of those names).
+    An unknown optimizer or key, or a value of the wrong type (booleans: 1/0/true/false), is
+    an OptionError naming the valid ones."""
+    from ngdist.passes.options import unknown_option
 
-    if not isinstance(spec, str):
+    if isinstance(spec, OPTIMIZERS):
         return spec
+    if not isinstance(spec, str):
+        raise OptionError(f"optimizer={spec!r}: pass an ngdist.optim optimizer (e.g. "
+                          f"ngdist.optim.SGD(lr=0.01)) or a spec like 'sgd:lr=0.01', not a "
+                          f"{type(spec).__name__}")
     name, _, rest = spec.partition(":")
-    kinds = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam,
-             "adamw": AdamW}
     kind = name.strip().lower()
-    if kind not in kinds:
+    if kind not in KINDS:
         raise OptionError(f"unknown optimizer {name!r} in {spec!r}; choose one of "
-                          f"{sorted(kinds)}")
-    cls = kinds[kind]
-    valid = [f.name for f in dataclasses.fields(cls)]
+                          f"{sorted(KINDS)}")
+    cls = KINDS[kind]
+    types = {f.name: f.type for f in dataclasses.fields(cls) if f.name != "groups"}
     kwargs: dict[str, object] = {}
     for item in filter(None, (i.strip() for i in rest.split(","))):
         key, eq, value = (p.strip() for p in item.partition("="))
-        if key not in valid:
+        if key not in types:
             alias = _ALIASES.get(key.lower())
-            raise unknown_option(key, f"optimizer {kind!r} in {spec!r}", valid, noun="key",
-                                 guess=alias if alias in valid else None,
+            raise unknown_option(key, f"optimizer {kind!r} in {spec!r}", list(types),
+                                 noun="key", guess=alias if alias in types else None,
                                  listed_as=f"Valid keys of {kind}")
         if not eq or not value:
             raise OptionError(f"optimizer spec {spec!r}: {key!r} has no value; write "
                               f"{key}=VALUE")
-        try:
-            if key in ("nesterov", "amsgrad"):
-                if value.lower() not in _BOOLS:
-                    raise ValueError(value)
-                kwargs[key] = _BOOLS[value.lower()]
-            elif key == "betas":
-                kwargs[key] = tuple(float(v) for v in value.split("/"))
-                if len(kwargs[key]) != 2:  # type: ignore[arg-type]
-                    raise ValueError(value)
-            else:
-                kwargs[key] = float(value)
-        except ValueError:
-            expected = {"nesterov": "1, 0, true or false", "amsgrad": "1, 0, true or false",
-                        "betas": "two numbers as BETA1/BETA2"}.get(key, "a number")
-            raise OptionError(f"optimizer spec {spec!r}: {key}={value!r} is not "
-                              f"{expected}") from None
-    return cls(**kwargs)
+        kwargs[key] = _parse(spec, key, str(types[key]), value)
+    return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _parse(spec: str, key: str, kind: str, value: str) -> object:
+    try:
+        if kind == "bool":
+            if value.lower() not in _BOOLS:
+                raise ValueError(value)
+            return _BOOLS[value.lower()]
+        if kind.startswith("tuple"):
+            pair = tuple(float(v) for v in value.split("/"))
+            if len(pair) != 2:
+                raise ValueError(value)
+            return pair
+        return float(value)
+    except ValueError:
+        expected = {"bool": "1, 0, true or false"}.get(
+            kind, "two numbers as BETA1/BETA2" if kind.startswith("tuple") else "a number")
+        raise OptionError(f"optimizer spec {spec!r}: {key}={value!r} is not "
+                          f"{expected}") from None
 
 
 # other libraries' names for the same hyper-parameters, suggested when misused

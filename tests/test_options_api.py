@@ -187,23 +187,23 @@ def test_kvstore_create_valid_options_still_work():
 @pytest.mark.parametrize("spec, message", [
     ("sgd:learning_rate=0.1",
      "unknown key 'learning_rate' for optimizer 'sgd' in 'sgd:learning_rate=0.1'; did you mean "
-     "'lr'? Valid keys of sgd: dampening, lr, momentum, nesterov, weight_decay"),
+     "'lr'? Valid keys of sgd: dampening, lr, maximize, momentum, nesterov, weight_decay"),
     ("sgd:lr=0.1,momentun=0.9",
      "unknown key 'momentun' for optimizer 'sgd' in 'sgd:lr=0.1,momentun=0.9'; did you mean "
-     "'momentum'? Valid keys of sgd: dampening, lr, momentum, nesterov, "
+     "'momentum'? Valid keys of sgd: dampening, lr, maximize, momentum, nesterov, "
      "weight_decay"),
     ("adam:gamma=2",
      "unknown key 'gamma' for optimizer 'adam' in 'adam:gamma=2'. Valid keys of adam: betas, "
-     "eps, lr, weight_decay"),
+     "eps, lr, maximize, weight_decay"),
     ("sgd:lr=fast", "optimizer spec 'sgd:lr=fast': lr='fast' is not a number"),
     ("sgd:lr", "optimizer spec 'sgd:lr': 'lr' has no value; write lr=VALUE"),
     ("sgd:nesterov=maybe",
      "optimizer spec 'sgd:nesterov=maybe': nesterov='maybe' is not 1, 0, true or false"),
     ("adam:betas=0.9", "optimizer spec 'adam:betas=0.9': betas='0.9' is not two numbers as "
                        "BETA1/BETA2"),
-    ("rmsprop:lr=0.1",
-     "unknown optimizer 'rmsprop' in 'rmsprop:lr=0.1'; choose one of ['adagrad', 'adam', "
-     "'adamw', 'sgd', 'torch_adam']"),
+    ("lbfgs:lr=0.1",
+     "unknown optimizer 'lbfgs' in 'lbfgs:lr=0.1'; choose one of ['adadelta', 'adagrad', "
+     "'adam', 'adamax', 'adamw', 'nadam', 'radam', 'rmsprop', 'sgd', 'torch_adam']"),
 ])
 def test_optimizer_spec_errors_name_the_valid_keys(spec, message):
     with pytest.raises(OptionError) as exc:

@@ -20,13 +20,14 @@ from onnx import TensorProto, helper, numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
+from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION, load_proto
 
 logger = logging.getLogger(__name__)
 
 MIN_OPSET = 18
-STEP, LR = "ngdist.step", "ngdist.lr"
+STEP = "ngdist.step"
 LOSSES = {"softmax_cross_entropy": "softmax_cross_entropy", "cross_entropy": "softmax_cross_entropy",
           "mse": "mse", "mean_squared_error": "mse"}
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
@@ -253,50 +254,29 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     nodes += loss_nodes
     nodes.append(helper.make_node("Gradient", chosen, grads, name="ngdist/gradient",
                                   domain=PREVIEW_TRAINING, xs=chosen, y=loss_name))
-    states: list[onnx.TensorProto] = [numpy_helper.from_array(np.array(0, np.int64), STEP),
-                                      numpy_helper.from_array(np.array(opt.lr, np.float32), LR)]
-    state_groups = []
-    for suffix in opt.state_suffixes:
-        group = []
-        for p in chosen:
-            arr = numpy_helper.to_array(inits[p])
-            states.append(numpy_helper.from_array(np.zeros_like(arr), f"{p}.{suffix}"))
-            group.append(f"{p}.{suffix}")
-        state_groups.append(group)
-    t_name = STEP
-    if opt.step_offset:
-        nodes.append(helper.make_node("Constant", [], ["ngdist/one"], name="ngdist/one",
-                                      value=numpy_helper.from_array(np.array(1, np.int64))))
-        nodes.append(helper.make_node("Add", [STEP, "ngdist/one"], ["ngdist.step.t"],
-                                      name="ngdist/step_t"))
-        t_name = "ngdist.step.t"
-    flat_states = [s for group in state_groups for s in group]
-    new_names = [f"{p}.new" for p in chosen] + [f"{s}.new" for s in flat_states]
-    nodes.append(helper.make_node(opt.op_type, [LR, t_name, *chosen, *grads, *flat_states],
-                                  new_names, name=f"ngdist/{opt.op_type.lower()}",
-                                  domain=PREVIEW_TRAINING, **opt.attributes()))
+    update = optimizer_nodes(opt, chosen, inits, STEP)
+    states = [numpy_helper.from_array(np.array(0, np.int64), STEP), *update.initializers]
+    nodes += update.nodes
     nodes.append(helper.make_node("Constant", [], ["ngdist/step_one"], name="ngdist/step_one",
                                   value=numpy_helper.from_array(np.array(1, np.int64))))
     nodes.append(helper.make_node("Add", [STEP, "ngdist/step_one"], [f"{STEP}.new"],
                                   name="ngdist/step_inc"))
     alg_outputs = [helper.make_tensor_value_info(loss_name, TensorProto.UNDEFINED, None)]
     alg_outputs += [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
-                    for n in [*new_names, f"{STEP}.new", *buffer_values.values()]]
+                    for n in [*update.outputs, f"{STEP}.new", *buffer_values.values()]]
     alg = helper.make_graph(nodes, "ngdist_step", data_inputs + label_inputs, alg_outputs,
                             initializer=states)
     info = model.training_info.add()
     info.algorithm.CopyFrom(alg)
-    binding = {p: f"{p}.new" for p in chosen}
-    binding.update({s: f"{s}.new" for s in flat_states})
+    binding = dict(update.binding)
     binding[STEP] = f"{STEP}.new"
     binding.update(buffer_values)
     for k, v in binding.items():
         kv = info.update_binding.add()
         kv.key, kv.value = k, v
     model.opset_import.append(helper.make_opsetid(PREVIEW_TRAINING, 1))
-    roles = {p: "param" for p in chosen}
-    roles.update({s: "state" for s in [STEP, *flat_states]})
-    roles[LR] = "hyper"
+    roles = dict(update.roles)
+    roles[STEP] = "state"
     roles.update({b: "buffer" for b in buffer_values})
     helper.set_model_props(model, {"ngdist.roles": json.dumps(roles), "ngdist.loss": loss_name})
     return model

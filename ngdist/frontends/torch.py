@@ -53,7 +53,8 @@ from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
 from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
-from ngdist.frontends.torch_optim import _optimizer_params, translate_optimizer
+from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
+                                          translate_optimizer)
 from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -322,13 +323,15 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         opt = optim.from_spec(optimizer)
         trained = [n for n, p in module.named_parameters() if p.requires_grad]
     else:
-        opt, trained = translate_optimizer(optimizer), _optimizer_params(module, optimizer)
+        opt = translate_optimizer(optimizer, module)
+        trained = _optimizer_params(module, optimizer)
     check_embeddings(module, opt if optimizer is _UNSET or optimizer is None or
                      isinstance(optimizer, (str, *optim.OPTIMIZERS)) else optimizer)
     exp = export(module, example_inputs, input_names=input_names, output_names=output_names)
     mark_padding_rows(module, exp.train)
     frozen_set = set(frozen or [])
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
+    opt = restrict_groups(opt, trained)
     if not trained:
         raise GraphError("no trainable parameter of the module appears in the exported graph")
     model = build_training_model(exp.train, loss=translate_loss(loss), labels=labels,
@@ -422,4 +425,5 @@ def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entrop
         return to_torch(values, steps_done, module if target is None else target, exp,
                         optimizer, tracked)
 
-    return model, WriteBack("torch", write, exp)
+    hypers = None if native else lr_source(optimizer, translate_optimizer(optimizer, module))
+    return model, WriteBack("torch", write, exp, hypers)

@@ -1,53 +1,132 @@
-"""Translation of ``torch.optim`` optimizers into ngdist optimizers (``ngdist.optim``)."""
+"""Translation of ``torch.optim`` optimizers into ngdist optimizers (``ngdist.optim``).
+
+Every torch optimizer with an ngdist counterpart (SGD, Adam, AdamW, Adagrad, RMSprop, Adadelta,
+Adamax, NAdam, RAdam) translates with all its hyper-parameters, ``maximize`` included; each of
+torch's ``param_groups`` becomes an ngdist group with its own values (group i is torch's group
+i). ``foreach``, ``fused``, ``capturable`` and ``differentiable`` only choose torch's
+implementation and are ignored, as are the keys schedulers add (``initial_lr``, ``max_lr``...).
+
+``lr_source`` reads the learning rate of every group back at each step, so that a
+``torch.optim.lr_scheduler`` stepping the torch optimizer is followed; a scheduler that changes
+another hyper-parameter (OneCycleLR's momentum cycling) is refused when it does.
+"""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ngdist import optim
-from ngdist.errors import GraphError
+from ngdist.errors import GraphError, OptionError
+
+# torch class name -> the ngdist optimizer with its formula
+_CLASSES: dict[str, type] = {
+    "SGD": optim.SGD, "Adam": optim.TorchAdam, "AdamW": optim.AdamW, "Adagrad": optim.Adagrad,
+    "RMSprop": optim.RMSprop, "Adadelta": optim.Adadelta, "Adamax": optim.Adamax,
+    "NAdam": optim.NAdam, "RAdam": optim.RAdam}
 
 
-def _group_hyper(opt: Any, keys: Sequence[str]) -> dict[str, Any]:
-    groups = opt.param_groups
-    first = {k: groups[0].get(k) for k in keys}
-    for g in groups[1:]:
-        diff = [k for k in keys if g.get(k) != first[k]]
-        if diff:
-            raise GraphError(f"{type(opt).__name__} has parameter groups that differ in {diff}; "
-                             "ngdist applies one set of hyper-parameters to all parameters")
-    return first
-
-
-def translate_optimizer(opt: Any) -> optim.Optimizer:
-    """``torch.optim.SGD`` / ``Adam`` / ``AdamW`` -> the ngdist optimizer with the same math."""
+def _torch_class(opt: Any) -> str | None:
     import torch
 
-    if isinstance(opt, torch.optim.SGD):
-        h = _group_hyper(opt, ["lr", "momentum", "dampening", "nesterov", "weight_decay",
-                               "maximize"])
-        if h["maximize"]:
-            raise GraphError("torch.optim.SGD(maximize=True) is not supported")
-        return optim.SGD(lr=float(h["lr"]), momentum=float(h["momentum"]),
-                         nesterov=bool(h["nesterov"]), weight_decay=float(h["weight_decay"]),
-                         dampening=float(h["dampening"] or 0.0))
-    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        h = _group_hyper(opt, ["lr", "betas", "eps", "weight_decay", "amsgrad", "maximize",
-                               "decoupled_weight_decay"])
-        decoupled = bool(h.get("decoupled_weight_decay")) or \
-            isinstance(opt, torch.optim.AdamW)
-        name = "AdamW" if decoupled else "Adam"
-        if h["maximize"]:
-            raise GraphError(f"torch.optim.{name}(maximize=True) is not supported")
-        b1, b2 = (float(b) for b in h["betas"])
-        cls = optim.AdamW if decoupled else optim.TorchAdam
-        return cls(lr=float(h["lr"]), betas=(b1, b2), eps=float(h["eps"]),
-                   weight_decay=float(h["weight_decay"]), amsgrad=bool(h["amsgrad"]))
-    raise GraphError(f"optimizer {type(opt).__name__} has no ngdist counterpart; use "
-                     "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW or an ngdist.optim "
-                     "optimizer")
+    for name in _CLASSES:
+        if isinstance(opt, getattr(torch.optim, name)):
+            return "AdamW" if name == "Adam" and isinstance(opt, torch.optim.AdamW) else name
+    return None
+
+
+def _hyper(cls: type, group: Mapping[str, Any], defaults: Mapping[str, Any]
+           ) -> dict[str, Any]:
+    """The ngdist hyper-parameters of one torch param group (a tensor lr becomes a float).
+    torch.optim.Adagrad fills every group's sums with the constructor's
+    ``initial_accumulator_value`` (``defaults``), whatever the group says."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name in ("groups",) or f.name not in group:
+            continue
+        value = group[f.name]
+        if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+            value = value.item()
+        if f.name == "dampening" and value is None:
+            value = 0.0
+        if f.name == "betas":
+            value = tuple(v.item() if hasattr(v, "item") else v for v in value)
+        out[f.name] = value
+    if "initial_accumulator_value" in out:
+        out["initial_accumulator_value"] = defaults["initial_accumulator_value"]
+    return out
+
+
+def translate_optimizer(opt: Any, module: Any = None) -> optim.Optimizer:
+    """A torch optimizer -> the ngdist optimizer with the same math. With several param groups,
+    ``module`` names their parameters (each group of the result is torch's group, in order)."""
+    name = _torch_class(opt)
+    if name is None:
+        raise GraphError(f"optimizer {type(opt).__name__} has no ngdist counterpart; use one of "
+                         f"torch.optim.{', torch.optim.'.join(_CLASSES)} or an ngdist.optim "
+                         "optimizer")
+    groups = opt.param_groups
+    if name == "Adam" and groups[0].get("decoupled_weight_decay"):
+        name = "AdamW"
+    cls = _CLASSES[name]
+    try:
+        base = cls(**_hyper(cls, groups[0], opt.defaults))
+        if len(groups) == 1:
+            return base
+        if module is None:
+            raise GraphError(f"torch.optim.{name} has {len(groups)} param groups: pass the "
+                             "module too, translate_optimizer(opt, module), to name their "
+                             "parameters")
+        names = {id(p): n for n, p in module.named_parameters()}
+        return dataclasses.replace(base, groups=tuple(
+            {"params": [names[id(p)] for p in g["params"] if id(p) in names and p.requires_grad],
+             **_hyper(cls, g, opt.defaults)} for g in groups))
+    except OptionError as exc:
+        raise OptionError(f"torch.optim.{name}: {exc}") from None
+
+
+def restrict_groups(opt: optim.Optimizer, trained: Collection[str]) -> optim.Optimizer:
+    """``opt`` whose groups name only parameters of ``trained`` (frozen ones, and those the
+    export does not read, are not trained)."""
+    if not opt.groups:
+        return opt
+    keep = set(trained)
+    return dataclasses.replace(opt, groups=tuple(
+        {**g, "params": [p for p in g["params"] if p in keep]} for g in opt.groups))
 
 
 def _optimizer_params(module: Any, opt: Any) -> list[str]:
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     return [n for n, p in module.named_parameters() if id(p) in ids and p.requires_grad]
+
+
+def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[int, float]]:
+    """A function giving {group index: lr} of the torch optimizer ``opt`` now; it raises an
+    OptionError when another hyper-parameter of a group differs from the ``compiled`` one
+    (a scheduler ngdist would not follow)."""
+    cls = type(compiled)
+    base = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(cls)
+            if f.name not in ("groups", "lr")}
+    fixed = [dict(base, **{k: v for k, v in g.items() if k not in ("params", "lr")})
+             for g in compiled.groups] or [base]
+
+    def read() -> dict[int, float]:
+        groups = opt.param_groups
+        if len(groups) != len(fixed):
+            raise OptionError(f"the torch optimizer now has {len(groups)} param groups, and was "
+                              f"compiled with {len(fixed)}; add_param_group after "
+                              "ngdist.compile is not followed: compile again")
+        out = {}
+        for i, (g, want) in enumerate(zip(groups, fixed)):
+            now = _hyper(cls, g, opt.defaults)
+            changed = sorted(k for k in want if k in now and now[k] != want[k])
+            if changed:
+                raise OptionError(
+                    f"param group {i} of the torch optimizer changed {changed} since "
+                    f"ngdist.compile ({', '.join(f'{k}: {want[k]} -> {now[k]}' for k in changed)})"
+                    "; ngdist follows a scheduler's learning rate only (e.g. "
+                    "OneCycleLR(..., cycle_momentum=False))")
+            out[i] = float(now["lr"])
+        return out
+
+    return read

@@ -9,7 +9,7 @@ variables, the trainer knows the values, and neither knows the other.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,11 +28,14 @@ class WriteFn(Protocol):
 @dataclass(frozen=True)
 class WriteBack:
     """How trained values return to the framework: ``framework`` is ``"torch"`` or ``"keras"``,
-    ``write`` does it, ``export`` is the frontend's record of the export (names, layouts)."""
+    ``write`` does it, ``export`` is the frontend's record of the export (names, layouts);
+    ``hypers``, when given, reads the framework optimizer's learning rate of every parameter
+    group ({group: lr}), which the trainer follows at each step (runtime/hyper.py)."""
 
     framework: str
     write: WriteFn
     export: Any = None
+    hypers: Callable[[], Mapping[int, float]] | None = None
 
     def __call__(self, values: Mapping[str, np.ndarray], steps_done: int, /, *args: Any,
                  **kwargs: Any) -> Any:

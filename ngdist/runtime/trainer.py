@@ -33,6 +33,7 @@ from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepTimes
 from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
 from ngdist.runtime.feeds import BatchFeeds
+from ngdist.runtime.hyper import Hypers
 from ngdist.runtime.inference import Inference
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
@@ -65,7 +66,7 @@ def _default_threads(group: ProcessGroup) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
 
 
-class Trainer(BatchFeeds, Inference, StateAccess):
+class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
     """Trains a rewritten training model on this rank; every rank runs the same program."""
 
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
@@ -313,6 +314,7 @@ class Trainer(BatchFeeds, Inference, StateAccess):
             raise NgdistError(f"rank {self.rank} is a dedicated parameter server: it has served "
                               "the workers' steps and takes none itself; iterate over "
                               "trainer.shard(...) (empty here) or skip step() on server ranks")
+        self._follow_hypers()  # a torch optimizer's current learning rates (runtime/hyper.py)
         timeline = self.timeline
         start = time.perf_counter()
         feeds, samples = self._feeds(batch)
@@ -355,11 +357,6 @@ class Trainer(BatchFeeds, Inference, StateAccess):
         if loss is not None:
             args["loss"] = loss
         self.timeline.record("step", f"step {self.steps_done}", start, time.perf_counter(), args)
-
-    def set_lr(self, lr: float) -> None:
-        if "ngdist.lr" not in self.values:
-            raise KeyError("this model has no ngdist.lr hyper-parameter")
-        self.values["ngdist.lr"] = self.placement.value(np.array(lr, np.float32))
 
     def close(self) -> None:
         """Collective: ends training on this rank: the last metrics rows and the PNG (with

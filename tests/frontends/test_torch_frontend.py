@@ -124,13 +124,11 @@ def test_optimizer_translation_follows_torch_and_state_is_written_back(make_opt,
 
 def test_unsupported_inputs_fail_clearly():
     mlp = make_mlp()
-    with pytest.raises(GraphError, match=r"torch.optim.Adam\(maximize=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.Adam(mlp.parameters(), maximize=True))
     groups = [{"params": mlp[0].parameters(), "lr": 0.1}, {"params": mlp[2].parameters()}]
-    with pytest.raises(GraphError, match=r"parameter groups that differ in \['lr'\]"):
+    with pytest.raises(GraphError, match=r"has 2 param groups: pass the module too"):
         tfront.translate_optimizer(torch.optim.SGD(groups, lr=0.01))
-    with pytest.raises(GraphError, match="optimizer RMSprop has no ngdist counterpart"):
-        tfront.translate_optimizer(torch.optim.RMSprop(mlp.parameters()))
+    with pytest.raises(GraphError, match="optimizer ASGD has no ngdist counterpart"):
+        tfront.translate_optimizer(torch.optim.ASGD(mlp.parameters()))
     with pytest.raises(GraphError, match="loss L1Loss has no ngdist counterpart"):
         tfront.translate_loss(nn.L1Loss())
     with pytest.raises(GraphError, match="label_smoothing=0"):

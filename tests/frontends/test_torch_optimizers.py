@@ -1,7 +1,8 @@
 """PyTorch's optimizer formulas: torch.optim.Adam, AdamW and SGD with dampening train exactly
 as torch does (3 float32 steps, parameters within 1e-4 relative), on a model whose scaled
 biases have gradients of ~1e-7 at initialization, where ONNX's Adam (epsilon added before the
-bias correction) differs; ngdist.optim.AdamW against a numpy oracle, also across save/load."""
+bias correction) differs; ngdist.optim.AdamW against a numpy oracle, also across save/load.
+Every other torch optimizer, parameter groups and schedulers: test_torch_optim_formulas.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,7 +15,7 @@ torch = pytest.importorskip("torch", reason="the PyTorch frontend needs the torc
 nn = torch.nn
 
 import ngdist  # noqa: E402
-from ngdist.errors import GraphError  # noqa: E402
+from ngdist.errors import OptionError  # noqa: E402
 from ngdist.frontends import torch as tfront  # noqa: E402
 from step_probe import max_rel_err  # noqa: E402
 
@@ -147,16 +148,6 @@ def test_onnx_adam_differs_on_tiny_bias_gradients():
                        ref[0].weight.detach().numpy()) <= 1e-3
 
 
-def test_unsupported_torch_optimizer_options_are_refused():
-    ps = list(make_model().parameters())
-    with pytest.raises(GraphError, match=r"torch.optim.Adam\(maximize=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.Adam(ps, maximize=True))
-    with pytest.raises(GraphError, match=r"torch.optim.AdamW\(maximize=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.AdamW(ps, maximize=True))
-    with pytest.raises(GraphError, match=r"torch.optim.SGD\(maximize=True\) is not supported"):
-        tfront.translate_optimizer(torch.optim.SGD(ps, lr=0.1, maximize=True))
-
-
 # --------------------------------------------------------------------------- numpy oracle
 
 def mlp_forward_model() -> onnx.ModelProto:
@@ -244,5 +235,11 @@ def test_optimizer_specs_name_the_torch_formulas():
         ("adam_m", "adam_v", "adam_vmax")
     assert ngdist.optim.from_spec("sgd:lr=0.1,momentum=0.9,dampening=0.5") == \
         ngdist.optim.SGD(lr=0.1, momentum=0.9, dampening=0.5)
-    with pytest.raises(ValueError, match="dampening 0"):
-        ngdist.optim.SGD(momentum=0.9, nesterov=True, dampening=0.1).attributes()
+    with pytest.raises(OptionError, match="dampening 0"):
+        ngdist.optim.SGD(momentum=0.9, nesterov=True, dampening=0.1)
+    assert ngdist.optim.from_spec("rmsprop:lr=0.1,centered=true,momentum=0.5") == \
+        ngdist.optim.RMSprop(lr=0.1, centered=True, momentum=0.5)
+    assert ngdist.optim.from_spec("nadam:decoupled_weight_decay=1,maximize=true") == \
+        ngdist.optim.NAdam(decoupled_weight_decay=True, maximize=True)
+    with pytest.raises(OptionError, match=r"centered='maybe' is not 1, 0, true or false"):
+        ngdist.optim.from_spec("rmsprop:centered=maybe")

@@ -1,0 +1,71 @@
+"""The optimizer part of a training model: one optimizer node per parameter group.
+
+Group i (``ngdist.optim`` ``param_groups``) updates its parameters with its own node and its
+own learning rate (``ngdist.ir.hyper.lr_name(i)``, role ``hyper``); its other
+hyper-parameters are the node's attributes. Every node reads the one step counter.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ngdist import optim
+from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.ir.hyper import lr_name
+
+
+@dataclass
+class OptimizerNodes:
+    """What the optimizer adds to the step graph."""
+
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)  # lr values, states
+    outputs: list[str] = field(default_factory=list)  # new parameters and states
+    binding: dict[str, str] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
+                    inits: Mapping[str, onnx.TensorProto], step: str) -> OptimizerNodes:
+    """The nodes updating ``params`` (initializers in ``inits``) with ``opt`` at step ``step``."""
+    out = OptimizerNodes()
+    t_name = None
+    for index, group_opt, names in opt.param_groups(params):
+        lr = lr_name(index)
+        out.initializers.append(numpy_helper.from_array(np.array(group_opt.lr, np.float32), lr))
+        out.roles[lr] = "hyper"
+        state_groups = []
+        for suffix in group_opt.state_suffixes:
+            group = []
+            for p in names:
+                arr = numpy_helper.to_array(inits[p])
+                out.initializers.append(numpy_helper.from_array(
+                    np.full_like(arr, group_opt.state_init(suffix)), f"{p}.{suffix}"))
+                group.append(f"{p}.{suffix}")
+            state_groups.append(group)
+        t = step
+        if group_opt.step_offset:
+            if t_name is None:
+                t_name = f"{step}.t"
+                out.nodes.append(helper.make_node(
+                    "Constant", [], ["ngdist/one"], name="ngdist/one",
+                    value=numpy_helper.from_array(np.array(1, np.int64))))
+                out.nodes.append(helper.make_node("Add", [step, "ngdist/one"], [t_name],
+                                                  name="ngdist/step_t"))
+            t = t_name
+        flat = [s for group in state_groups for s in group]
+        new = [f"{p}.new" for p in names] + [f"{s}.new" for s in flat]
+        suffix = "" if index == 0 else f".{index}"
+        out.nodes.append(helper.make_node(
+            group_opt.op_type, [lr, t, *names, *[f"{p}.grad" for p in names], *flat], new,
+            name=f"ngdist/{group_opt.op_type.lower()}{suffix}", domain=PREVIEW_TRAINING,
+            **group_opt.attributes()))
+        out.outputs += new
+        out.binding.update({p: f"{p}.new" for p in [*names, *flat]})
+        out.roles.update({p: "param" for p in names})
+        out.roles.update({s: "state" for s in flat})
+    return out

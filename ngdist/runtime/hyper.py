@@ -1,0 +1,82 @@
+"""The learning rates of a step: set by the program (``trainer.set_lr``) or followed from the
+framework optimizer the trainer was compiled from (a torch scheduler stepping it).
+
+Every parameter group's learning rate is a ``hyper`` value of the step (``ngdist.ir.hyper``);
+the trainer feeds it to every step, so a new value takes effect on the next step with no
+recompilation. When the trainer came from a torch optimizer, each ``step()`` first reads the
+learning rate of every ``param_groups`` entry (``WriteBack.hypers``) and feeds the ones that
+changed: whatever ``torch.optim.lr_scheduler`` steps that optimizer is followed.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ngdist.errors import OptionError
+from ngdist.ir.hyper import lr_groups
+
+logger = logging.getLogger(__name__)
+
+
+class Hypers:
+    """Trainer mixin: ``set_lr``, ``lr`` and the following of a framework optimizer."""
+
+    values: dict
+    placement: object
+    _write_back: object
+
+    def _lr_names(self) -> dict[int, str]:
+        return lr_groups(self.values)
+
+    def set_lr(self, lr: float | Mapping[int, float], group: int | None = None) -> None:
+        """Sets the learning rate from the next step on: ``set_lr(0.01)`` for every parameter
+        group, ``set_lr(0.01, group=1)`` for group 1 only, ``set_lr({0: 0.01, 1: 0.001})``
+        per group. Groups are numbered as torch's ``param_groups`` or ``ngdist.optim``'s
+        ``groups=`` (those no group names: the last). A trainer compiled from a torch
+        optimizer also follows its ``param_groups[i]["lr"]`` at every step (any
+        ``torch.optim.lr_scheduler``), which overrides a value set here once torch's changes."""
+        names = self._lr_names()
+        if not names:
+            raise OptionError("this step has no learning rate to set (no ngdist.lr value: "
+                              "its optimizer was lowered or saved without one)")
+        if isinstance(lr, Mapping):
+            if group is not None:
+                raise OptionError("set_lr({group: lr, ...}) names its groups; pass no group=")
+            wanted = dict(lr)
+        else:
+            wanted = {g: lr for g in names} if group is None else {group: lr}
+        unknown = sorted(g for g in wanted if g not in names)
+        if unknown:
+            raise OptionError(f"set_lr: no parameter group {unknown} in this step; its groups "
+                              f"are {sorted(names)}")
+        for g, value in wanted.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+                raise OptionError(f"set_lr: the learning rate takes a number, not a "
+                                  f"{type(value).__name__} ({value!r})")
+            if not value >= 0:
+                raise OptionError(f"set_lr: the learning rate must be >= 0, got {value}")
+            self.values[names[g]] = self.placement.value(  # type: ignore[attr-defined]
+                np.array(value, np.float32))
+
+    @property
+    def lr(self) -> dict[int, float]:
+        """The learning rate of every parameter group, {group: lr}, as the next step uses it."""
+        return {g: float(self.values[n].numpy()) for g, n in self._lr_names().items()}
+
+    def _follow_hypers(self) -> None:
+        """Before a step: the learning rates of the framework optimizer, where they changed."""
+        source: Callable[[], Mapping[int, float]] | None = \
+            getattr(self._write_back, "hypers", None)
+        if source is None:
+            return
+        names = self._lr_names()
+        seen = getattr(self, "_followed_lr", None)
+        now = {g: lr for g, lr in source().items() if g in names}
+        if now != seen:
+            changed = {g: lr for g, lr in now.items() if seen is None or seen.get(g) != lr}
+            self.set_lr(changed)
+            if seen is not None:
+                logger.debug("learning rates followed from the framework optimizer: %s", changed)
+            self._followed_lr = now

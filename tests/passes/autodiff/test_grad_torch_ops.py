@@ -1,0 +1,146 @@
+"""The newer gradient rules on what torch exports, against torch autograd in float64.
+
+Each tiny module uses one op family that ngdist's torch frontend exports to an op with a
+newer rule (Einsum, InstanceNormalization for nn.GroupNorm / nn.InstanceNorm2d, Resize for
+F.interpolate, ReduceL2 for F.normalize, CumSum, ScatterElements, TopK, Trilu, Tile,
+DepthToSpace, the activations); it is compiled into a training model, differentiated by
+ngdist's autodiff pass and run once in onnxruntime (float32). Loss and every parameter
+gradient must match torch autograd in float64 (max error <= 1e-4 of the largest entry), and
+the step graph must pass onnx.checker's full check with unique node names.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch comparisons need the torch extra: "
+                            "pip install 'ngdist[torch]'")
+nn = torch.nn
+F = torch.nn.functional
+
+from ngdist.frontends import torch as tfront  # noqa: E402
+from ngdist.ir.model import split_training_model  # noqa: E402
+from ngdist.passes.pipeline import run_passes  # noqa: E402
+from step_probe import check_step_graph, gradient_errors, run_step, torch_step  # noqa: E402
+
+TOL = 1e-4
+CLASSES = 3
+
+
+class Head(nn.Module):
+    """features(x) [N, C, H, W] -> mean over space -> Linear to CLASSES."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(channels, CLASSES)
+
+    def forward(self, x):
+        return self.fc(x.flatten(2).mean(-1))
+
+
+class EinsumAttention(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, CLASSES)
+
+    def forward(self, x):  # x [N, T, d]
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        attn = torch.einsum("bid,bjd->bij", q, k).softmax(-1)
+        return self.out(torch.einsum("bij,bjd->bid", attn, v).mean(1))
+
+
+class Norms(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4) if kind == "group" else nn.InstanceNorm2d(4, affine=True)
+        self.head = Head(4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))))
+
+
+class Interpolate(nn.Module):
+    def __init__(self, mode: str, align_corners: bool | None, scale: float) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), Head(4)
+        self.mode, self.align, self.scale = mode, align_corners, scale
+
+    def forward(self, x):
+        up = F.interpolate(self.conv(x), scale_factor=self.scale, mode=self.mode,
+                           align_corners=self.align)
+        return self.head(up * up)  # squared: a linear head would hide the spatial weights
+
+
+class Normalize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, CLASSES)
+
+    def forward(self, x):
+        return self.b(F.normalize(self.a(x), dim=-1) * 3)
+
+
+class Scan(nn.Module):
+    """cumsum (forward and reversed), scatter, scatter_add, topk values, tril, repeat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(15, CLASSES)
+
+    def forward(self, x):  # x [N, 6]
+        h = torch.tanh(self.a(x))
+        n = h.shape[0]
+        c = torch.cumsum(h, dim=1) + torch.flip(torch.cumsum(torch.flip(h, [1]), 1), [1])
+        s = c.scatter(1, torch.tensor([[4, 1]]).expand(n, 2), h[:, :2])
+        s = s.scatter_add(1, torch.tensor([[2, 0, 2]]).expand(n, 3), h[:, 3:] * 2)
+        top = torch.topk(s, 3, dim=1).values
+        square = torch.tril(h[:, :3].unsqueeze(2) * s[:, :3].unsqueeze(1)).flatten(1)
+        return self.b(torch.cat([top.repeat(1, 2), square], 1))
+
+
+class PixelShuffleActs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.prelu = nn.Conv2d(3, 8, 3, padding=1), nn.PReLU(2)
+        self.head = Head(2)
+
+    def forward(self, x):
+        y = F.pixel_shuffle(self.conv(x), 2)  # [N, 2, 2H, 2W]
+        y = F.elu(y) + F.selu(y) + F.softplus(y) + F.mish(y) + F.softsign(y)
+        return self.head(self.prelu(y) + torch.atan(y) + torch.sin(y))
+
+
+MODELS = {
+    "einsum_attention": (EinsumAttention, (8, 5, 8)),
+    "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
+    "instance_norm": (lambda: Norms("instance"), (8, 3, 5, 5)),
+    "interpolate_bilinear": (lambda: Interpolate("bilinear", False, 2), (8, 3, 4, 4)),
+    "interpolate_bilinear_align": (lambda: Interpolate("bilinear", True, 1.5), (8, 3, 4, 4)),
+    "interpolate_nearest": (lambda: Interpolate("nearest", None, 2), (8, 3, 4, 4)),
+    "interpolate_bicubic": (lambda: Interpolate("bicubic", False, 2), (8, 3, 4, 4)),
+    "interpolate_bilinear_down": (lambda: Interpolate("bilinear", False, 0.5), (8, 3, 6, 6)),
+    "normalize": (Normalize, (8, 6)),
+    "cumsum_scatter_topk_tril": (Scan, (8, 6)),
+    "pixel_shuffle_activations": (PixelShuffleActs, (8, 3, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_match_torch_autograd_float64(name: str) -> None:
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    module = make()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    y = rng.integers(0, CLASSES, shape[0]).astype(np.int64)
+    loss_fn = nn.CrossEntropyLoss()
+    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]), loss=loss_fn)
+    _, step = split_training_model(model)
+    check_step_graph(run_passes(step, "local", lower=False))
+    got = run_step(model, {exp.input_names[0]: x, "y": y})
+    loss, grads, _ = torch_step(module, x, y, loss_fn, float64=True)
+    assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)
+    assert set(grads) == set(exp.params)
+    errors = gradient_errors(got, grads)
+    assert max(errors.values()) <= TOL, errors
