@@ -22,7 +22,7 @@ and tells the supervisor (comm/supervisor.py) how that command ended.
 - Exit status: the command's own, or 128 + the signal that killed it (as a shell reports it).
 - Environment: torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``
   from hydra's ``PMI_RANK``, ``MPI_LOCALRANKID``, ``PMI_SIZE`` and ``MPI_LOCALNRANKS``
-  (``TORCHRUN_VARIABLES``), replacing any inherited value.
+  (``TORCHRUN_VARIABLES``), replacing any inherited value; ``NGDIST_SUPERVISED=1``.
 
 Standard library only, run as a file (``-I``): a rank pays no import of ngdist for it.
 """
@@ -36,6 +36,9 @@ import sys
 from collections.abc import Callable
 
 MARKER = b"\x07ngdist-rankwrap "
+# "1" in the command's environment: a supervisor stops the job when a rank fails, so a rank
+# that ends with a non-zero status exits with it (comm/exits.py) instead of MPI_Abort
+SUPERVISED_ENV = "NGDIST_SUPERVISED"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
@@ -101,7 +104,8 @@ def run(command: list[str]) -> int:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     _write(marker(pid=os.getpid()))
     try:
-        child = subprocess.Popen(command, close_fds=False, env=torchrun_env(dict(os.environ)),
+        child = subprocess.Popen(command, close_fds=False,
+                                 env={**torchrun_env(dict(os.environ)), SUPERVISED_ENV: "1"},
                                  preexec_fn=_child_setup(os.getpid(), mask))
     except OSError as exc:
         code = 126 if isinstance(exc, PermissionError) else 127

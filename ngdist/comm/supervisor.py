@@ -75,6 +75,10 @@ class RankStatus:
     aborted: int | None = None  # the code it called MPI_Abort with
     error: str | None = None    # first error line of its output
     stopped: bool = False       # it was still running when the supervisor stopped the job
+    started_mpi: bool = False   # it started MPI through ngdist (its "mpi" marker)
+    # it exited 0 without starting MPI while other ranks did: they wait for it in MPI's
+    # start-up, which has no time limit, so it failed the job
+    never_started: bool = False
 
     @property
     def known(self) -> bool:
@@ -82,7 +86,8 @@ class RankStatus:
 
     @property
     def failed(self) -> bool:
-        return self.signal is not None or self.aborted is not None or self.code not in (None, 0)
+        return self.signal is not None or self.aborted is not None or self.never_started \
+            or self.code not in (None, 0)
 
     @property
     def exit_status(self) -> int | None:
@@ -95,7 +100,7 @@ class RankStatus:
         if self.signal is not None:
             what = f"{signal.strsignal(self.signal) or 'signal'} (signal {self.signal})"
         elif self.code is not None:
-            what = f"exit {self.code}"
+            what = f"exit {self.code}" + (" without starting MPI" if self.never_started else "")
         elif self.aborted is not None:
             what = f"MPI_Abort({self.aborted})"
         else:
@@ -254,12 +259,19 @@ class Supervisor:
                 self._local[fields["pid"]] = start
             return
         status = self.ranks[rank]
-        status.code, status.signal = fields.get("code"), fields.get("signal")
-        if status.failed and not status.stopped and self._first_failed is None \
-                and self._kill_at is None and not self._received:
-            logger.info("rank %d ended: %s", rank, status.describe())
-            self._first_failed = rank
-            self._stop_at = time.monotonic() + self.grace
+        if "mpi" in fields:
+            status.started_mpi = True
+        else:
+            status.code, status.signal = fields.get("code"), fields.get("signal")
+        if any(s.started_mpi for s in self.ranks):  # an MPI job: every rank must start MPI
+            for other in self.ranks:
+                other.never_started = other.code == 0 and not other.started_mpi
+        for other in (status, *self.ranks):
+            if other.failed and not other.stopped and self._first_failed is None \
+                    and self._kill_at is None and not self._received:
+                logger.info("rank %d ended: %s", other.rank, other.describe())
+                self._first_failed = other.rank
+                self._stop_at = time.monotonic() + self.grace
 
     def _sweep(self) -> int:
         """SIGKILL every process left in a rank's process group on this host."""

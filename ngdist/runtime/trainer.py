@@ -24,7 +24,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import numpy_helper
 
-from ngdist.comm import ProcessGroup, world_group
+from ngdist.comm import ProcessGroup, exits, world_group
 from ngdist.errors import InputError, NgdistError
 from ngdist.ir.domain import GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
@@ -35,6 +35,7 @@ from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes,
 from ngdist.runtime.feeds import BatchFeeds
 from ngdist.runtime.hyper import Hypers
 from ngdist.runtime.inference import Inference
+from ngdist.runtime.join import Join
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
 from ngdist.runtime.sessions import Placement, placement_for
@@ -318,13 +319,18 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         timeline = self.timeline
         start = time.perf_counter()
         feeds, samples = self._feeds(batch)
+        if self._joining is not None:  # uneven inputs (runtime/join.py): count, scale
+            self._joining.before_step(feeds)
         feeds.update(self.values)
         times = StepTimes()
         sent0 = self.group.bytes_sent
         t0 = time.perf_counter()
         if timeline is not None:
             timeline.record("feed", "feed batch", start, t0, {"samples": samples})
+        if self.group.size > 1:  # what a peer's failure names (comm/exits.py)
+            exits.note_step(self.steps_done + 1)
         outputs = self.executor.run(feeds, times)
+        exits.note_step(0)
         for name, out in self.meta.binding.items():
             self.values[name] = outputs[out]
         self.steps_done += 1
@@ -346,6 +352,15 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if self.metrics is not None:
             self.metrics.record(self.steps_done, self.epoch, stats)
         return stats
+
+    _joining: Join | None = None  # the open ``join()`` block
+
+    def join(self) -> Join:
+        """``with trainer.join():`` around the loop over this rank's batches when the ranks
+        have different numbers of them (DDP's ``Join``): a rank that runs out answers the
+        others' steps with zero gradients until every rank has left the block, and the
+        gradients are averaged over the ranks that contributed (runtime/join.py)."""
+        return Join(self)
 
     def set_epoch(self, epoch: int | None) -> None:
         """The epoch that the metrics rows logged from now on carry (``log_dir``)."""

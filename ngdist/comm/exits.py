@@ -1,0 +1,165 @@
+"""How a rank's program ends, as its peers and the launcher see it.
+
+A multi-rank job must end within seconds however one rank's program ends (comm/mpi.py's
+``_finalize_at_exit`` and excepthook; ARCHITECTURE.md "How a rank ends"). Two facts are
+needed there that Python does not offer, and this module (standard library only) provides:
+
+- The status the interpreter exits with. An uncaught ``SystemExit`` never reaches
+  ``sys.excepthook``: Python reads its ``code`` and runs the ``atexit`` handlers without
+  saying why it exits. :func:`track` replaces ``sys.exit`` and ``builtins.SystemExit`` by
+  a subclass of ``SystemExit`` (same name, caught by every ``except SystemExit``) whose
+  ``code``, when the interpreter reads it with no Python frame above (its way out), is
+  recorded (and an uncaught exception, by an excepthook that calls the previous one);
+  :func:`exit_status` then says how the program ends: 0 for a return or ``sys.exit(0)``,
+  the code of ``sys.exit(3)``, 1 and the text of ``SystemExit("msg")`` or of the exception.
+- Which peers have ended their program and only wait at the end of the job. A rank whose
+  program ended with status 0 names its main thread :data:`AT_EXIT_NAME`
+  (``/proc/self/comm``) while it waits for the others to finish; a peer on this host that
+  waits in any other collective sees that name (:func:`at_exit`) and fails within seconds,
+  naming it, instead of waiting for the timeout. Ranks on other hosts are not visible: there
+  the collective timeout bounds the wait.
+
+:func:`note_step` lets the trainer say which step this rank is in, so that such a failure
+in a step can say "rank 1 ran out of data after 7 steps" and point to ``trainer.join()``.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import sys
+import threading
+from typing import Any, NoReturn
+
+from ngdist.comm.rankwrap import SUPERVISED_ENV, marker
+
+AT_EXIT_NAME = "ngdist-at-exit"  # the main thread's name while its rank waits at the end
+
+_lock = threading.Lock()
+_original_exit = sys.exit
+_tracked = False
+_exit_code: list[Any] = []  # the SystemExit code the interpreter read on its way out
+_step = [0]  # the step this rank's multi-rank trainer is in (0: none)
+_CODE = SystemExit.__dict__["code"]  # the built-in exception's own member
+
+
+class _TrackedSystemExit(SystemExit):
+    """``SystemExit`` that records its code when the interpreter reads it as it exits."""
+
+    @property  # type: ignore[override]
+    def code(self) -> Any:
+        code = _CODE.__get__(self)
+        try:
+            sys._getframe(1)
+        except ValueError:  # no Python caller: the interpreter's own exit handling
+            _exit_code[:] = [code]
+        return code
+
+    @code.setter
+    def code(self, value: Any) -> None:
+        _CODE.__set__(self, value)
+
+
+_TrackedSystemExit.__name__ = _TrackedSystemExit.__qualname__ = "SystemExit"
+_TrackedSystemExit.__module__ = "builtins"
+
+
+class _Uncaught(str):
+    """The text of the uncaught exception the program ends with (status 1)."""
+
+
+def _exit(*args: Any) -> NoReturn:
+    """``sys.exit``, raising the tracked ``SystemExit``."""
+    raise _TrackedSystemExit(*args[:1])
+
+
+def track() -> None:
+    """Record the code of the ``SystemExit`` the interpreter ends with (idempotent)."""
+    global _tracked
+    with _lock:
+        if _tracked:
+            return
+        _tracked = True
+        sys.exit = _exit
+        builtins.SystemExit = _TrackedSystemExit  # type: ignore[misc]
+        previous = sys.excepthook
+
+        def hook(exc_type: Any, exc: Any, tb: Any) -> None:  # an uncaught exception: status 1
+            _exit_code[:] = [_Uncaught(f"{exc_type.__name__}: {exc}")]
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+
+
+def exit_status() -> tuple[int, str]:
+    """(status, how) of the program's end as the interpreter exits: ``(0, "returned")``,
+    ``(3, "SystemExit(3)")``, ``(1, "SystemExit: msg")``, as Python computes the status."""
+    if not _exit_code:
+        return 0, "its program returned"
+    code = _exit_code[0]
+    if isinstance(code, _Uncaught):
+        return 1, str(code)
+    if code is None:
+        return 0, "SystemExit(None)"
+    if isinstance(code, int):
+        return int(code) & 0xFF, f"SystemExit({code!r})"
+    return 1, f"SystemExit: {code}"
+
+
+def starting_mpi() -> None:
+    """Tell the supervisor that this rank starts MPI (a marker line, comm/rankwrap.py): a
+    rank that exits 0 without starting MPI while others did fails the job, which would
+    otherwise wait in MPI's start-up for ever."""
+    if supervised():
+        try:
+            os.write(2, marker(mpi=1))
+        except OSError:
+            pass
+
+
+def supervised() -> bool:
+    """Whether this rank runs under ``ngdist run``'s supervisor (comm/supervisor.py)."""
+    return os.environ.get(SUPERVISED_ENV) == "1"
+
+
+def mark_at_exit() -> None:
+    """Say to the peers on this host that this rank's program has ended (status 0)."""
+    try:
+        with open("/proc/self/comm", "w") as fh:
+            fh.write(AT_EXIT_NAME)
+    except OSError:  # no /proc: the peers' waits are bounded by the timeout
+        pass
+
+
+def at_exit(pid: int) -> bool:
+    """Whether process ``pid`` is a rank whose program has ended and that waits at exit."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            text = fh.read()
+    except OSError:
+        return False
+    name, _, rest = text.partition("(")[2].rpartition(")")
+    return name == AT_EXIT_NAME and rest.split()[:1] not in (["Z"], ["X"])
+
+
+def note_step(step: int) -> None:
+    """The step this rank's (multi-rank) trainer is in; 0 once it is between steps."""
+    _step[0] = step
+
+
+def current_step() -> int:
+    return _step[0]
+
+
+def at_exit_message(what: str, rank: int, who: list[str]) -> str:
+    """Why a wait of rank ``rank`` cannot complete: ranks ``who`` have ended their program."""
+    names = ", ".join(who)
+    step = _step[0]
+    if step:
+        return (f"{names} ran out of data after {step - 1} step(s): it ended its program (exit "
+                f"status 0) while rank {rank} waits for it in step {step} ({what}). When the "
+                "ranks have different numbers of batches, step inside `with trainer.join():` "
+                "(a rank that runs out answers the others' steps until every rank is done)")
+    return (f"{names} ended its program (exit status 0: it returned or called sys.exit(0)) "
+            f"while rank {rank} waits for it in {what}; every rank must make the same "
+            "collective calls in the same order (look at that rank's program and output for "
+            "why it ended early)")
