@@ -18,6 +18,7 @@ from ngdist.ir.modelfile import refuse_external_data
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
 from ngdist.comm import world_group, world_rank_size
+from ngdist.runtime import checkpoint
 from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
 
@@ -143,8 +144,8 @@ class RuntimeOptions(TypedOptions):
     the end of the program (runtime/timeline.py).
     ``checkpoint_every``, ``checkpoint_dir``, ``checkpoint_keep``: a checkpoint every N steps
     in the folder (default NGDIST_CHECKPOINT_EVERY, NGDIST_CHECKPOINT_DIR), keeping the newest
-    ``checkpoint_keep`` (default 3); with a folder, the trainer resumes from its newest
-    complete checkpoint (runtime/checkpoint.py).
+    ``checkpoint_keep`` (default ``checkpoint.DEFAULT_KEEP``); with a folder, the trainer
+    resumes from its newest complete checkpoint (runtime/checkpoint.py).
     ``log_dir``: write training metrics there (``metrics.csv`` by rank 0, TensorBoard events
     and ``metrics.png`` with the ``metrics`` extra; runtime/metrics.py): every step that
     fetches its stats, with the loss averaged over the ranks, and every ``trainer.evaluate``;
@@ -163,7 +164,7 @@ class RuntimeOptions(TypedOptions):
     timeline: str | os.PathLike | bool | None = None
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
-    checkpoint_keep: int = 3
+    checkpoint_keep: int = checkpoint.DEFAULT_KEEP
     log_dir: str | os.PathLike | None = None
     log_every: int = DEFAULT_EVERY
 
@@ -198,7 +199,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             ps_serve: bool = True, nan_check: bool = True,
             timeline: str | os.PathLike | bool | None = None,
             checkpoint_every: int | None = None,
-            checkpoint_dir: str | os.PathLike | None = None, checkpoint_keep: int = 3,
+            checkpoint_dir: str | os.PathLike | None = None,
+            checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
             log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
             **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.

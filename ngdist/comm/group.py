@@ -14,23 +14,21 @@ the error messages quote, or a label).
 from __future__ import annotations
 
 import abc
+import enum
 import hashlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from ngdist.comm.watchdog import DEAD_CHECK_AFTER_S, DEAD_GRACE_S, WATCHDOG
 from ngdist.errors import CommError, CommTimeoutError
 
 logger = logging.getLogger(__name__)
 
-# a wait pending this long whose peer process on this host has been gone this long fails
-DEAD_CHECK_AFTER_S = 1.0
-DEAD_GRACE_S = 2.0
 
 
 def default_timeout() -> float:
@@ -46,6 +44,43 @@ def default_timeout() -> float:
     if value <= 0:
         raise CommError(f"NGDIST_TIMEOUT={raw!r} must be a positive number of seconds")
     return value
+
+
+class ReduceOp(str, enum.Enum):
+    """How ``allreduce`` combines the ranks' elements. A ``str`` enum: ``op="mean"`` and
+    ``ReduceOp.MEAN`` are the same op."""
+
+    SUM = "sum"
+    MEAN = "mean"  # the sum, then ``divide`` by the group's size
+    MAX = "max"
+    MIN = "min"
+
+    @property
+    def summed(self) -> bool:
+        """Whether the ranks' elements are added (``sum`` and ``mean``)."""
+        return self in (ReduceOp.SUM, ReduceOp.MEAN)
+
+    @property
+    def ufunc(self) -> np.ufunc:
+        """The element-wise combination of two ranks' values."""
+        return np.maximum if self is ReduceOp.MAX else np.minimum if self is ReduceOp.MIN \
+            else np.add
+
+
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp, ...), or
+    None when the process is gone or the file cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """False once the process has exited (gone, or a zombie its launcher has not reaped)."""
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def divide(buf: np.ndarray, n: int) -> None:
@@ -193,13 +228,14 @@ class ProcessGroup(abc.ABC):
 
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
-    def allreduce(self, buf: Any, what: Any, op: str = "sum",
+    def allreduce(self, buf: Any, what: Any, op: ReduceOp | str = ReduceOp.SUM,
                   peers: Sequence[int] | None = None) -> Work:
         """In place: ``buf`` becomes the element-wise ``op`` over the ranks: ``sum``, ``max``,
         ``min``, or ``mean`` (the sum, then ``divide`` by the group's size on every rank; a
         backend may fold the division into its reduction, with the same result bit for bit)."""
 
-    def allreduce_coalesced(self, bufs: Sequence[Any], what: Any, op: str = "sum") -> Work:
+    def allreduce_coalesced(self, bufs: Sequence[Any], what: Any,
+                            op: ReduceOp | str = ReduceOp.SUM) -> Work:
         """:meth:`allreduce` of every buffer of ``bufs`` (each in place, each on its own: no
         element of one meets another's), as one call whose Work completes when all have:
         a backend may share its synchronisation between them. ``what``: a tuple of the
@@ -267,10 +303,20 @@ class ProcessGroup(abc.ABC):
         """The members among ``peers`` (all when None) whose process is known to have exited."""
         return []
 
+    def pid_of(self, world_rank: int) -> int | None:
+        """The process id of a job-wide rank on this host, where the group knows it."""
+        return None
+
     def gone_message(self, what: Any, dead: Sequence[int]) -> str:
-        return (f"{describe(what)} cannot complete on rank {self.rank}: the process of "
-                f"{', '.join(f'rank {r}' for r in dead)} has exited. Look at that rank's "
-                "output for why it stopped")
+        """Members ``dead`` have exited: named by job-wide rank, with their pid where known."""
+        world = self.world_ranks()
+        who = []
+        for r in dead:
+            rank = world[r] if r < len(world) else r
+            pid = self.pid_of(rank)
+            who.append(f"rank {rank}" + ("" if pid is None else f" (pid {pid})"))
+        return (f"{describe(what)} cannot complete on rank {world[self.rank]}: the process of "
+                f"{', '.join(who)} has exited. Look at that rank's output for why it stopped")
 
     def timeout_message(self, what: Any, peers: Sequence[int] | None = None) -> str:
         """Names job-wide ranks, also in a sub-group."""
@@ -315,65 +361,3 @@ class ProcessGroup(abc.ABC):
         works = [self.broadcast(a, root, what) for a in arrays if a.size]
         for work in works:
             work.wait()
-
-
-class _Watchdog:
-    """One daemon thread that aborts the job when an armed wait passes its deadline, or when
-    a peer it waits for has exited."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._armed: dict[int, tuple[float, Work, float]] = {}
-        self._next = 0
-        self._thread: threading.Thread | None = None
-
-    def arm(self, work: Work) -> int:
-        with self._lock:
-            self._next += 1
-            now = time.monotonic()
-            self._armed[self._next] = (now + work.group.timeout, work, now)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ngdist-watchdog",
-                                                daemon=True)
-                self._thread.start()
-            return self._next
-
-    def disarm(self, token: int) -> None:
-        with self._lock:
-            self._armed.pop(token, None)
-
-    def _run(self) -> None:  # pragma: no cover - exercised in multi-rank tests
-        next_check = 0.0
-        gone_since: dict[int, float] = {}  # token -> when a peer of that wait was seen gone
-        while True:
-            time.sleep(0.05)
-            now = time.monotonic()
-            with self._lock:
-                armed = dict(self._armed)
-            expired = next((v for v in armed.values() if v[0] < now), None)
-            if expired is not None:  # aborts the job: this thread goes no further
-                work = expired[1]
-                _abort(work, "CommTimeoutError",
-                       work.group.timeout_message(work.what, work.peers))
-            if now < next_check:
-                continue
-            next_check = now + 0.5
-            for token in set(gone_since) - set(armed):
-                del gone_since[token]
-            for token, (_, work, start) in armed.items():
-                dead = work.group.gone(work.peers) if now - start >= DEAD_CHECK_AFTER_S else []
-                if not dead:
-                    gone_since.pop(token, None)
-                    continue
-                with self._lock:
-                    pending = token in self._armed  # not completed meanwhile
-                if pending and now - gone_since.setdefault(token, now) >= DEAD_GRACE_S:
-                    _abort(work, "CommError", work.group.gone_message(work.what, dead))
-
-
-def _abort(work: Work, kind: str, message: str) -> None:
-    rank = work.group.world_ranks()[work.group.rank]
-    work.group.abort(f"ngdist: error on rank {rank}: {kind}: {message}\n")
-
-
-WATCHDOG = _Watchdog()

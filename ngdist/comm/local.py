@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngdist.comm.group import DoneWork, ProcessGroup
+from ngdist.comm.group import DoneWork, ProcessGroup, ReduceOp
 from ngdist.errors import CommError
 
 
@@ -13,7 +13,8 @@ class LocalGroup(ProcessGroup):
     backend = "local"
     rank, size = 0, 1
 
-    def allreduce(self, buf, what, op="sum", peers=None):
+    def allreduce(self, buf, what, op=ReduceOp.SUM, peers=None):
+        ReduceOp(op)  # (an unknown op is refused here as on every group)
         return DoneWork(self, what, peers)
 
     def broadcast(self, buf, root, what):

@@ -22,8 +22,8 @@ import numpy as np
 
 import ngdist.comm.shared as shared
 from ngdist.comm import exits
-from ngdist.comm.group import (DoneWork, ProcessGroup, Work, WorkList, default_timeout,
-                               describe, divide)
+from ngdist.comm.group import (DoneWork, ProcessGroup, ReduceOp, Work, WorkList, alive,
+                               default_timeout, describe, divide)
 from ngdist.comm.rank_output import ABORT_LINE
 from ngdist.errors import CommError
 
@@ -128,9 +128,6 @@ class MpiWork(Work):
             then()
 
 
-_SUM_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "mean": "SUM"}
-
-
 class _Job:
     """What every group of one job shares: the world communicator and the pids of the ranks
     whose process this one can see (world rank -> pid)."""
@@ -197,6 +194,8 @@ class MpiGroup(ProcessGroup):
         """Buffers in symmetric memory share one pair of barriers (comm/shared.py); the others
         go to MPI's ``Iallreduce``, all started before any is waited for."""
         MPI = _mpi()
+        op = ReduceOp(op)
+        mpi_op = getattr(MPI, "SUM" if op.summed else op.name)
         entries, requests, on_mpi = [], [], []
         for buf in bufs:
             self.bytes_sent += buf.nbytes
@@ -204,13 +203,12 @@ class MpiGroup(ProcessGroup):
             if found is not None:
                 entries.append((found[0], buf, found[1]))
                 continue
-            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf,
-                                                 op=getattr(MPI, _SUM_OPS[op])))
+            requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op))
             on_mpi.append(buf)
         works: list[Work] = []
         if requests:
             then = None
-            if op == "mean":
+            if op is ReduceOp.MEAN:
                 def then() -> None:
                     for b in on_mpi:
                         divide(b, self.size)
@@ -360,16 +358,19 @@ class MpiGroup(ProcessGroup):
         ranks = range(self.size) if peers is None else peers
         pids = self._job.local_pids
         return [r for r in ranks if self._world_ranks[r] in pids and (
-            not _alive(pids[self._world_ranks[r]])
+            not alive(pids[self._world_ranks[r]])
             or not self.at_exit and exits.at_exit(pids[self._world_ranks[r]]))]
 
     def gone_message(self, what, dead):
-        ended = [r for r in dead if _alive(self._job.local_pids[self._world_ranks[r]])]
+        ended = [r for r in dead if alive(self._job.local_pids[self._world_ranks[r]])]
         if not ended:
             return super().gone_message(what, dead)
         who = [f"rank {self._world_ranks[r]} (pid {self._job.local_pids[self._world_ranks[r]]})"
                for r in ended]
         return exits.at_exit_message(describe(what), self._world_ranks[self.rank], who)
+
+    def pid_of(self, world_rank):
+        return self._job.local_pids.get(world_rank)
 
     def abort(self, message, code=1):
         abort_job(self._job.world, message, code)
@@ -388,16 +389,6 @@ def _process_space() -> bytes:
     except OSError:
         parts.append(f"no-proc-{os.getpid()}")  # nothing to compare: never "same host"
     return hashlib.sha256("|".join(parts).encode()).digest()[:16]
-
-
-def _alive(pid: int) -> bool:
-    """False once the process has exited (gone, or a zombie its launcher has not reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _unread_bytes(fd: int) -> int:
@@ -451,7 +442,6 @@ def install_abort_hook(world: Any) -> None:
         if _hook_installed:
             return
         _hook_installed = True
-    previous = sys.excepthook
 
     def hook(exc_type, exc, tb):  # pragma: no cover - runs at interpreter exit
         from ngdist.errors import NgdistError
@@ -465,4 +455,3 @@ def install_abort_hook(world: Any) -> None:
         abort_job(world, text)
 
     sys.excepthook = hook
-    del previous

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ngdist.comm.group import Work, describe, divide
+from ngdist.comm.group import ReduceOp, Work, describe, divide
 from ngdist.errors import CommError
 
 if TYPE_CHECKING:
@@ -178,9 +178,6 @@ def blocks(count: int, itemsize: int, size: int) -> list[int]:
         [count]
 
 
-_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "mean": np.add}
-
-
 FLAG_BYTES = 64  # a rank's flag: one cache line of its own
 # where a store another core sees implies every earlier store of the same core (x86's total
 # store order), so a flag can announce the data written before it without a fence
@@ -253,11 +250,11 @@ class SharedAllreduceWork(Work):
 
     def __init__(self, group: ProcessGroup,
                  entries: Sequence[tuple[SymmetricMemory, np.ndarray, int]], what: Any,
-                 op: str, peers: Sequence[int] | None = None,
+                 op: ReduceOp | str, peers: Sequence[int] | None = None,
                  signals: Signals | None = None) -> None:
         """``signals``: the group's flags for the barriers, else its own ``barrier``."""
         super().__init__(group, what, peers)
-        self.entries, self.op = entries, op
+        self.entries, self.op = entries, ReduceOp(op)
         self.barrier = group.barrier if signals is None else signals.barrier
         self.done = False
 
@@ -274,7 +271,7 @@ class SharedAllreduceWork(Work):
     def _run(self, gentle: bool) -> None:
         group = self.group
         r, size = group.rank, group.size
-        reduce = _REDUCE[self.op]
+        reduce = self.op.ufunc
         # per buffer: every rank's block r
         parts = [mem.parts(offset, buf.dtype, buf.size) for mem, buf, offset in self.entries]
         self.barrier(self.what).wait(gentle)  # every rank's inputs are written
@@ -283,7 +280,7 @@ class SharedAllreduceWork(Work):
             for j in range(size):
                 if j != r:
                     reduce(mine, part[j], out=mine)
-            if self.op == "mean":  # the block only, while it is in this core's cache
+            if self.op is ReduceOp.MEAN:  # the block only, while it is in this core's cache
                 divide(mine, size)
             for j in range(size):
                 if j != r:

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ngdist.comm import leftovers, rankwrap
+from ngdist.comm.group import proc_stat
 from ngdist.comm.launch import mpiexec_cmd
 from ngdist.comm.rank_output import LABEL_PATTERN, OutputRouter
 
@@ -382,22 +383,13 @@ def _die_with_parent() -> Callable[[], None] | None:
     return setup
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat from the field after the command name (state, ppid, pgrp, ...)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _local_wrapper(pid: int, mpiexec: int) -> int | None:
     """The start time of ``pid`` if it is a rank wrapper of this job on this host (its parent,
     the hydra proxy, is a child of our mpiexec), else None."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     if fields is None:
         return None
-    proxy = _stat(int(fields[1]))
+    proxy = proc_stat(int(fields[1]))
     if proxy is None or int(proxy[1]) != mpiexec:
         return None
     return int(fields[19])
@@ -411,7 +403,7 @@ def _processes() -> Iterator[tuple[int, int, int]]:
         return
     for name in names:
         if name.isdigit():
-            fields = _stat(int(name))
+            fields = proc_stat(int(name))
             if fields is not None and fields[0] not in ("Z", "X"):
                 yield int(name), int(fields[2]), int(fields[19])
 

@@ -8,9 +8,12 @@ registered with ``onnx.defs`` so that ``onnx.checker`` accepts rewritten files.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import onnx
+import onnx_ir as ir
 from onnx import defs
 
 logger = logging.getLogger(__name__)
@@ -23,6 +26,9 @@ ALLREDUCE_ALGORITHMS = ("mpi", "ring", "recursive_doubling", "hierarchical", "ex
 # (the compression pass casts around it, passes/compression.py; the kernel sums 16-bit values
 # with float32 accumulation, kernels/compressed.py); "none" is the default
 COMPRESSIONS = ("fp16", "bf16")
+# AllReduce's "bucket" attribute: the index of the flat bucket the bucketing pass fused
+# (0, 1, ...); left out (this default) on a node that reduces tensors as they are
+NO_BUCKET = -1
 DOMAIN_VERSION = 1
 PREVIEW_TRAINING = "ai.onnx.preview.training"
 # A hyper-parameter the runtime sets to 1 / (ranks that train): the loss is scaled by it before
@@ -57,7 +63,7 @@ COMM_OPS: dict[str, CommOpSpec] = {
             "bfloat16), summed with float32 accumulation and rounded back to 16 bits at each "
             "hop of the ring.",
             "variadic",
-            {"reduction": "mean", "bucket": 0, "algorithm": "mpi", "micro_batch": 0,
+            {"reduction": "mean", "bucket": NO_BUCKET, "algorithm": "mpi", "micro_batch": 0,
              "compression": "none"},
         ),
         CommOpSpec(
@@ -113,6 +119,25 @@ COMM_OPS: dict[str, CommOpSpec] = {
 
 def is_comm_node(domain: str, op_type: str) -> bool:
     return domain == DOMAIN and op_type in COMM_OPS
+
+
+def with_defaults(op_type: str, attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """``attributes`` of a comm node of ``op_type`` with every attribute it leaves out at the
+    op's default (the one place defaults are read; an op not in the table keeps its own)."""
+    spec = COMM_OPS.get(op_type)
+    return {**(spec.attributes if spec is not None else {}), **attributes}
+
+
+def comm_attributes(node: onnx.NodeProto | ir.Node) -> dict[str, Any]:
+    """A comm node's attributes (of a NodeProto or an onnx_ir node) as Python values, strings
+    decoded, defaults filled in."""
+    if isinstance(node, ir.Node):
+        return with_defaults(node.op_type, {k: a.value for k, a in node.attributes.items()})
+    given = {}
+    for a in node.attribute:
+        value = onnx.helper.get_attribute_value(a)
+        given[a.name] = value.decode() if isinstance(value, bytes) else value
+    return with_defaults(node.op_type, given)
 
 
 def _schema(spec: CommOpSpec) -> defs.OpSchema:

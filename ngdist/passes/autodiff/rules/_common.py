@@ -131,9 +131,3 @@ def ensure_output(node: ir.Node, index: int, suffix: str, dtype: ir.DataType | N
     if out.shape is None and shape is not None:
         out.shape = shape
     return out
-
-
-def keep_axes(rank: int, axes: list[int]) -> list[int]:
-    """Every axis of a rank-``rank`` tensor not in ``axes`` (which may be negative)."""
-    drop = {a % rank for a in axes}
-    return [a for a in range(rank) if a not in drop]
