@@ -20,7 +20,7 @@ from ngdist import zoo
 from ngdist.cli import main as cli_main
 from ngdist.data import load_digits
 from ngdist.errors import CommError, GraphError, InputError, NgdistError
-from ngdist.kernels import KERNELS, CommNode, get_kernel
+from ngdist.kernels import KERNELS, CommFacts, CommNode, get_kernel
 from ngdist.kernels.exact import FRACTION_BITS, HEADROOM, local_exponents, to_fixed
 from ngdist.passes.pipeline import rewrite
 from ngdist.comm import LocalGroup
@@ -33,7 +33,7 @@ SGD = ngdist.optim.SGD(lr=0.1, momentum=0.9)
 def exact(inputs: list[np.ndarray], reduction: str = "sum", stacked: bool = True
           ) -> list[np.ndarray]:
     node = CommNode("AllReduce", "test/exact", {"algorithm": "exact", "reduction": reduction},
-                    state={"stacked": stacked})
+                    facts=CommFacts(stacked=stacked))
     return get_kernel("AllReduce")(LocalGroup(), node, inputs)
 
 
@@ -150,8 +150,9 @@ def test_reproducible_gradients_match_ordinary_allreduce_and_float64(monkeypatch
     seen: list[dict[str, np.ndarray]] = []
     spy_allreduce(monkeypatch, seen)
     # the spy reads the averaged gradients in the kernel: keep the one-rank AllReduce there
-    from ngdist.runtime import executor
-    monkeypatch.setattr(executor, "_inline_identities", lambda graph: graph)
+    from ngdist.runtime import rewrites
+    monkeypatch.setattr(rewrites.InlineAloneIdentities, "call",
+                        lambda self, model: rewrites.ir.passes.PassResult(model, False))
     # one AllReduce per gradient, so that the spy sees each averaged gradient by name
     ordinary = ngdist.compile(zoo.mlp(seed=0), optimizer=SGD, bucket_bytes=0)
     repro = ngdist.compile(zoo.mlp(seed=0), optimizer=SGD, reproducible_micro_batch=4)

@@ -1,6 +1,7 @@
 """Communication kernels, one per comm op, written against comm.ProcessGroup only.
 Importing this package registers all of them."""
-from ngdist.kernels.base import KERNELS, CommNode, KernelSpec, get_kernel, register_kernel
+from ngdist.kernels.base import (KERNELS, CommFacts, CommNode, KernelSpec, get_kernel,
+                                 register_kernel)
 from ngdist.kernels import central, collectives, ps, pushsum  # noqa: F401,E402  (registration)
 
-__all__ = ["KERNELS", "CommNode", "KernelSpec", "get_kernel", "register_kernel"]
+__all__ = ["KERNELS", "CommFacts", "CommNode", "KernelSpec", "get_kernel", "register_kernel"]

@@ -4,7 +4,7 @@ A kernel is ``kernel(group, node, inputs) -> outputs``: ``group`` the ProcessGro
 communicates through (comm/group.py: rank, size, timeouts, byte counter), ``node`` the comm
 node's name, attributes and kernel-private state, ``inputs`` arrays in the memory the kernel
 declares (``host``: numpy views of the runtime's values, no copy; ``device``: device arrays),
-and the result one array per output. An input whose ``node.donated[i]`` is true is produced
+and the result one array per output. An input whose ``node.facts.donated[i]`` is true is produced
 within the step for this node alone: the kernel may work in place on it and return it, which
 is how a gradient bucket is reduced without any copy. A kernel never imports the runtime.
 
@@ -21,22 +21,41 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ngdist.errors import CommError
+from ngdist.ir.domain import with_defaults
 
 if TYPE_CHECKING:
     from ngdist.comm.group import ProcessGroup
 
 
+@dataclass(frozen=True)
+class CommFacts:
+    """What the runtime tells a kernel about a comm node's memory (read-only; the plan makes
+    it once, runtime/plan.py)."""
+
+    donated: tuple[bool, ...] = ()  # input i is made in the step for this node alone
+    outputs_die: bool = False  # no output outlives the step: the kernel may keep their buffer
+    # the step returns the outputs only as values that the next step's results replace (plain
+    # SGD's state is the reduced gradient): they live until the end of the next step
+    replaced_next_step: bool = False
+    stacked: bool = False  # each input is a stack of micro-batch values (kernels/exact.py)
+
+
 @dataclass
 class CommNode:
-    """What a kernel sees of a comm node."""
+    """What a kernel sees of a comm node: its name and attributes (every one the op has,
+    defaults filled in), the runtime's facts, and ``state``, the kernel's own (private,
+    lives across steps)."""
 
     op_type: str
     name: str
     attributes: dict[str, Any] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
-    state: dict[str, Any] = field(default_factory=dict)  # kernel-private, lives across steps
-    donated: list[bool] = field(default_factory=list)  # input i may be reused in place
+    state: dict[str, Any] = field(default_factory=dict)
+    facts: CommFacts = CommFacts()
+
+    def __post_init__(self) -> None:  # every attribute the op has, at its default if left out
+        self.attributes = with_defaults(self.op_type, self.attributes)
 
 
 Kernel = Callable[["ProcessGroup", CommNode, Sequence[np.ndarray]], list[np.ndarray]]
@@ -97,7 +116,8 @@ def get_kernel(op_type: str) -> KernelSpec:
 
 
 def donated(node: CommNode, i: int) -> bool:
-    return i < len(node.donated) and node.donated[i]
+    """Whether input ``i`` is made in the step for this node alone (may be reused in place)."""
+    return i < len(node.facts.donated) and node.facts.donated[i]
 
 
 def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.ndarray:
@@ -106,13 +126,13 @@ def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.nd
     not fused into one flat tensor by the bucketing pass).
 
     With ``node``, the buffer is kept in the node's state and reused at the next step when
-    its outputs die within the step (``state["reuse_buffer"]``, set by the runtime): fresh
+    its outputs die within the step (``node.facts.outputs_die``): fresh
     multi-megabyte allocations page-fault on every call and cost as much as the copy.
     """
     size = sum(a.size for a in arrays)
     dtype = np.result_type(*arrays)
     buf = None
-    if node is not None and node.state.get("reuse_buffer"):
+    if node is not None and node.facts.outputs_die:
         buf = node.state.get("buffer")
         if buf is None or buf.size != size or buf.dtype != dtype:
             buf = node.state["buffer"] = np.empty(size, dtype)

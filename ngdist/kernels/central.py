@@ -12,7 +12,7 @@ from ngdist.kernels.base import flatten, register_kernel, unflatten
 def central_reduce(comm, node, inputs):
     if comm.size == 1:
         return list(inputs)
-    root = int(node.attributes.get("root", 0))
+    root = int(node.attributes["root"])
     buf = flatten(inputs)
     if len(inputs) == 1 and buf.base is not None:
         buf = buf.copy()
@@ -22,7 +22,7 @@ def central_reduce(comm, node, inputs):
         acc = table[0].copy()
         for row in table[1:]:  # fixed rank order: the same sum whoever runs it
             acc += row
-        if node.attributes.get("reduction", "mean") == "mean":
+        if node.attributes["reduction"] == "mean":
             divide(acc, comm.size)
         buf[...] = acc
     comm.broadcast(buf, root, node).wait()

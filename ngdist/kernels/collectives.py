@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ngdist.comm.group import divide
+from ngdist.ir.domain import NO_BUCKET
 from ngdist.kernels.allreduce_algs import sum_inplace
 from ngdist.kernels.base import donated, flatten, register_kernel, unflatten
 from ngdist.kernels.compressed import compressed_allreduce
@@ -35,10 +36,9 @@ def _offer_symmetric(group, node, buf) -> None:
     written over the value that step reads. Each memory is made at a call that every rank
     reaches (a collective): the first one at the first call, which goes through MPI."""
     node.state.pop("write_to", None)
-    if "bucket" not in node.attributes or buf.dtype not in (np.float32, np.float64):
+    if node.attributes["bucket"] == NO_BUCKET or buf.dtype not in (np.float32, np.float64):
         return
-    turns = 1 if node.state.get("reuse_buffer") else \
-        2 if node.state.get("replaced_next_step") else 0
+    turns = 1 if node.facts.outputs_die else 2 if node.facts.replaced_next_step else 0
     mems = node.state.setdefault("symmetric", [])
     if not turns or None in mems:  # (None: the group has no symmetric memory)
         return
@@ -63,8 +63,7 @@ def _offer_symmetric(group, node, buf) -> None:
 def _plain(attributes) -> bool:
     """Whether an AllReduce node reduces with the group's own AllReduce (algorithm ``mpi``,
     no compression): such nodes that run one after another are reduced in one call."""
-    return attributes.get("algorithm", "mpi") == "mpi" and \
-        attributes.get("compression", "none") == "none"
+    return attributes["algorithm"] == "mpi" and attributes["compression"] == "none"
 
 
 def allreduce_batch(group, nodes, inputs_list):
@@ -79,7 +78,7 @@ def allreduce_batch(group, nodes, inputs_list):
         # else a copy (in the node's reused buffer): never reduce into a value others still read
         buf = inputs[0] if in_place else flatten(inputs, node)
         calls.append((node, inputs, in_place, buf))
-        op = "mean" if node.attributes.get("reduction", "mean") == "mean" else "sum"
+        op = "mean" if node.attributes["reduction"] == "mean" else "sum"
         by_op.setdefault(op, []).append(buf.reshape(-1))  # a view: the buffer is contiguous
     what = tuple(nodes)
     works = [group.allreduce_coalesced(bufs, what, op=op) for op, bufs in by_op.items()]
@@ -94,7 +93,7 @@ def allreduce_batch(group, nodes, inputs_list):
 
 
 @register_kernel("AllReduce",
-                 alone_identity=lambda attributes: attributes.get("algorithm") != "exact",
+                 alone_identity=lambda attributes: attributes["algorithm"] != "exact",
                  batch=allreduce_batch, batchable=_plain)
 def allreduce(group, node, inputs):
     """Sum (or mean) over the ranks, with MPI's own algorithm or the one named by the
@@ -102,7 +101,7 @@ def allreduce(group, node, inputs):
     (``compression`` fp16/bf16) by kernels/compressed.py."""
     if _plain(node.attributes):
         return allreduce_batch(group, [node], [inputs])[0]
-    algorithm = node.attributes.get("algorithm", "mpi")
+    algorithm = node.attributes["algorithm"]
     if algorithm == "exact":  # reproducible mode
         return exact_allreduce(group, node, inputs)
     if group.size == 1:
@@ -110,18 +109,18 @@ def allreduce(group, node, inputs):
     in_place = _in_place(node, inputs)
     buf = inputs[0] if in_place else flatten(inputs, node)
     flat = buf.reshape(-1)
-    if node.attributes.get("compression", "none") != "none":
+    if node.attributes["compression"] != "none":
         compressed_allreduce(group, node, flat, algorithm)  # the mean too
     else:
         sum_inplace(algorithm, group, node, flat)
-        if node.attributes.get("reduction", "mean") == "mean":
+        if node.attributes["reduction"] == "mean":
             divide(flat, group.size)
     return [buf] if in_place else unflatten(buf, inputs)
 
 
 @register_kernel("Broadcast", alone_identity=True)
 def broadcast(group, node, inputs):
-    root = int(node.attributes.get("root", 0))
+    root = int(node.attributes["root"])
     outs = []
     for i, x in enumerate(inputs):
         buf = x if donated(node, i) and x.flags.writeable and x.flags.c_contiguous \

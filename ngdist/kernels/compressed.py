@@ -100,7 +100,7 @@ FORMATS = {"fp16": WireFormat("fp16", "float16", f16_to_f32, f32_to_f16),
 def compressed_allreduce(group, node, buf: np.ndarray, algorithm: str) -> None:
     """Sum (or mean, by ``node``'s ``reduction``) of the contiguous 16-bit ``buf`` over the
     ranks, in place; ``buf`` is float16 (``fp16``) or uint16 bfloat16 bits (``bf16``)."""
-    compression = node.attributes.get("compression", "none")
+    compression = node.attributes["compression"]
     fmt = FORMATS.get(compression)
     if fmt is None:
         raise CommError(f"unknown compression {compression!r} on ngdist.AllReduce "
@@ -116,5 +116,5 @@ def compressed_allreduce(group, node, buf: np.ndarray, algorithm: str) -> None:
                         f"not {algorithm!r}")
     bits = buf.reshape(-1).view(np.uint16)
     sum_inplace("ring" if algorithm == "mpi" else algorithm, group, node, bits, fmt.add)
-    if node.attributes.get("reduction", "mean") == "mean" and group.size > 1:
+    if node.attributes["reduction"] == "mean" and group.size > 1:
         fmt.divide(bits, group.size)

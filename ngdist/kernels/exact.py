@@ -4,7 +4,7 @@ A floating-point sum depends on the order of its additions, so an ordinary allre
 per-rank gradients gives different bits on 2 and on 3 ranks. This kernel sums in per-element
 fixed point instead, where addition is exact and associative:
 
-1. Each input is a stack of *micro-batch values* ``[k, *shape]`` (``node.state["stacked"]``,
+1. Each input is a stack of *micro-batch values* ``[k, *shape]`` (``node.facts.stacked``,
    set by runtime/microbatch.py), or one value per rank (``k = 1``).
 2. Per element ``j``: ``E_j`` = the largest binary exponent (as ``np.frexp`` gives it) over
    all micro-batches of all ranks, through one ``MAX`` Iallreduce of int16 exponents. It is
@@ -173,7 +173,7 @@ def _scratch(node: Any, n: int) -> tuple[np.ndarray, ...]:
 def exact_allreduce(comm: Any, node: Any, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
     """The ``exact`` AllReduce kernel (every backend): sum or mean over all micro-batches of
     all ranks, bit-identical whatever the rank count."""
-    stacked = bool(node.state.get("stacked"))
+    stacked = node.facts.stacked
     mats, k = _matrices(inputs, stacked)
     bounds = np.cumsum([0] + [m.shape[1] for m in mats])
     exps, sums, tmp, ints = _scratch(node, int(bounds[-1]))
@@ -197,7 +197,7 @@ def exact_allreduce(comm: Any, node: Any, inputs: Sequence[np.ndarray]) -> list[
                         f"micro-batches in one step, more than the {1 << HEADROOM} its int64 "
                         "fixed point can sum exactly; use a larger micro-batch")
     out = from_fixed(sums[:-1], exps, tmp, unscale)
-    if node.attributes.get("reduction", "mean") == "mean":
+    if node.attributes["reduction"] == "mean":
         out /= total
     return [out[lo:hi].reshape(x.shape[1:] if stacked else x.shape).astype(x.dtype)
             for x, lo, hi in zip(inputs, bounds[:-1], bounds[1:])]

@@ -210,10 +210,10 @@ def split_inputs(node: CommNode, inputs: list[Any]) -> tuple[Any, Any, list, lis
 def make_runtime(comm: ProcessGroup, node: CommNode, xs: list[np.ndarray],
                  states: list[list[np.ndarray]], make_session: Any) -> PSRuntime:
     """Layout, private communicator (collective over all ranks) and this rank's shards."""
-    servers = resolve_servers(int(node.attributes.get("servers", 0)), comm.size)
+    servers = resolve_servers(int(node.attributes["servers"]), comm.size)
     flat_x = flatten(xs)
-    layout = make_layout(flat_x.size, flat_x.itemsize, int(node.attributes.get(
-        "grad_shard_bytes", 0)), comm.size, servers)
+    layout = make_layout(flat_x.size, flat_x.itemsize, int(node.attributes[
+        "grad_shard_bytes"]), comm.size, servers)
     # a duplicate per runtime, made here on every rank (a cache keyed by the group's id could
     # hand one rank a stale duplicate when a freed group's id is reused)
     group = comm.dup("parameter-server set-up")

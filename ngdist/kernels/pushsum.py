@@ -94,10 +94,10 @@ class _Gossip:
 
     def __init__(self, comm: Any, node: CommNode) -> None:
         a = node.attributes
-        self.graph = str(a.get("graph", "exponential"))
-        self.peers_per_itr = int(a.get("peers_per_itr", 1))
-        self.overlap = bool(int(a.get("overlap", 0)))
-        self.synch_freq = int(a.get("synch_freq", 0))
+        self.graph = str(a["graph"])
+        self.peers_per_itr = int(a["peers_per_itr"])
+        self.overlap = bool(int(a["overlap"]))
+        self.synch_freq = int(a["synch_freq"])
         schedule(comm.rank, comm.size, 0, self.graph, self.peers_per_itr)  # validates
         self.group = comm.dup(node)
         self.pending: list[_Round] = []

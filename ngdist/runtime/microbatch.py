@@ -18,6 +18,7 @@ rank's share of the batch would leak into the result): the constructor checks it
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -25,7 +26,7 @@ import onnx
 import onnxruntime as ort
 
 from ngdist.errors import GraphError, InputError
-from ngdist.ir.domain import DOMAIN, is_comm_node
+from ngdist.ir.domain import DOMAIN, comm_attributes, is_comm_node
 from ngdist.comm.group import ProcessGroup
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.replicas import ReplicatedExecutor, split_tower
@@ -34,22 +35,14 @@ from ngdist.runtime.sessions import CPU, Placement
 logger = logging.getLogger(__name__)
 
 
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
-    for a in node.attribute:
-        if a.name == name:
-            value = onnx.helper.get_attribute_value(a)
-            return value.decode() if isinstance(value, bytes) else value
-    return default
-
-
 def _exact_index(graph: onnx.GraphProto) -> list[int]:
     return [i for i, n in enumerate(graph.node) if n.domain == DOMAIN
-            and n.op_type == "AllReduce" and _attr(n, "algorithm", "mpi") == "exact"]
+            and n.op_type == "AllReduce" and comm_attributes(n)["algorithm"] == "exact"]
 
 
 def micro_batch_size(model: onnx.ModelProto) -> int:
     """The ``micro_batch`` of the step graph's exact AllReduce nodes (0: not reproducible)."""
-    sizes = {int(_attr(model.graph.node[i], "micro_batch", 0)) for i in _exact_index(model.graph)}
+    sizes = {int(comm_attributes(model.graph.node[i])["micro_batch"]) for i in _exact_index(model.graph)}
     if len(sizes) > 1:
         raise GraphError(f"the exact AllReduce nodes disagree on micro_batch: {sorted(sizes)}")
     return sizes.pop() if sizes else 0
@@ -75,8 +68,7 @@ class MicroBatchExecutor(ReplicatedExecutor):
         # one intra-op thread per tower session (sessions // sessions), see the module doc
         super().__init__(model, comm, sessions, data_inputs=data_inputs, loss=local_loss,
                          params=params, placement=placement, intra_op_threads=sessions,
-                         overlap=overlap)
-        self.rest.intra_op_threads = 1
+                         overlap=overlap, rest_threads=1)
         self.micro_batch = micro_batch
         crossing = set(self.crossing)
         outside = sorted({i for n in exact for i in n.input if i not in crossing})
@@ -93,8 +85,8 @@ class MicroBatchExecutor(ReplicatedExecutor):
             raise GraphError(f"reproducible mode: data-dependent value(s) {leaks[:8]} leave the "
                              "forward/backward pass without an exact AllReduce")
         for node in self.comm_nodes.values():
-            if node.op_type == "AllReduce" and node.attributes.get("algorithm") == "exact":
-                node.state["stacked"] = True
+            if node.op_type == "AllReduce" and node.attributes["algorithm"] == "exact":
+                node.facts = dataclasses.replace(node.facts, stacked=True)
         others = [n.name for k, n in enumerate(nodes) if is_comm_node(n.domain, n.op_type)
                   and k not in exact_idx]
         logger.info("reproducible mode: micro-batches of %d, %d tower session(s), %d exact "

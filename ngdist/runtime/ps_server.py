@@ -50,7 +50,7 @@ def planned_workers(trainer: Any) -> int:
     node = ps_node(trainer)
     if node is None:
         return trainer.group.size
-    return trainer.group.size - resolve_servers(int(node.attributes.get("servers", 0)),
+    return trainer.group.size - resolve_servers(int(node.attributes["servers"]),
                                                 trainer.group.size)
 
 

@@ -80,7 +80,8 @@ class ReplicatedExecutor:
     def __init__(self, model: onnx.ModelProto, comm: ProcessGroup, devices: int, *,
                  data_inputs: list[str], loss: str, params: list[str],
                  placement: Placement = CPU, intra_op_threads: int | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, rest_threads: int | None = None) -> None:
+        """``rest_threads``: onnxruntime threads of the rest (default ``intra_op_threads``)."""
         graph = model.graph
         tower_idx, rest_idx, self.dependent = split_tower(graph, data_inputs, loss, params)
         nodes = list(graph.node)
@@ -113,14 +114,22 @@ class ReplicatedExecutor:
             initializer=list(graph.initializer))
         rest_model = helper.make_model(rest_graph, opset_imports=list(model.opset_import),
                                        ir_version=model.ir_version)
-        self.rest = Executor(rest_model, comm, placement=placement,
-                             intra_op_threads=intra_op_threads, overlap=overlap)
-        self.items, self.comm_nodes = self.rest.items, self.rest.comm_nodes
+        self.rest = Executor(rest_model, comm, placement=placement, overlap=overlap,
+                             intra_op_threads=rest_threads or intra_op_threads)
+        self.comm_nodes = self.rest.comm_nodes
         self.devices = devices
         self.pool = ThreadPoolExecutor(devices, thread_name_prefix="ngdist-replica")
         self.timeline: Any = None  # runtime/timeline.py, when the job records one
         logger.info("%d replicas: tower of %d nodes -> %d values; rest of %d nodes", devices,
                     len(tower_nodes), len(self.crossing), len(rest_nodes))
+
+    @property
+    def segment_count(self) -> int:
+        return self.rest.segment_count
+
+    def set_timeline(self, timeline: Any) -> None:
+        self.timeline = timeline
+        self.rest.set_timeline(timeline)
 
     def batch_arrays(self, feeds: dict[str, ort.OrtValue], how: str
                      ) -> tuple[dict[str, np.ndarray], int]:

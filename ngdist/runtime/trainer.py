@@ -30,7 +30,7 @@ from ngdist.ir.domain import GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
-from ngdist.runtime.executor import Executor, StepTimes
+from ngdist.runtime.executor import Executor, StepExecutor, StepTimes
 from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
 from ngdist.runtime.feeds import BatchFeeds
 from ngdist.runtime.hyper import Hypers
@@ -107,6 +107,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if overlap is None:  # a comm thread waiting on MPI spins: only beside a spare core
             overlap = _default_threads(self.group) > 1
         self.micro_batch = micro_batch_size(proto)  # > 0: reproducible mode
+        self.executor: StepExecutor
         if self.micro_batch:  # the tower once per micro-batch (runtime/microbatch.py)
             self.executor = MicroBatchExecutor(
                 proto, self.group, self.micro_batch, data_inputs=self.meta.names("data"),
@@ -179,7 +180,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
                 np.array(1.0 / self.num_workers, self.values[GRAD_SCALE].numpy().dtype))
         logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
                     self.group.rank, self.group.size, self.group.backend,
-                    sum(1 for i in self.executor.items if hasattr(i, "nodes")),
+                    self.executor.segment_count,
                     len(self.executor.comm_nodes))
 
     # ------------------------------------------------------------------ checkpoints
@@ -227,12 +228,10 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         return g.SerializeToString(deterministic=True)
 
     def _attach_timeline(self, timeline: Timeline | None) -> None:
-        """Where the executor, its inner executor (replicas) and the group record spans."""
+        """Where the executor and the group record spans."""
         self.timeline = timeline
         self.group.timeline = timeline
-        for executor in (self.executor, getattr(self.executor, "rest", None)):
-            if executor is not None:
-                executor.timeline = timeline
+        self.executor.set_timeline(timeline)
 
     def write_timeline(self) -> Path | None:
         """Collective (every rank): write the timeline recorded so far (rank 0 writes the one

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import ngdist
 from ngdist.comm import world_group
-from ngdist.kernels import CommNode, allreduce_algs, get_kernel
+from ngdist.kernels import CommFacts, CommNode, allreduce_algs, get_kernel
 
 rank, size = ngdist.rank(), ngdist.size()
 comm = world_group(timeout=120)
@@ -43,7 +43,7 @@ for n in SIZES:
                     x.astype(ml_dtypes.bfloat16).view(np.uint16)
                 node = CommNode("AllReduce", f"test/{alg}", {
                     "algorithm": alg, "reduction": reduction, "compression": compression},
-                    donated=[True])
+                    facts=CommFacts(donated=(True,)))
                 before = comm.bytes_sent
                 (out,) = kernel(comm, node, [wire.reshape(-1, 1)])
                 key = f"{n}/{alg}/{compression}/{reduction}"
@@ -51,7 +51,7 @@ for n in SIZES:
                 assert out.dtype == wire.dtype and out.shape == (n, 1), (out.dtype, out.shape)
                 results[key] = out.reshape(-1).view(np.uint16).tolist()
     node = CommNode("AllReduce", "test/float32", {"algorithm": "ring", "reduction": "sum"},
-                    donated=[True])
+                    facts=CommFacts(donated=(True,)))
     before = comm.bytes_sent
     kernel(comm, node, [data(rank, n)])
     sent[f"{n}/float32 ring"] = comm.bytes_sent - before

@@ -121,27 +121,27 @@ def addr(value: ort.OrtValue) -> int:
 def spy_comm(ex: Executor) -> list[tuple[list[ort.OrtValue], list[ort.OrtValue]]]:
     """Record the values each comm node received and the values it produced."""
     seen = []
-    original = ex._run_comm
+    original = ex.run_comm
 
     def run_comm(idx, values):
         outs, dt = original(idx, values)
         seen.append((list(values), list(outs)))
         return outs, dt
 
-    ex._run_comm = run_comm
+    ex.run_comm = run_comm
     return seen
 
 
 def spy_env(ex: Executor) -> list[tuple[int, set[str]]]:
     """Record the environment's names each time a segment starts."""
     seen = []
-    original = ex._run_segment
+    original = ex.run_segment
 
     def run_segment(seg, env):
         seen.append((seg.index, set(env)))
         return original(seg, env)
 
-    ex._run_segment = run_segment
+    ex.run_segment = run_segment
     return seen
 
 
@@ -185,7 +185,7 @@ def test_values_are_dropped_after_their_last_use(overlap):
     # and g (last read by the AllReduce) are gone
     assert seen == [(0, {"x", "w"}), (2, {"gr", "b"})] * 3
     assert set(given) == {"x", "w"}  # the caller's feeds are not consumed
-    assert {k: sorted(v) for k, v in ex.free_after.items()} == {0: ["w", "x"], 1: ["g"],
+    assert {k: sorted(v) for k, v in ex.plan.free_after.items()} == {0: ["w", "x"], 1: ["g"],
                                                                  2: ["b", "gr"]}
     ex.close()
 
@@ -263,7 +263,7 @@ def test_allreduce_nodes_one_after_another_run_as_one_call():
     group = TwoRanks()
     ex = Executor(two_buckets(), group, overlap=False)
     first = min(ex.comm_nodes)
-    assert ex.batches == {first: [first, first + 1]}
+    assert dict(ex.plan.batches) == {first: (first, first + 1)}
     seen = spy_comm(ex)
     for _ in range(2):  # (the second step: buffers bound as the first one left them)
         out = ex.run(feeds(x=X, w=W))
@@ -278,7 +278,7 @@ def test_allreduce_nodes_one_after_another_run_as_one_call():
 def test_with_overlap_each_allreduce_node_is_a_call_of_its_own():
     group = TwoRanks()
     ex = Executor(two_buckets(), group, overlap=True)
-    assert ex.batches == {}
+    assert dict(ex.plan.batches) == {}
     out = ex.run(feeds(x=X, w=W))
     np.testing.assert_array_equal(out["y"].numpy(), (X * W + OTHER) / 2 + (OTHER - X) / 2)
     assert group.coalesced == [["bucket0"], ["bucket1"]]
@@ -298,7 +298,7 @@ def test_a_batch_failure_names_every_node_of_it():
 def test_an_allreduce_of_another_ones_result_is_not_in_its_batch():
     group = TwoRanks()
     ex = Executor(two_buckets(second="r1"), group, overlap=False)
-    assert ex.batches == {}
+    assert dict(ex.plan.batches) == {}
     out = ex.run(feeds(x=X, w=W))
     r1 = (X * W + OTHER) / 2
     np.testing.assert_array_equal(out["y"].numpy(), r1 + (r1 + OTHER) / 2)
@@ -308,7 +308,7 @@ def test_an_allreduce_of_another_ones_result_is_not_in_its_batch():
 def test_allreduce_nodes_with_an_algorithm_of_their_own_run_alone():
     group = TwoRanks()
     ex = Executor(two_buckets(algorithm="ring"), group, overlap=False)
-    assert ex.batches == {}
+    assert dict(ex.plan.batches) == {}
     first = min(ex.comm_nodes)
     assert [ex.comm_nodes[i].name for i in (first, first + 1)] == ["bucket0", "bucket1"]
 
@@ -318,7 +318,7 @@ def test_another_comm_op_between_two_allreduce_nodes_splits_them():
     ex = Executor(two_buckets(helper.make_node("ReduceScatter", ["x"], ["s"], name="rs",
                                                domain=DOMAIN), outputs=("s",)),
                   group, overlap=False)
-    assert ex.batches == {}
+    assert dict(ex.plan.batches) == {}
     assert [n.op_type for n in ex.comm_nodes.values()] == ["AllReduce", "ReduceScatter",
                                                             "AllReduce"]
 
@@ -328,7 +328,7 @@ def test_another_comm_op_between_two_allreduce_nodes_splits_them():
 def test_a_donated_input_is_reduced_in_place(overlap):
     ex = Executor(step_model(), TwoRanks(), overlap=overlap)
     node = next(n for n in ex.comm_nodes.values())
-    assert node.donated == [True]
+    assert node.facts.donated == (True,)
     seen = spy_comm(ex)
     out = ex.run(feeds(x=X, w=W))
     ((values, outs),) = seen
@@ -346,7 +346,7 @@ def test_an_input_read_by_another_node_is_not_modified(overlap):
                helper.make_node("Sub", ["gr", "g"], ["y"], name="other_reader")],
               ["x", "w"], ["y"])
     ex = Executor(m, TwoRanks(), overlap=overlap)
-    assert next(iter(ex.comm_nodes.values())).donated == [False]
+    assert next(iter(ex.comm_nodes.values())).facts.donated == (False,)
     seen = spy_comm(ex)
     out = ex.run(feeds(x=X, w=W))
     ((values, outs),) = seen
@@ -361,7 +361,7 @@ def test_a_fed_input_is_not_modified():
     m = model([allreduce("x", "xr", reduction="sum"),
                helper.make_node("Neg", ["xr"], ["y"], name="neg")], ["x"], ["y"])
     ex = Executor(m, TwoRanks(), overlap=False)
-    assert next(iter(ex.comm_nodes.values())).donated == [False]
+    assert next(iter(ex.comm_nodes.values())).facts.donated == (False,)
     x = X.copy()
     out = ex.run(feeds(x=x))
     np.testing.assert_array_equal(x, X)
@@ -372,7 +372,7 @@ def test_an_input_that_is_a_step_output_is_not_modified():
     m = model([helper.make_node("Mul", ["x", "w"], ["g"], name="grad"),
                allreduce("g", "gr", reduction="sum")], ["x", "w"], ["g", "gr"])
     ex = Executor(m, TwoRanks(), overlap=False)
-    assert next(iter(ex.comm_nodes.values())).donated == [False]
+    assert next(iter(ex.comm_nodes.values())).facts.donated == (False,)
     out = ex.run(feeds(x=X, w=W))
     np.testing.assert_array_equal(out["g"].numpy(), X * W)
     np.testing.assert_array_equal(out["gr"].numpy(), X * W + OTHER)
@@ -427,7 +427,7 @@ def test_the_plan_the_executor_runs():
     node = ex.comm_nodes[1]
     assert (node.op_type, node.name, node.inputs, node.outputs) == \
         ("AllReduce", "ngdist/allreduce/bucket0", ["g"], ["gr"])
-    assert node.state["reuse_buffer"] is True  # gr dies within the step
+    assert node.facts.outputs_die is True  # gr dies within the step
     ex.close()
 
 

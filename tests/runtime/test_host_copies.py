@@ -42,7 +42,7 @@ def spy_batch(group, nodes, inputs_list):  # consecutive buckets: one call for s
     ptrs = [[a.__array_interface__["data"][0] for a in inputs] for inputs in inputs_list]
     outs_list = inner.batch(group, nodes, inputs_list)
     for node, inputs, outs, p in zip(nodes, inputs_list, outs_list, ptrs):
-        calls.append({"donated": list(node.donated), "n_in": len(inputs),
+        calls.append({"donated": list(node.facts.donated), "n_in": len(inputs),
                       "same": [o is i for o, i in zip(outs, inputs)],
                       "ptr_same": [o.__array_interface__["data"][0] == q
                                    for o, q in zip(outs, p)]})
@@ -51,14 +51,14 @@ def spy(group, node, inputs):
     return spy_batch(group, [node], [inputs])[0]
 KERNELS["AllReduce"] = dataclasses.replace(inner, fn=spy, batch=spy_batch)
 for e in [tr.executor]:
-    e.kernels = {i: (KERNELS["AllReduce"] if k.op_type == "AllReduce" else k)
-                 for i, k in e.kernels.items()}
-run_segment = ex.Executor._run_segment
+    e.kernels.update({i: KERNELS["AllReduce"] for i, k in e.kernels.items()
+                      if k.op_type == "AllReduce"})
+run_segment = ex.Executor.run_segment
 def record(self, seg, env):
     outs = run_segment(self, seg, env)
     produced.update(o.numpy().__array_interface__["data"][0] for o in outs)
     return outs
-ex.Executor._run_segment = record
+ex.Executor.run_segment = record
 from_numpy = ort.OrtValue.ortvalue_from_numpy
 def counted(*a, **k):
     wrapped[0] += 1

@@ -137,7 +137,7 @@ def test_a_step_written_in_place_equals_one_that_is_not(monkeypatch, optimizer, 
     fast = _digits_cnn_step(monkeypatch, True, batches, optimizer)
     plain = _digits_cnn_step(monkeypatch, False, batches, optimizer)
     update = [it for it in fast.executor.items if isinstance(it, Segment)][-1]
-    planned = next(iter(fast.executor._inplace[update.index].values()))
+    planned = next(iter(fast.executor.planner.assigned[update.index].values()))
     # the large layer's update ops (smaller tensors stay in onnxruntime's memory)
     assert len(planned) >= {"adamw": 12, "sgd": 4}[optimizer], planned
     assert not plain.executor.donated

@@ -55,7 +55,7 @@ np.savez(f"params_{tr.rank}.npz", **tr.state_dict())
 nodes = [n.name for n in tr.executor.comm_nodes.values()]
 reduced = {o for n in tr.executor.comm_nodes.values() for o in n.outputs}
 # results the update writes into the memory of a reduced bucket
-into_reduced = sorted(r for plans in tr.executor._inplace.values() for plan in plans.values()
+into_reduced = sorted(r for plans in tr.executor.planner.assigned.values() for plan in plans.values()
                       for r, (buf, _) in plan.items() if buf in reduced)
 json.dump({"calls": calls, "batches": batches, "nodes": nodes, "into_reduced": into_reduced},
           open(f"report_{tr.rank}.json", "w"))

@@ -1,0 +1,57 @@
+"""The runtime's own graph rewrites, as onnx_ir passes under a PassManager of their own.
+
+The compiler's passes (ngdist/passes) make the step graph; these adapt it to how this process
+runs it, and never change what it computes. Every rank holds the same graph and runs the same
+rewrites, so every rank keeps the same comm nodes:
+
+* ``RemoveUnusedNodesPass`` (onnx_ir's): nodes no step output depends on (a second head, a
+  metric nobody returns) would only cost time in a segment;
+* :class:`InlineAloneIdentities`: on a group of one rank, comm ops that are the identity
+  there become ``Identity`` nodes (one per output), so a one-rank step is not cut into
+  segments at them.
+"""
+from __future__ import annotations
+
+import logging
+
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from ngdist.ir.domain import DOMAIN, comm_attributes
+from ngdist.kernels import get_kernel
+
+logger = logging.getLogger(__name__)
+
+
+class InlineAloneIdentities(ir.passes.InPlacePass):
+    """Comm nodes whose kernel is the identity on one rank (``alone_identity``) become one
+    ``Identity`` node per output, with the output's name."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        alone = [n for n in graph if n.domain == DOMAIN and
+                 get_kernel(n.op_type).alone_identity(comm_attributes(n))]
+        for n in alone:
+            nodes = [ir.node("Identity", [x], name=f"{n.name}/{k}")
+                     for k, x in enumerate(n.inputs)]
+            ir.convenience.replace_nodes_and_values(
+                graph, n, [n], nodes, list(n.outputs), [m.outputs[0] for m in nodes])
+        return ir.passes.PassResult(model, modified=bool(alone))
+
+
+def runtime_rewrites(model: onnx.ModelProto, group_size: int,
+                     inline_alone: bool = True) -> onnx.ModelProto:
+    """``model`` rewritten for running on a group of ``group_size`` ranks (see the module
+    docstring); ``model`` itself when no pass changes it."""
+    passes: list[ir.passes.PassBase] = [RemoveUnusedNodesPass()]
+    if group_size == 1 and inline_alone:
+        passes.append(InlineAloneIdentities())
+    step = ir.from_proto(model)
+    before = len(step.graph)
+    result = ir.passes.PassManager(passes)(step)
+    if not result.modified:
+        return model
+    logger.info("runtime rewrites: %d -> %d nodes in the step graph", before,
+                len(result.model.graph))
+    return ir.to_proto(result.model)
