@@ -17,7 +17,7 @@ from ngdist.ir.model import check_training_model, load_proto, split_training_mod
 from ngdist.ir.modelfile import refuse_external_data
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
-from ngdist.comm import world_group, world_rank_size
+from ngdist.comm import LocalGroup, world_group, world_rank_size
 from ngdist.runtime import checkpoint
 from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
@@ -225,7 +225,10 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``compression_error_feedback``; ``pushsum``:
     ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
     ``servers``; ``simple`` and ``local``: none. An unknown option, or one of another
-    strategy, is an OptionError naming the valid ones.
+    strategy, is an OptionError naming the valid ones. A ``local`` trainer communicates with
+    nobody, also made on one rank of a multi-rank job (to evaluate, or as a one-process
+    reference); there the job's NGDIST_CHECKPOINT_* and NGDIST_TIMELINE, which are its
+    distributed trainer's, do not apply to it.
     ``reproducible_micro_batch=M`` (allreduce): reproducible mode, every rank's batch is cut
     into micro-batches of ``M`` samples whose gradients, buffer averages and loss are summed
     exactly (``all_reduce_alg="exact"``), so training gives the same bits on any number of
@@ -234,7 +237,15 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     half the bytes (passes/compression.py); ``compression_error_feedback=True`` carries what
     the rounding lost into the next step.
     """
-    checkpoint_every, folder = _checkpoint_options(checkpoint_every, checkpoint_dir)
+    if kvstore is not None:
+        from ngdist.compat.kvstore import compile_options
+        strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
+    local_in_job = strategy == "local" and world_rank_size()[1] > 1
+    if local_in_job:  # the job's NGDIST_CHECKPOINT_* and NGDIST_TIMELINE are its own trainer's
+        folder = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        timeline = False if timeline is None else timeline
+    else:
+        checkpoint_every, folder = _checkpoint_options(checkpoint_every, checkpoint_dir)
     runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
                              overlap=overlap, devices_per_worker=devices_per_worker,
                              ps_serve=ps_serve, nan_check=nan_check, timeline=timeline,
@@ -244,9 +255,6 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     if checkpoint_every is not None and checkpoint_every < 1 or checkpoint_keep < 1:
         raise OptionError(f"checkpoint_every and checkpoint_keep must be at least 1, got "
                           f"{checkpoint_every} and {checkpoint_keep}")
-    if kvstore is not None:
-        from ngdist.compat.kvstore import compile_options
-        strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
     if overlap is not None and strategy == "pushsum":  # also the gossip's overlap
         strategy_options = {"overlap": overlap, **strategy_options}
     chosen = _strategy_options(strategy, strategy_options, also=_KEYWORDS,
@@ -267,7 +275,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
                              "Keras models; an ONNX model declares its inputs and outputs")
         proto = to_training_model(model, loss=loss, labels=labels, optimizer=optimizer,
                                   params=params, frozen=frozen, output=output)
-    group = world_group(runtime.timeout)
+    # a local trainer communicates with nobody, also on one rank of a multi-rank job
+    group = LocalGroup(runtime.timeout) if strategy == "local" else world_group(runtime.timeout)
     inference, step = split_training_model(proto)
     step = run_passes(step, chosen)
     # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
