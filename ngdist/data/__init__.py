@@ -1,4 +1,5 @@
-"""Bundled real data.
+"""Data for the ranks: ``DistributedSampler`` and ``torch_loader`` (data/sampler.py), and
+bundled real data.
 
 ``digits.npz``: the 1,797 8x8 handwritten digits (UCI ML "Optical Recognition of Handwritten
 Digits", Alpaydin & Kaynak 1998, as distributed with scikit-learn as ``load_digits``), pixel
@@ -9,6 +10,10 @@ from __future__ import annotations
 from importlib import resources
 
 import numpy as np
+
+from ngdist.data.sampler import DistributedSampler, torch_loader
+
+__all__ = ["DistributedSampler", "load_digits", "torch_loader"]
 
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0, images: bool = False

@@ -31,6 +31,7 @@ from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
 from ngdist.runtime.executor import Executor, StepExecutor, StepTimes
+from ngdist.data.digest import first_batch_checked
 from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
 from ngdist.runtime.feeds import BatchFeeds
 from ngdist.runtime.hyper import Hypers
@@ -246,7 +247,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         gives the k rows of each of this rank's samples."""
         if self.role == "server":
             return
-        for batch in batches:
+        for batch in first_batch_checked(batches, self.stats_group):
             t0 = time.perf_counter()
             n = self._check_global_batch(batch)
             mine = self._slice(batch, n, self._sample_bounds(n))
