@@ -111,6 +111,9 @@ def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[int, flo
              for g in compiled.groups] or [base]
 
     def read() -> dict[int, float]:
+        # ngdist steps in the torch optimizer's place: a scheduler's check that step() ran
+        # before scheduler.step() (a warning that the first value is skipped) reads this flag
+        opt._opt_called = True
         groups = opt.param_groups
         if len(groups) != len(fixed):
             raise OptionError(f"the torch optimizer now has {len(groups)} param groups, and was "

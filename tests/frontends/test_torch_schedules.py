@@ -1,0 +1,130 @@
+"""torch.optim.lr_scheduler is followed: the trainer reads every param group's learning rate
+from the torch optimizer at each step, so the user's loop (``trainer.step``; ``sched.step()``)
+trains as torch's (``opt.step()``; ``sched.step()``) does. float64 module, 10 steps, every
+parameter within 1e-6 of torch and the learning rates equal at every step."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch frontend needs the torch extra: "
+                            "pip install 'ngdist[torch]'")
+nn = torch.nn
+O = torch.optim
+S = torch.optim.lr_scheduler
+
+import ngdist  # noqa: E402
+from ngdist.errors import OptionError  # noqa: E402
+
+STEPS = 10
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return [(rng.standard_normal((5, 6)), rng.integers(0, 3, 5)) for _ in range(STEPS)]
+
+
+def groups(m: nn.Module) -> list[dict]:
+    decay = [p for n, p in m.named_parameters() if n.endswith("weight") and not n.startswith("1.")]
+    rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and
+                                                      not n.startswith("1."))]
+    return [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4) * max(0.0, (STEPS - step) / STEPS)
+
+
+CASES = {
+    "step_lr": (lambda m: O.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                lambda o: S.StepLR(o, step_size=3, gamma=0.5)),
+    # the Hugging Face recipe: AdamW, no decay on biases and LayerNorm, linear warm-up/decay
+    "lambda_warmup_adamw_groups": (lambda m: O.AdamW(groups(m), lr=0.01),
+                                   lambda o: S.LambdaLR(o, [warmup, lambda s: 0.5 ** s])),
+    "one_cycle": (lambda m: O.Adam(m.parameters(), lr=0.01),
+                  lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS,
+                                         cycle_momentum=False)),
+    "sequential_warm_restarts": (
+        lambda m: O.RMSprop(m.parameters(), lr=0.01),
+        lambda o: S.SequentialLR(o, [S.LinearLR(o, start_factor=0.1, total_iters=3),
+                                     S.CosineAnnealingWarmRestarts(o, T_0=3)], milestones=[3])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_torch_scheduler_is_followed(name):
+    make_opt, make_sched = CASES[name]
+    ref = make_model()
+    ref_opt = make_opt(ref)
+    ref_sched = make_sched(ref_opt)
+    ref_lrs = []
+    for x, y in data():
+        ref_lrs.append([g["lr"] for g in ref_opt.param_groups])
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref_opt.step()
+        ref_sched.step()
+    assert len({tuple(lr) for lr in ref_lrs}) > 2  # the schedule moves
+
+    module = make_model()
+    opt = make_opt(module)
+    sched = make_sched(opt)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler.step() before optimizer.step()"
+        for x, y in data():
+            trainer.step({"input": x, "y": y})
+            lrs.append(list(trainer.lr.values()))  # what this step ran with
+            sched.step()
+    np.testing.assert_allclose(lrs, ref_lrs, rtol=1e-7)  # the step ran at torch's rate
+    trainer.to_torch()
+    for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
+        assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-6, pname
+
+
+def test_a_scheduler_that_changes_momentum_is_refused_when_it_does():
+    module = make_model()
+    opt = O.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    sched = S.OneCycleLR(opt, max_lr=0.5, total_steps=STEPS)  # cycles momentum by default
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    x, y = data()[0]
+    trainer.step({"input": x, "y": y})
+    sched.step()
+    with pytest.raises(OptionError, match=r"param group 0 of the torch optimizer changed "
+                                          r"\['momentum'\] since ngdist.compile \(momentum: "
+                                          r"0.95 -> 0.\d+\); ngdist follows a scheduler's "
+                                          r"learning rate only"):
+        trainer.step({"input": x, "y": y})
+
+
+def test_set_lr_per_group_on_an_onnx_model():
+    from ngdist import zoo
+
+    opt = ngdist.optim.AdamW(lr=0.01, groups=[{"params": ["fc0.bias", "fc1.bias"],
+                                               "weight_decay": 0.0, "lr": 0.02}])
+    trainer = ngdist.compile(zoo.mlp((4, 8, 3)), optimizer=opt, strategy="local")
+    assert trainer.lr == {0: pytest.approx(0.02), 1: pytest.approx(0.01)}
+    trainer.set_lr(0.5, group=1)
+    assert trainer.lr == {0: pytest.approx(0.02), 1: 0.5}
+    trainer.set_lr({0: 0.25})
+    trainer.set_lr(0.125)
+    assert trainer.lr == {0: 0.125, 1: 0.125}
+    with pytest.raises(OptionError, match=r"no parameter group \[2\] in this step; its groups "
+                                          r"are \[0, 1\]"):
+        trainer.set_lr(0.1, group=2)
+    with pytest.raises(OptionError, match="the learning rate takes a number, not a str"):
+        trainer.set_lr("0.1")
+    with pytest.raises(OptionError, match=r"must be >= 0, got -1"):
+        trainer.set_lr(-1)
+    assert not math.isnan(trainer.lr[0])
