@@ -29,9 +29,9 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
-def data():
+def data(steps: int = STEPS):
     rng = np.random.default_rng(0)
-    return [(rng.standard_normal((5, 6)), rng.integers(0, 3, 5)) for _ in range(STEPS)]
+    return [(rng.standard_normal((5, 6)), rng.integers(0, 3, 5)) for _ in range(steps)]
 
 
 def two_groups(m: nn.Module, first: dict, second: dict) -> list[dict]:

@@ -18,18 +18,13 @@ S = torch.optim.lr_scheduler
 
 import ngdist  # noqa: E402
 from ngdist.errors import OptionError  # noqa: E402
+from test_torch_optim_formulas import data as formula_data, make_model  # noqa: E402
 
 STEPS = 10
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
-
-
 def data():
-    rng = np.random.default_rng(0)
-    return [(rng.standard_normal((5, 6)), rng.integers(0, 3, 5)) for _ in range(STEPS)]
+    return formula_data(STEPS)
 
 
 def groups(m: nn.Module) -> list[dict]:
