@@ -47,6 +47,7 @@ def test_the_ranks_hold_uneven_counts():
     np.testing.assert_array_equal(M.batch("masked", 0)["mask"], b["labels"] != M.IGNORE)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 4])
 def test_ranks_train_as_torch_on_the_combined_batch(ranks, tmp_path, n):
     ranks(n, SCRIPT, args=[str(HERE)], timeout=200)

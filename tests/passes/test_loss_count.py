@@ -73,6 +73,7 @@ def test_one_process_equals_torch(kind):
     assert loss == pytest.approx(expected_loss, rel=1e-12)
 
 
+@pytest.mark.mpi
 def test_two_ranks_with_4_and_1_counted_tokens_equal_torch(ranks, tmp_path):
     np.savez(tmp_path / "data.npz", x=X, y=Y, w0=W0, cw=CLASS_WEIGHTS)
     ranks(2, SCRIPT, args=[str(HERE)], timeout=150)
