@@ -54,7 +54,7 @@ from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_r
 from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
-                                          translate_optimizer)
+                                          translate_optimizer, write_optimizer_state)
 from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -381,25 +381,9 @@ def to_torch(values: Mapping[str, np.ndarray], steps_done: int, module: Any, exp
 
 def _write_optimizer_state(values: Mapping[str, np.ndarray], steps_done: int, module: Any,
                            exp: TorchExport, opt: Any) -> None:
-    torch = _torch()
     named = dict(module.named_parameters())
-    steps = int(values.get("ngdist.step", steps_done))
-    for onnx_name, name in exp.params.items():
-        p = named.get(name)
-        if p is None:
-            continue
-        state = opt.state[p]
-        if isinstance(opt, torch.optim.SGD) and f"{onnx_name}.momentum" in values:
-            if opt.param_groups[0]["momentum"]:
-                state["momentum_buffer"] = torch.from_numpy(values[f"{onnx_name}.momentum"].copy())
-        elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and \
-                f"{onnx_name}.adam_m" in values:
-            state["step"] = torch.tensor(float(steps))
-            state["exp_avg"] = torch.from_numpy(values[f"{onnx_name}.adam_m"].copy())
-            state["exp_avg_sq"] = torch.from_numpy(values[f"{onnx_name}.adam_v"].copy())
-            if f"{onnx_name}.adam_vmax" in values:  # AMSGrad
-                state["max_exp_avg_sq"] = torch.from_numpy(
-                    values[f"{onnx_name}.adam_vmax"].copy())
+    write_optimizer_state(values, int(values.get("ngdist.step", steps_done)),
+                          {o: named[n] for o, n in exp.params.items() if n in named}, opt)
 
 
 def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",

@@ -133,3 +133,40 @@ def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[int, flo
         return out
 
     return read
+
+
+# ngdist state kind (``<param>.<kind>``) -> the torch optimizer's state key
+_STATE_KEYS = {"momentum": "momentum_buffer", "adam_m": "exp_avg", "adam_v": "exp_avg_sq",
+               "adam_vmax": "max_exp_avg_sq", "adagrad_h": "sum", "rmsprop_sq": "square_avg",
+               "rmsprop_mom": "momentum_buffer", "rmsprop_gavg": "grad_avg",
+               "adadelta_sq": "square_avg", "adadelta_acc": "acc_delta", "adamax_m": "exp_avg",
+               "adamax_u": "exp_inf", "nadam_m": "exp_avg", "nadam_v": "exp_avg_sq",
+               "radam_m": "exp_avg", "radam_v": "exp_avg_sq"}
+
+
+def write_optimizer_state(values: Mapping[str, Any], steps: int, params: Mapping[str, Any],
+                          opt: Any) -> None:
+    """The trained optimizer state into the torch optimizer ``opt``'s ``state``: for each
+    (ONNX name -> torch parameter) of ``params``, its states in ``values`` under torch's keys,
+    with torch's ``step`` (and NAdam's ``mu_product``) after ``steps`` steps."""
+    import torch
+
+    name = _torch_class(opt)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for onnx_name, p in params.items():
+        group = group_of.get(id(p))
+        if group is None:
+            continue
+        state = opt.state[p]
+        kinds = [k for k in _STATE_KEYS if f"{onnx_name}.{k}" in values]
+        for kind in kinds:
+            if kind == "momentum" and not group["momentum"]:
+                continue  # torch's SGD keeps no buffer without momentum
+            state[_STATE_KEYS[kind]] = torch.from_numpy(values[f"{onnx_name}.{kind}"].copy())
+        if kinds and name != "SGD":
+            state["step"] = torch.tensor(float(steps))
+        if kinds and name == "NAdam":
+            b1, decay, product = group["betas"][0], group["momentum_decay"], 1.0
+            for i in range(1, steps + 1):
+                product *= b1 * (1.0 - 0.5 * 0.96 ** (i * decay))
+            state["mu_product"] = torch.tensor(product)

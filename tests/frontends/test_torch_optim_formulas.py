@@ -46,7 +46,7 @@ def train_torch(make_opt):
         opt.zero_grad()
         nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         opt.step()
-    return ref
+    return ref, opt
 
 
 def train_ngdist(make_opt, strategy: str = "local"):
@@ -107,7 +107,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_optimizer_follows_torch_step_by_step(name):
-    ref = train_torch(CASES[name])
+    ref, ref_opt = train_torch(CASES[name])
     module, trainer = train_ngdist(CASES[name])
     start = make_model()
     for (pname, mine), theirs, before in zip(module.named_parameters(), ref.parameters(),
@@ -118,6 +118,21 @@ def test_each_optimizer_follows_torch_step_by_step(name):
         assert max_rel_err(mine - before, theirs - before) <= 1e-5, pname
     if name.endswith("_groups"):
         assert len(trainer.lr) == 2
+    # the state written back into a torch optimizer is torch's, and torch goes on from it
+    user_opt = CASES[name](module)
+    trainer.to_torch(optimizer=user_opt)
+    for mine, theirs in zip(module.parameters(), ref.parameters()):
+        state, want = user_opt.state[mine], ref_opt.state[theirs]
+        assert set(state) == set(want)
+        for key in want:
+            assert np.abs(np.asarray(state[key]) - np.asarray(want[key])).max() <= 1e-5, key
+    x, y = data()[0]
+    for m, o in ((module, user_opt), (ref, ref_opt)):
+        o.zero_grad()
+        nn.functional.cross_entropy(m(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        o.step()
+    for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
+        assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-5, pname
 
 
 def test_two_groups_are_two_optimizer_nodes_with_their_own_constants():
