@@ -23,15 +23,16 @@ from ngdist.data import load_digits
 from ngdist.zoo import mlp
 
 scenario = sys.argv[1]
+timeout = float(sys.argv[2]) if len(sys.argv) > 2 else None
 x, y = load_digits()[:2]
 trainer = ngdist.compile(mlp((64, 16, 10)), loss="softmax_cross_entropy", labels="y",
-                         optimizer=ngdist.optim.SGD(lr=0.1))
+                         optimizer=ngdist.optim.SGD(lr=0.1), timeout=timeout)
 for i in range(3):
     trainer.step({"x": x[32 * i:32 * (i + 1)], "y": y[32 * i:32 * (i + 1)]})
 rank = ngdist.rank()
 with open(f"pid{rank}", "w") as fh:
     fh.write(str(os.getpid()))
-if rank == 1:
+if rank == ngdist.size() - 1:
     if scenario == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen after its last collective
     elif scenario == "slow":
@@ -78,3 +79,28 @@ def test_rank_slower_to_exit_than_the_others_but_within_the_timeout_ends_cleanly
     assert proc.returncode == 0
     assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists()
     assert "error" not in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_end_of_the_job_is_bounded_by_the_timeout_given_to_compile(ranks, tmp_path, n):
+    """No NGDIST_TIMEOUT: compile(timeout=6) bounds the end of the job too (the largest
+    timeout the job's groups were given), on 2 and 3 ranks."""
+    proc = ranks(n, SCRIPT, args=["freeze", "6"], timeout=120, check=False,
+                 env={"NGDIST_TIMEOUT": ""})  # (empty: the default, 300 s)
+    out = proc.stdout + proc.stderr
+    frozen = int((tmp_path / f"pid{n - 1}").read_text())
+    try:
+        ended = [r for r in range(n - 1) if (tmp_path / f"done{r}").exists()]
+        assert ended == list(range(n - 1)), out
+        done_at = min((tmp_path / f"done{r}").stat().st_mtime for r in ended)
+        assert proc.returncode != 0, out
+        assert (f"at exit: 'the end of the job (every rank reaching MPI_Finalize)' did not "
+                f"complete within 6 s") in out, out
+        assert time.time() - done_at < 6 + 20, out  # the 6 s bound, then the abort
+        deadline = time.monotonic() + 10
+        while not _gone(frozen) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(frozen), "the frozen rank outlived the job"
+    finally:
+        if not _gone(frozen):
+            os.kill(frozen, signal.SIGKILL)
