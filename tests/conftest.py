@@ -1,4 +1,5 @@
-"""Shared test helpers: run a script on N ranks under the venv's real mpiexec, with a timeout."""
+"""Shared test helpers: run a script on N ranks under the venv's real mpiexec, with a timeout;
+the skip policy of ``--strict-skips`` (tests/skip_policy.py)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from skip_policy import (pytest_addoption, pytest_collectreport,  # noqa: F401 - hooks
+                         pytest_configure, pytest_runtest_logreport, pytest_sessionfinish,
+                         pytest_terminal_summary, pytest_unconfigure)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,8 +24,8 @@ def mpiexec(n: int) -> list[str]:
 
     try:
         return mpiexec_cmd(n)
-    except NgdistError as exc:
-        pytest.skip(str(exc))
+    except NgdistError as exc:  # mpiexec is installed with ngdist: a broken install
+        pytest.fail(str(exc))
 
 
 def run_ranks(n: int, script: str, tmp_path: Path, *, timeout: float = 120,
@@ -45,10 +50,29 @@ def run_ranks(n: int, script: str, tmp_path: Path, *, timeout: float = 120,
     return proc
 
 
+MARGIN = 20  # seconds a test keeps, past its ranks' own limit, to report their hang
+
+
+def timeout_of_test(node: pytest.Item) -> float:
+    """The pytest-timeout limit of ``node`` (its ``timeout`` marker, else the ini value)."""
+    marker = node.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(node.config.getini("timeout") or 0)
+
+
 @pytest.fixture
-def ranks(tmp_path):
-    """``ranks(n, script, **kw)`` runs a script under mpiexec in tmp_path."""
+def ranks(tmp_path, request):
+    """``ranks(n, script, **kw)`` runs a script under mpiexec in tmp_path. Its ``timeout``
+    must be below the test's pytest-timeout by MARGIN, so that a hang fails with the ranks'
+    own report (their output) instead of pytest-timeout's stack dump."""
+    limit = timeout_of_test(request.node)
+
     def run(n: int, script: str, **kw):
+        timeout = kw.get("timeout", 120)
+        if limit and timeout > limit - MARGIN:
+            pytest.fail(f"ranks(timeout={timeout:g}) must be at most {limit - MARGIN:g} s: the "
+                        f"test's pytest-timeout is {limit:g} s")
         return run_ranks(n, script, tmp_path, **kw)
     return run
 

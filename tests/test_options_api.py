@@ -98,9 +98,20 @@ def test_compile_passes_valid_options_to_the_strategy():
 
 
 def test_compile_defaults_apply_to_every_strategy():
-    # no option given: no strategy is handed another strategy's default (bucket_bytes, ...)
-    for strategy in ("allreduce", "pushsum", "ps", "simple", "local"):
-        ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=OPT, strategy=strategy).close()
+    # no option given: each strategy gets its own comm nodes with its own defaults, and no
+    # strategy is handed another strategy's default (bucket_bytes, ...)
+    own = {"allreduce": [("AllReduce", {"algorithm": b"mpi"})],  # 25 MiB: one bucket
+           "pushsum": [("PushSum", {"graph": b"exponential", "peers_per_itr": 1,
+                                    "overlap": 0, "synch_freq": 0})],
+           "ps": [("PSPushPull", {"grad_shard_bytes": 10_000_000, "servers": 0})],
+           "simple": [("CentralReduce", {})], "local": []}
+    for strategy, expected in own.items():
+        tr = ngdist.compile(zoo.mlp((64, 8, 10)), optimizer=OPT, strategy=strategy)
+        got = _comm_attributes(tr)
+        tr.close()
+        assert [op for op, _ in got] == [op for op, _ in expected], strategy
+        for (_, attrs), (_, defaults) in zip(got, expected):
+            assert {k: attrs[k] for k in defaults} == defaults, strategy
 
 
 # --------------------------------------------------------------------------- DistributedSGD

@@ -129,14 +129,22 @@ def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
 
 @functools.lru_cache(maxsize=1)
 def nchwc_block_size() -> int:
-    """Channels per block of onnxruntime's NCHWc CPU kernels here; 0 where there are none."""
+    """Channels per block of onnxruntime's NCHWc CPU kernels here; 0 where there are none
+    (a build or CPU without them: onnxruntime does not know the probe's ReorderInput, or has
+    no kernel for it). Any other failure of the probe is raised: it is a broken install or
+    a bug, not a CPU without the kernels."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, NotImplemented
+
     try:
         sess = ort.InferenceSession(blocked_conv.probe_model().SerializeToString(),
                                     providers=["CPUExecutionProvider"])
-        return int(sess.run(None, {"x": np.zeros([1, 4, 1, 1], np.float32)})[0].shape[1])
-    except Exception as exc:  # noqa: BLE001 - no NCHWc kernels in this build or on this CPU
-        logger.debug("no NCHWc kernels: %s", exc)
+    except (Fail, NotImplemented) as exc:
+        if f"{blocked_conv.DOMAIN}:ReorderInput" not in str(exc) and \
+                "implementation for ReorderInput" not in str(exc):
+            raise
+        logger.info("no NCHWc kernels in this onnxruntime build or on this CPU: %s", exc)
         return 0
+    return int(sess.run(None, {"x": np.zeros([1, 4, 1, 1], np.float32)})[0].shape[1])
 
 
 def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,

@@ -4,6 +4,8 @@ ConvTransposes whose output outweighs their weight), and that the result equals 
 own Conv or ConvTranspose to float32 rounding, alone and in a training step."""
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import onnx
 import pytest
@@ -16,8 +18,52 @@ from ngdist.errors import NgdistError
 from ngdist.runtime import blocked_conv
 from ngdist.runtime.sessions import make_session, nchwc_block_size
 
-BLOCK = nchwc_block_size()
-pytestmark = pytest.mark.skipif(BLOCK == 0, reason="onnxruntime has no NCHWc kernels here")
+BLOCK = nchwc_block_size()  # raises where the probe is broken: never a silent 0
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# onnxruntime's x86-64 builds have NCHWc kernels: there, none found is a failure, not a skip
+pytestmark = pytest.mark.skipif(BLOCK == 0 and not X86_64,
+                                reason=f"no NCHWc kernels on this {platform.machine()} CPU")
+
+
+def test_onnxruntime_has_nchwc_kernels_on_x86_64():
+    if X86_64:
+        assert BLOCK in (8, 16), BLOCK
+    else:
+        assert BLOCK >= 0
+
+
+def _probe_raising(monkeypatch, exc: Exception) -> None:
+    from ngdist.runtime import sessions
+
+    def refuse(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(sessions.ort, "InferenceSession", refuse)
+
+
+def test_a_build_without_the_kernels_has_block_size_0(monkeypatch):
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, NotImplemented
+
+    for exc in (Fail("[ONNXRuntimeError] : 1 : FAIL : Fatal error: com.microsoft.nchwc:"
+                     "ReorderInput(-1) is not a registered function/op"),
+                NotImplemented("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an "
+                               "implementation for ReorderInput(1) node with name ''")):
+        _probe_raising(monkeypatch, exc)
+        assert nchwc_block_size.__wrapped__() == 0
+
+
+def test_a_broken_probe_is_raised_not_taken_for_a_cpu_without_kernels(monkeypatch):
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+    for exc in (Fail("[ONNXRuntimeError] : 1 : FAIL : Load model failed: Unsupported model IR "
+                     "version: 99"), MemoryError("out of memory"), ImportError("broken")):
+        _probe_raising(monkeypatch, exc)
+        with pytest.raises(type(exc)):
+            nchwc_block_size.__wrapped__()
+    monkeypatch.undo()
+    monkeypatch.setattr(blocked_conv, "probe_model", lambda: onnx.ModelProto())  # no graph
+    with pytest.raises(Exception, match="(?i)model|graph"):
+        nchwc_block_size.__wrapped__()
 
 
 def conv_model(channels: int, w_shape: list[int], group: int, constant_weight: bool = False,
