@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the PyTorch comparisons need the torch extra: "
-                            "pip install 'ngdist[torch]'")
+import torch  # noqa: E402
 nn = torch.nn
 
 import ngdist  # noqa: E402

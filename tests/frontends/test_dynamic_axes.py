@@ -17,8 +17,7 @@ import warnings
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the PyTorch comparisons need the torch extra: "
-                            "pip install 'ngdist[torch]'")
+import torch  # noqa: E402
 nn = torch.nn
 
 import onnx  # noqa: E402

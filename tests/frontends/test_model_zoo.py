@@ -35,11 +35,9 @@ import os
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the PyTorch frontend needs the torch extra: "
-                            "pip install 'ngdist[torch]'")
+import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model comes from a config, offline
-pytest.importorskip("transformers", reason="the model zoo needs the zoo extra: "
-                                   "pip install 'ngdist[zoo]'")
+import transformers  # noqa: E402,F401 - the extra CI installs
 nn = torch.nn
 
 import ngdist  # noqa: E402
@@ -168,6 +166,7 @@ def test_three_optimizer_steps_match_torch(name, opt):
 
 
 TWO_RANK_SCRIPT = """
+import hashlib
 import json
 
 import numpy as np
@@ -198,8 +197,8 @@ for n, p in module.named_parameters():
     errors[n] = float(np.abs(a - b).max() / np.abs(b).max())
 with open(f"result{trainer.rank}.json", "w") as fh:  # one file a rank: no interleaved lines
     json.dump({"rank": trainer.rank, "errors": errors,
-               "digest": float(sum(np.abs(p.detach().numpy()).sum()
-                                   for p in module.parameters()))}, fh)
+               "digest": {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+                          for n, p in module.named_parameters()}}, fh)
 """
 
 
@@ -209,10 +208,10 @@ def test_llama_on_two_ranks_matches_one_process_on_the_global_batch(ranks, tmp_p
     (every sequence has 8 predicted tokens), so 3 SGD steps give the same parameters."""
     import json
 
-    proc = ranks(2, TWO_RANK_SCRIPT, timeout=300)
+    proc = ranks(2, TWO_RANK_SCRIPT, timeout=240)
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("result*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1], proc.stdout + proc.stderr
-    assert results[0]["digest"] == results[1]["digest"]  # the ranks hold the same weights
+    assert results[0]["digest"] == results[1]["digest"]  # the same bytes on both ranks
     for r in results:
         worst = max(r["errors"], key=r["errors"].get)
         assert r["errors"][worst] <= TOL, (worst, r["errors"][worst])

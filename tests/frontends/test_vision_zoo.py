@@ -51,15 +51,10 @@ import copy
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="the PyTorch frontend needs the torch extra: "
-                            "pip install 'ngdist[torch]'")
+import torch  # noqa: E402
 from ngdist import zoo_vision as vz  # noqa: E402
 
-try:
-    vz.import_timm()  # torchvision first, through the import workaround
-except ImportError as exc:
-    pytest.skip(f"the vision zoo needs the vision extra: pip install 'ngdist[torch,vision]' "
-                f"({exc})", allow_module_level=True)
+vz.import_timm()  # torchvision first, through the import workaround
 
 import ngdist  # noqa: E402
 from ngdist.frontends import torch as tfront  # noqa: E402
