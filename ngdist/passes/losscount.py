@@ -1,14 +1,15 @@
 """A loss that is a mean over counted tokens, normalised by the count of the whole global batch.
 
-A ``SoftmaxCrossEntropyLoss`` with ``reduction="mean"`` and an ``ignore_index`` or class weights
-divides the sum of its terms by the number (the sum of the weights) of the tokens it counts; so
-does a masked loss written as ``ReduceSum(l * mask) / ReduceSum(mask)``. On N ranks, averaging
-the ranks' means weighs a token of a rank with few counted tokens more than one of a rank with
-many, and training differs from one process on the combined batch. Here every rank divides its
-sum by the mean over the ranks of the counts (an ``ngdist.AllReduce`` of one scalar, in the
-graph), so that the gradients summed (or averaged) over the ranks are those of
-``sum over all tokens / global count``, as one process computes them. The step's loss is then
-this rank's term of that loss times N: the mean of the ranks' losses is the combined batch's.
+A ``SoftmaxCrossEntropyLoss`` (or ``NegativeLogLikelihoodLoss``) with ``reduction="mean"`` and
+an ``ignore_index`` or class weights divides the sum of its terms by the number (the sum of the
+weights) of the tokens it counts; so does a masked loss written as
+``ReduceSum(l * mask) / ReduceSum(mask)``. On N ranks, averaging the ranks' means weighs a token
+of a rank with few counted tokens more than one of a rank with many, and training differs from
+one process on the combined batch. Here every rank divides its sum by the mean over the ranks
+of the counts (an ``ngdist.AllReduce`` of one scalar, in the graph), so that the gradients
+summed (or averaged) over the ranks are those of ``sum over all tokens / global count``, as one
+process computes them. The step's loss is then this rank's term of that loss times N: the mean
+of the ranks' losses is the combined batch's.
 
 Two passes: :class:`CountedLossPass` before autodiff rewrites a counted mean into
 ``sum / count`` and marks the division; :class:`GlobalCountPass`, after every other comm pass
@@ -53,14 +54,19 @@ def _ancestors(value: ir.Value) -> set[str]:
             continue
         stack.extend(i for i in producer.inputs if i is not None)
         for attr in producer.attributes.values():  # subgraphs read outer values too
-            if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
+            if isinstance(attr, ir.Attr) and attr.type in (ir.AttributeType.GRAPH,
+                                                            ir.AttributeType.GRAPHS):
                 leaves.add("<subgraph>")
     return leaves
 
 
+LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+
+
 def _counted_mean(node: ir.Node) -> bool:
-    """A SoftmaxCrossEntropyLoss mean over the tokens it counts (ignore_index or weights)."""
-    if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
+    """A SoftmaxCrossEntropyLoss or NegativeLogLikelihoodLoss mean over the labels it counts
+    (an ignore_index or class weights)."""
+    if node.op_type not in LOSSES or node.domain not in ("", "ai.onnx"):
         return False
     weights = node.inputs[2] if len(node.inputs) > 2 else None
     return _attr(node, "reduction", "mean") == "mean" and \
@@ -86,7 +92,7 @@ class _Emit:
 
 
 def _split_mean(graph: ir.Graph, node: ir.Node) -> ir.Node:
-    """SoftmaxCrossEntropyLoss(mean) -> SoftmaxCrossEntropyLoss(sum) / count, where count is
+    """Loss(mean) -> Loss(sum) / count (Loss: one of LOSSES), where count is
     the sum of the weights of the counted labels (class weight of the label, 0 where it is
     ignore_index; 1 without class weights): ONNX's (and torch's) mean. The Div, marked."""
     y = node.outputs[0]
@@ -96,7 +102,7 @@ def _split_mean(graph: ir.Graph, node: ir.Node) -> ir.Node:
     emit = _Emit(graph, node, f"ngdist/loss_count/{y.name}")
     attrs = {"reduction": "sum"} if ignore is None else {"reduction": "sum", "ignore_index": ignore}
     inputs = [scores, labels, *([weights] if weights is not None else [])]
-    total = ir.Node("", "SoftmaxCrossEntropyLoss", inputs,
+    total = ir.Node("", node.op_type, inputs,
                     ir.convenience.convert_attributes(attrs), name=f"{emit.prefix}/sum")
     total.outputs[0].name = f"{y.name}.sum"
     total.outputs[0].type, total.outputs[0].shape = y.type, ir.Shape([])
@@ -144,7 +150,7 @@ def _normalised_by_data(div: ir.Node, data: set[str], params: set[str]) -> bool:
 
 class CountedLossPass(ir.passes.InPlacePass):
     """Marks the loss of every ``Gradient`` node that is a mean over counted tokens (see the
-    module docstring), after rewriting a counted ``SoftmaxCrossEntropyLoss`` mean into
+    module docstring), after rewriting a counted ``SoftmaxCrossEntropyLoss`` (or NLL) mean into
     ``sum / count``. Runs before autodiff and before the gradient prescale. ``refuse``: the
     reason a strategy cannot normalise by the global count; such a loss is then refused."""
 

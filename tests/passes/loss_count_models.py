@@ -1,6 +1,7 @@
 """ONNX models for test_loss_count.py (the test and the ranks' script build them from here):
 ``x @ w`` scored by SoftmaxCrossEntropyLoss(ignore_index=-1) ('ignore'), the same with class
-weights ('weights'), or a masked mean ``sum(l * keep) / sum(keep)`` ('masked'); float64."""
+weights ('weights'), LogSoftmax and NegativeLogLikelihoodLoss(ignore_index=-1) ('nll'), or a
+masked mean ``sum(l * keep) / sum(keep)`` ('masked'); float64."""
 from __future__ import annotations
 
 import numpy as np
@@ -28,6 +29,10 @@ def model(kind: str, w0: np.ndarray, class_weights: np.ndarray) -> onnx.ModelPro
                   helper.make_node("ReduceSum", ["masked"], ["num"], keepdims=0),
                   helper.make_node("ReduceSum", ["mask"], ["den"], keepdims=0),
                   helper.make_node("Div", ["num", "den"], ["loss"], name="masked_mean")]
+    elif kind == "nll":  # LogSoftmax then NegativeLogLikelihoodLoss(ignore_index=-1)
+        nodes += [helper.make_node("LogSoftmax", ["logits"], ["logp"], axis=1),
+                  helper.make_node("NegativeLogLikelihoodLoss", ["logp", "y"], ["loss"],
+                                   name="nll", reduction="mean", ignore_index=-1)]
     else:
         weights = ["cw"] if kind == "weights" else []
         if weights:

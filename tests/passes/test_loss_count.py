@@ -23,7 +23,7 @@ X = np.random.default_rng(1).standard_normal((8, 6))
 Y = np.array([0, 1, 2, 3, -1, -1, -1, 4])
 W0 = np.random.default_rng(0).standard_normal((6, 5))
 CLASS_WEIGHTS = np.array([1.0, 2.0, 0.5, 3.0, 1.5])
-KINDS = ("ignore", "weights", "masked")
+KINDS = ("ignore", "weights", "masked", "nll")
 
 
 SCRIPT = '''
@@ -37,7 +37,7 @@ from loss_count_models import batch, make_trainer
 X, Y = np.load("data.npz")["x"], np.load("data.npz")["y"]
 W0, CW = np.load("data.npz")["w0"], np.load("data.npz")["cw"]
 for strategy in ("allreduce", "simple"):
-    for kind in ("ignore", "weights", "masked"):
+    for kind in ("ignore", "weights", "masked", "nll"):
         trainer = make_trainer(kind, W0, CW, strategy=strategy)
         (shard,) = trainer.shard([batch(kind, X, Y)])
         loss = trainer.step(shard).loss
