@@ -67,6 +67,33 @@ class Gelu(OpRun):
         return ((x * cdf).astype(x.dtype),)
 
 
+class LRN(OpRun):
+    """onnx 1.23's reference LRN does not sum the squares over ONNX's channel window (0.1 off
+    onnxruntime on random data); this one follows the operator's definition."""
+
+    op_domain = ""
+
+    def _run(self, x, alpha=1e-4, beta=0.75, bias=1.0, size=None):  # type: ignore[override]
+        lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+        square = np.zeros_like(x)
+        for c in range(x.shape[1]):
+            square[:, c] = (x[:, max(0, c - lo):c + hi + 1] ** 2).sum(axis=1)
+        return ((x / (bias + alpha / size * square) ** beta).astype(x.dtype),)
+
+
+class MeanVarianceNormalization(OpRun):
+    """onnx 1.23's function body adds a float32 epsilon to float64 values and fails (so does
+    onnxruntime's float64 kernel); this one keeps the input's type."""
+
+    op_domain = ""
+
+    def _run(self, x, axes=None):  # type: ignore[override]
+        axes = tuple(axes) if axes is not None else (0, 2, 3)
+        centered = x - x.mean(axis=axes, keepdims=True)
+        sigma = np.sqrt((centered ** 2).mean(axis=axes, keepdims=True))
+        return ((centered / (sigma + 1e-9)).astype(x.dtype),)
+
+
 # ----------------------------------------------------------------------------- the table
 
 @dataclass
@@ -218,7 +245,8 @@ class Runner:
             if ort_only or "NOT_IMPLEMENTED" not in str(exc):
                 raise
             self.sess = None
-            self.ref = ReferenceEvaluator(model, new_ops=[ConvTranspose, Erf, Gelu])
+            self.ref = ReferenceEvaluator(model, new_ops=[ConvTranspose, Erf, Gelu, LRN,
+                                                            MeanVarianceNormalization])
 
     def _ort(self) -> ort.InferenceSession:
         opts = ort.SessionOptions()

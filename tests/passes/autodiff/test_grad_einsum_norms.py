@@ -1,7 +1,7 @@
 """Einsum and the normalizations without saved statistics against central differences (the
 harness of ``grad_harness``): Einsum (products, attention, implicit output, ellipsis
 broadcasting, labels summed by one operand), InstanceNormalization, GroupNormalization
-(opset 18 and 21), LpNormalization."""
+(opset 21), RMSNormalization, MeanVarianceNormalization, LRN, LpNormalization."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,11 +40,25 @@ def _cases() -> list:
              lambda g: [g.n(2, 3, 3, 4), g.n(3), g.n(3)], epsilon=1e-3))
     add(case("InstanceNorm-1d-const-affine", "InstanceNormalization",
              lambda g: [g.n(2, 4, 5), Const(g.pos(4)), Const(g.n(4))]))
-    for cid, shape, groups, channels, opset, extra in [
-            ("GroupNorm-21", (2, 6, 2, 3), 3, 6, 21, {"stash_type": TensorProto.DOUBLE}),
-            ("GroupNorm-21-one-group-1d", (3, 4, 5), 1, 4, 21,
-             {"stash_type": TensorProto.DOUBLE, "epsilon": 1e-3})]:
-        add(_group_norm(cid, shape, groups, channels, opset, extra))
+    for cid, shape, groups, attrs in [
+            ("GroupNorm-21", (2, 6, 2, 3), 3, {}),
+            ("GroupNorm-21-one-group-1d", (3, 4, 5), 1, {"epsilon": 1e-3})]:
+        g = Gen(cid)
+        add(_shaped(cid, "GroupNormalization", {"x": g.n(*shape), "scale": g.n(shape[1]),
+                                                "bias": g.n(shape[1])}, opset=21,
+                    num_groups=groups, stash_type=TensorProto.DOUBLE, **attrs))
+    add(case("RMSNorm-last", "RMSNormalization", lambda g: [g.n(2, 3, 4), g.n(4)], opset=23,
+             stash_type=TensorProto.DOUBLE))
+    add(case("RMSNorm-axis1-bcast-scale", "RMSNormalization", lambda g: [g.n(2, 3, 4), g.n(1, 4)],
+             axis=1, epsilon=1e-3, opset=23, stash_type=TensorProto.DOUBLE))
+    # ONNX's float64 MeanVarianceNormalization adds a float32 epsilon and fails to run
+    add(_shaped("MVN-default-axes", "MeanVarianceNormalization",
+                {"x": Gen("MVN").n(2, 3, 2, 3)}, reference=True))
+    add(case("MVN-last-axis", "MeanVarianceNormalization", lambda g: [g.n(3, 5)], axes=[1],
+             reference=True))
+    for size in (3, 5):  # onnxruntime's LRN takes odd sizes only
+        add(case(f"LRN-size{size}", "LRN", lambda g: [g.n(2, 5, 2, 3)], size=size, alpha=0.3,
+                 beta=0.75, bias=1.5))
     for p in (1, 2):
         add(case(f"LpNorm-p{p}-last", "LpNormalization", lambda g: [g.away(3, 4)], p=p))
         add(case(f"LpNorm-p{p}-axis0", "LpNormalization", lambda g: [g.away(3, 2, 4)], p=p,
@@ -52,17 +66,18 @@ def _cases() -> list:
     return out
 
 
-def _group_norm(cid, shape, groups, channels, opset, attrs):
-    """GroupNormalization, then a CastLike to x's type and a Reshape to its own shape: ONNX's
-    shape inference gives the op's output neither (its function body does not infer), and
-    the loss's broadcasting gradient needs the rank."""
-    g = Gen(cid)
-    return graph_case(cid, [mk("GroupNormalization", ["x", "scale", "bias"], ["gn"],
-                               num_groups=groups, **attrs),
-                            mk("CastLike", ["gn", "x"], ["typed"]),
-                            mk("Reshape", ["typed", "shape"], ["y"])],
-                      {"x": g.n(*shape), "scale": g.n(channels), "bias": g.n(channels)},
-                      {"shape": np.array(shape)}, opset=opset)
+def _shaped(cid, op, inputs: dict, opset: int = 18, reference: bool = False, **attrs):
+    """``op`` on ``inputs`` (the first is x), then a CastLike to x's type and a Reshape to x's
+    shape: ONNX's shape inference gives the output of GroupNormalization (and of float64
+    MeanVarianceNormalization) neither (their function bodies do not infer), and the loss's
+    broadcasting gradient needs the rank."""
+    names = list(inputs)
+    built = graph_case(cid, [mk(op, names, ["out"], **attrs),
+                             mk("CastLike", ["out", names[0]], ["typed"]),
+                             mk("Reshape", ["typed", "shape"], ["y"])],
+                       inputs, {"shape": np.array(inputs[names[0]].shape)}, opset=opset)
+    built.reference = reference
+    return built
 
 
 CASES = _cases()

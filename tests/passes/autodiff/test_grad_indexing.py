@@ -1,6 +1,7 @@
 """Indexing, scatter, selection and layout ops against central differences (the harness of
 ``grad_harness``): GatherND, ScatterElements and ScatterND (data and updates; reduction none
-and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth."""
+and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth,
+ReverseSequence, CenterCropPad, MaxUnpool."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,6 +62,16 @@ def _cases() -> list:
     add(case("DepthToSpace-symbolic-batch", "DepthToSpace", lambda g: [g.n(2, 9, 2, 2)],
              blocksize=3, mode="CRD", symbolic="batch"))
     add(case("SpaceToDepth", "SpaceToDepth", lambda g: [g.n(2, 3, 4, 6)], blocksize=2))
+    add(case("ReverseSequence", "ReverseSequence", lambda g: [g.n(4, 3, 2), np.array([4, 1, 3])],
+             batch_axis=1, time_axis=0))
+    add(case("ReverseSequence-batch0", "ReverseSequence",
+             lambda g: [g.n(2, 5), np.array([2, 5])], batch_axis=0, time_axis=1))
+    add(case("CenterCropPad-crop-and-pad", "CenterCropPad",
+             lambda g: [g.n(5, 4, 3), np.array([2, 7])], axes=[0, 1]))
+    add(case("CenterCropPad-all-axes", "CenterCropPad", lambda g: [g.n(3, 6), np.array([6, 3])]))
+    add(case("MaxUnpool", "MaxUnpool",
+             lambda g: [g.n(1, 2, 2, 2), np.array([[[[0, 3], [9, 14]], [[17, 22], [24, 31]]]])],
+             kernel_shape=[2, 2], strides=[2, 2]))
     return out
 
 

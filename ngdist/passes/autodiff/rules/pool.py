@@ -1,4 +1,4 @@
-"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool.
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, MaxUnpool.
 
 MaxPool routes each output gradient to the element its ``Indices`` output names (the output is
 added to the forward node when absent, so the argmax is never recomputed; ties go to the first
@@ -162,3 +162,13 @@ def global_max_pool(ctx, node, gys):
     mask = ctx.op("CastLike", ctx.op("Equal", x, y), x)  # ties share the gradient equally
     count = ctx.op("ReduceSum", mask, ctx.ints(list(range(2, rank))), keepdims=1)
     return [ctx.op("Mul", mask, ctx.op("Div", gys[0], count))]
+
+
+@register("MaxUnpool")
+def max_unpool(ctx, node, gys):
+    """y[I[k]] = x[k] (I indexes the flattened output, as MaxPool's Indices do): dx is the
+    output gradient read back at I; the indices and output_shape get none."""
+    x, indices = node.inputs[:2]
+    flat = ctx.op("Gather", ctx.op("Reshape", gys[0], ctx.ints([-1])),
+                  ctx.op("Reshape", indices, ctx.ints([-1])), axis=0)
+    return [ctx.op("Reshape", flat, ctx.op("Shape", x)), None, None]

@@ -1,5 +1,5 @@
 """Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad, Tile,
-Trilu, DepthToSpace, SpaceToDepth (the data inputs only; shape, axes, pads, repeats, k and
+Trilu, DepthToSpace, SpaceToDepth, ReverseSequence, CenterCropPad (the data inputs only; shape, axes, pads, repeats, k and
 split-size inputs get no gradient)."""
 from __future__ import annotations
 
@@ -138,3 +138,24 @@ def space_to_depth(ctx, node, gys):
     moved = ctx.op("Transpose", ctx.op("Reshape", gys[0], after),
                    perm=np.argsort(perm).tolist())
     return [ctx.op("Reshape", moved, ctx.op("Shape", x))]
+
+
+@register("ReverseSequence")
+def reverse_sequence(ctx, node, gys):
+    """Its own inverse: the gradient reversed the same way."""
+    return [ctx.op("ReverseSequence", gys[0], node.inputs[1],
+                   batch_axis=attr(node, "batch_axis", 1), time_axis=attr(node, "time_axis", 0)),
+            None]
+
+
+@register("CenterCropPad")
+def center_crop_pad(ctx, node, gys):
+    """A centred crop's adjoint is the centred pad back to the input's extents, and the other
+    way round (both place the window at offset |n - m| // 2)."""
+    x = node.inputs[0]
+    axes = attr(node, "axes")
+    extents = ctx.op("Shape", x)
+    if axes is not None:
+        extents = ctx.op("Gather", extents, ctx.ints(list(axes)))
+    return [ctx.op("CenterCropPad", gys[0], extents, axes=None if axes is None else list(axes)),
+            None]
