@@ -151,9 +151,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ngdist.ir.model import load_proto
+    from ngdist.passes.optimizers.describe import optimizer_lines
 
     model = load_proto(args.file)
     for line in summarize(model).lines():
+        print(line)
+    for line in optimizer_lines(model):  # its parameter groups
         print(line)
     if args.dot:
         from ngdist.cli.dot import write_dot

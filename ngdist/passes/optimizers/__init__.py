@@ -19,6 +19,7 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.optimizers import adam_family, onnx_ops, rms_family
 from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
+                                             check_formula,
                                              FORMULA_ATTR, FORMULAS, MAXIMIZE_ATTR, NADAM,
                                              OPTIMIZER_OPS, RADAM, RMSPROP, TORCH_ADAM,
                                              TORCH_ADAMW, node_attrs, node_state_kinds,
@@ -36,10 +37,7 @@ logger = logging.getLogger(__name__)
 def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
     a = node_attrs(node)
     formula = attr(node, FORMULA_ATTR, None)
-    if formula is not None and FORMULAS.get(formula) != node.op_type:
-        raise GraphError(f"optimizer node {node.name!r}: {FORMULA_ATTR}={formula!r} is not one "
-                         f"of {sorted(f for f, op in FORMULAS.items() if op == node.op_type)} "
-                         f"on a {node.op_type} node")
+    check_formula(node.op_type, formula, f"optimizer node {node.name!r}")
     if attr(node, AMSGRAD_ATTR, 0) and formula not in (TORCH_ADAM, TORCH_ADAMW):
         raise GraphError(f"optimizer node {node.name!r}: {AMSGRAD_ATTR} needs "
                          f"{FORMULA_ATTR} {TORCH_ADAM!r} or {TORCH_ADAMW!r} (AMSGrad is "

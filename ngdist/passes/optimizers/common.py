@@ -60,12 +60,20 @@ STATE_KINDS: dict[tuple[str, str | None], Callable[[Mapping[str, object]], tuple
 def state_kinds(op_type: str, attributes: Mapping[str, object]) -> tuple[str, ...]:
     """The state kinds of a parameter under the optimizer ``op_type`` with ``attributes``."""
     formula = attributes.get(FORMULA_ATTR)
-    key = (op_type, formula if isinstance(formula, str) else None)
-    if key not in STATE_KINDS:
-        valid = sorted(f for f, op in FORMULAS.items() if op == op_type)
-        raise GraphError(f"optimizer op {op_type}: {FORMULA_ATTR}={formula!r} is not a formula "
-                         f"of that op (those of {op_type}: {valid})")
-    return STATE_KINDS[key](attributes)
+    check_formula(op_type, formula, f"optimizer op {op_type}")
+    return STATE_KINDS[(op_type, formula)](attributes)  # type: ignore[index]
+
+
+def check_formula(op_type: str, formula: object, where: str) -> None:
+    """A GraphError unless ``formula`` (None: ONNX's) is one an ``op_type`` node carries."""
+    if formula is None or FORMULAS.get(formula) == op_type:  # type: ignore[arg-type]
+        return
+    if formula not in FORMULAS:
+        raise GraphError(f"{where}: {FORMULA_ATTR}={formula!r} is not a formula ngdist knows; "
+                         f"the formulas are {sorted(FORMULAS)}")
+    raise GraphError(f"{where}: {FORMULA_ATTR}={formula!r} is a formula of "
+                     f"{FORMULAS[formula]} nodes (ngdist.optim writes it there), not of "
+                     f"{op_type}")
 
 
 def node_state_kinds(node: ir.Node) -> tuple[str, ...]:

@@ -1,0 +1,149 @@
+"""ngdist.optim on ONNX files: parameter groups against torch (float64), ``maximize`` on ONNX's
+own optimizer ops against the ONNX reference evaluator, the formulas surviving save and load,
+``ngdist inspect`` showing the groups, and malformed optimizer nodes refused."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import ngdist
+from ngdist import zoo
+from ngdist.errors import GraphError
+from ngdist.ir.domain import PREVIEW_TRAINING
+from step_probe import run_step
+
+torch = pytest.importorskip("torch", reason="the torch oracle needs the torch extra: "
+                            "pip install 'ngdist[torch]'")
+
+
+def forward() -> onnx.ModelProto:
+    return zoo.mlp((6, 10, 3), dtype=np.float64)
+
+
+def batches(n: int = 5):
+    rng = np.random.default_rng(3)
+    return [(rng.standard_normal((8, 6)), rng.standard_normal((8, 3))) for _ in range(n)]
+
+
+def init_values() -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in forward().graph.initializer}
+
+
+def torch_reference(make_opt, steps: int = 5) -> dict[str, np.ndarray]:
+    """The same MLP (Gemm transB=1, Relu) trained by torch on mean((out - y)^2) in float64."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in init_values().items()}
+    opt = make_opt(p)
+    for x, y in batches(steps):
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        h = torch.relu(x @ p["fc0.weight"].T + p["fc0.bias"])
+        out = h @ p["fc1.weight"].T + p["fc1.bias"]
+        opt.zero_grad()
+        ((out - y) ** 2).mean().backward()
+        opt.step()
+    return {k: v.detach().numpy() for k, v in p.items()}
+
+
+def train(opt, steps: int = 5) -> ngdist.Trainer:
+    trainer = ngdist.compile(forward(), loss="mse", optimizer=opt, strategy="local")
+    for x, y in batches(steps):
+        trainer.step({"x": x, "y": y})
+    return trainer
+
+
+def test_adamw_groups_without_decay_on_biases_follow_torch():
+    biases = ["fc0.bias", "fc1.bias"]
+    opt = ngdist.optim.AdamW(lr=0.01, weight_decay=0.01,
+                             groups=[{"params": biases, "weight_decay": 0.0, "lr": 0.02}])
+    want = torch_reference(lambda p: torch.optim.AdamW(
+        [{"params": [p[b] for b in biases], "weight_decay": 0.0, "lr": 0.02},
+         {"params": [p["fc0.weight"], p["fc1.weight"]]}], lr=0.01, weight_decay=0.01))
+    got = train(opt).state_dict()
+    for k, v in want.items():
+        assert np.abs(got[k] - v).max() <= 1e-5, k
+    # without the groups the biases decay, and the result is measurably another one
+    plain = train(ngdist.optim.AdamW(lr=0.01, weight_decay=0.01)).state_dict()
+    assert np.abs(plain["fc0.bias"] - want["fc0.bias"]).max() > 1e-4
+
+
+@pytest.mark.parametrize("opt, op", [
+    (ngdist.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01, maximize=True), "Momentum"),
+    (ngdist.optim.Adam(lr=0.1, weight_decay=0.01, maximize=True), "Adam"),
+    (ngdist.optim.Adagrad(lr=0.1, lr_decay=0.1, weight_decay=0.01, maximize=True), "Adagrad"),
+])
+def test_maximize_on_an_onnx_op_is_the_reference_op_on_the_negated_gradient(opt, op):
+    model = ngdist.to_training_model(forward(), loss="mse", optimizer=opt)
+    x, y = batches(1)[0]
+    grads = run_step(model, {"x": x, "y": y})
+    node = next(n for n in model.training_info[0].algorithm.node if n.op_type == op)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute
+             if not a.name.startswith("ngdist_")}
+    names = list(init_values())
+    states = [f"S{i}" for i in range(len(opt.state_suffixes))]
+    ins = ["R", "T", "X", "G", *states]
+    ref = ReferenceEvaluator(helper.make_model(helper.make_graph(
+        [helper.make_node(op, ins, ["X.new", *[f"{s}.new" for s in states]],
+                          domain=PREVIEW_TRAINING, **attrs)], "ref",
+        [helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None) for n in ins],
+        [helper.make_tensor_value_info("X.new", onnx.TensorProto.UNDEFINED, None)]),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)]))
+    trainer = ngdist.compile(model, strategy="local")
+    trainer.step({"x": x, "y": y})
+    got = trainer.state_dict()
+    for name in names:
+        x0 = init_values()[name]
+        (want,) = ref.run(None, {"R": np.array(0.1), "T": np.array(opt.step_offset),
+                                 "X": x0, "G": -grads[f"{name}.grad"],
+                                 **{s: np.zeros_like(x0) for s in states}})
+        assert np.abs(got[name] - want).max() <= 1e-6, name
+        assert np.abs(got[name] - x0).max() > 1e-3, name
+
+
+def test_a_formula_and_its_groups_survive_save_and_load(tmp_path):
+    opt = ngdist.optim.RMSprop(lr=0.01, centered=True, momentum=0.5,
+                               groups=[{"params": ["fc1.bias"], "alpha": 0.5}])
+    straight = train(opt, 3).state_dict()
+    trainer = train(opt, 2)
+    trainer.save(tmp_path / "rms.onnx")
+    resumed = ngdist.compile(tmp_path / "rms.onnx", strategy="local")
+    x, y = batches(3)[2]
+    resumed.step({"x": x, "y": y})
+    for k, v in straight.items():
+        np.testing.assert_array_equal(resumed.state_dict()[k], v, err_msg=k)
+
+
+def test_inspect_shows_the_groups(tmp_path, capsys):
+    from ngdist.cli import inspect
+
+    opt = ngdist.optim.AdamW(lr=0.01, groups=[{"params": ["fc0.bias", "fc1.bias"],
+                                               "weight_decay": 0.0}])
+    path = tmp_path / "adamw.onnx"
+    onnx.save(ngdist.to_training_model(forward(), loss="mse", optimizer=opt), path)
+    inspect.run(argparse.Namespace(file=str(path), explain=False, dot=None))
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("optimizer: 2 group(s)")
+    assert out[at + 1:at + 5] == [
+        "  group 0  ngdist/adam  torch_adamw  lr=ngdist.lr (0.01)  alpha=0.9 beta=0.999 "
+        "epsilon=1e-08 norm_coefficient=0.0 norm_coefficient_post=0.0",
+        "      params: fc0.bias, fc1.bias",
+        "  group 1  ngdist/adam.1  torch_adamw  lr=ngdist.lr.1 (0.01)  alpha=0.9 beta=0.999 "
+        "epsilon=1e-08 norm_coefficient=0.01 norm_coefficient_post=0.0",
+        "      params: fc0.weight, fc1.weight"]
+
+
+def test_a_formula_on_the_wrong_op_is_refused():
+    model = ngdist.to_training_model(forward(), loss="mse", optimizer=ngdist.optim.SGD())
+    node = next(n for n in model.training_info[0].algorithm.node if n.op_type == "Momentum")
+    node.attribute.append(helper.make_attribute("ngdist_formula", "rmsprop"))
+    with pytest.raises(GraphError, match=r"ngdist_formula='rmsprop' is a formula of Adagrad "
+                                         r"nodes \(ngdist.optim writes it there\), not of "
+                                         r"Momentum$"):
+        ngdist.compile(model, strategy="local")
+    node.attribute[-1].s = b"lamb"
+    with pytest.raises(GraphError, match=r"ngdist_formula='lamb' is not a formula ngdist knows; "
+                                         r"the formulas are \['adadelta', 'adamax'"):
+        ngdist.compile(model, strategy="local")
