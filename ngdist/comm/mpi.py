@@ -22,6 +22,7 @@ import numpy as np
 
 import ngdist.comm.shared as shared
 from ngdist.comm import exits
+from ngdist.comm.backoff import wait_until
 from ngdist.comm.group import (DoneWork, ProcessGroup, ReduceOp, Work, WorkList, alive,
                                default_timeout, describe, divide)
 from ngdist.comm.rank_output import ABORT_LINE
@@ -118,9 +119,8 @@ class MpiWork(Work):
         self._then()
         return True
 
-    def _block(self) -> None:
-        _mpi().Request.Waitall(self.requests)
-        self._then()
+    def _block(self) -> None:  # (not MPI's Waitall, which spins a core for as long as it waits)
+        wait_until(self.test)
 
     def _then(self) -> None:
         then, self.then = self.then, None

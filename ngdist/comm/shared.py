@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ngdist.comm.backoff import wait_until
 from ngdist.comm.group import ReduceOp, Work, describe, divide
 from ngdist.errors import CommError
 
@@ -217,11 +218,9 @@ class Signals:
 
 class FlagBarrierWork(Work):
     """Waits until every other rank's flag has reached ``count`` (:class:`Signals`): in
-    ``wait`` it spins on the flags, giving the core up between looks once it has looked a
-    while (ranks may outnumber cores), under the deadline and the dead-peer watch of every
-    wait."""
-
-    SPINS = 64  # looks before the first yield
+    ``wait`` it spins on the flags, then gives the core up between looks, then sleeps
+    (comm/backoff.py: ranks may outnumber cores), under the deadline and the dead-peer watch
+    of every wait."""
 
     def __init__(self, group: ProcessGroup, flags: list[memoryview], count: int,
                  what: Any) -> None:
@@ -236,11 +235,7 @@ class FlagBarrierWork(Work):
         return True
 
     def _block(self) -> None:
-        spins = 0
-        while not self.test():
-            spins += 1
-            if spins > self.SPINS:
-                os.sched_yield()
+        wait_until(self.test)
 
 
 class SharedAllreduceWork(Work):
