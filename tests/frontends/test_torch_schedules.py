@@ -123,3 +123,64 @@ def test_set_lr_per_group_on_an_onnx_model():
     with pytest.raises(OptionError, match=r"must be >= 0, got -1"):
         trainer.set_lr(-1)
     assert not math.isnan(trainer.lr[0])
+
+
+RANKS_SCRIPT = """
+import sys
+import numpy as np, torch
+import ngdist
+sys.path[:0] = [{tests!r}, {tests_root!r}]
+from test_torch_schedules import data, groups, make_model, warmup
+
+S = torch.optim.lr_scheduler
+nn = torch.nn
+
+
+def recipe(m):
+    opt = torch.optim.AdamW(groups(m), lr=0.01)
+    return opt, S.LambdaLR(opt, [warmup, lambda s: 0.5 ** s])
+
+
+module = make_model()
+opt, sched = recipe(module)
+trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                         loss=nn.CrossEntropyLoss(), optimizer=opt, timeout=60)
+# 8 samples a global batch: equal shards on 2 and 4 ranks, so the mean of the ranks' mean
+# gradients is the global batch's
+batches = [{{"input": np.concatenate([x, x[::-1]])[:8], "y": np.concatenate([y, y[::-1]])[:8]}}
+           for x, y in data()]
+for batch in trainer.shard(batches):
+    trainer.step(batch)
+    sched.step()
+trainer.to_torch()
+np.savez(f"rank{{trainer.rank}}.npz", **{{n: p.detach().numpy() for n, p in
+                                         module.named_parameters()}})
+if trainer.rank == 0:  # torch on one process, the global batches
+    ref = make_model()
+    ref_opt, ref_sched = recipe(ref)
+    for b in batches:
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(torch.from_numpy(b["input"])),
+                                    torch.from_numpy(b["y"])).backward()
+        ref_opt.step()
+        ref_sched.step()
+    np.savez("torch.npz", **{{n: p.detach().numpy() for n, p in ref.named_parameters()}})
+trainer.close()
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_groups_and_a_scheduler_on_several_ranks_match_torch_on_the_global_batch(
+        ranks, tmp_path, n):
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    ranks(n, RANKS_SCRIPT.format(tests=tests, tests_root=str(Path(__file__).parents[1])),
+          timeout=150)
+    want = np.load(tmp_path / "torch.npz")
+    mine = [np.load(tmp_path / f"rank{r}.npz") for r in range(n)]
+    for name in want:
+        assert np.abs(mine[0][name] - want[name]).max() <= 1e-6, name
+        for r in range(1, n):  # every rank holds the same bits
+            assert mine[r][name].tobytes() == mine[0][name].tobytes(), (name, r)
