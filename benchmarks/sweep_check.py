@@ -1,0 +1,248 @@
+"""One model of the sweep (benchmarks/model_sweep.py), checked stage by stage against torch.
+
+Stages: ``build`` (the case's module, batch and loss), ``export`` (the torch frontend's
+training model), ``gradients`` (one step's loss and every parameter's gradient, ngdist in
+float32 against torch autograd in float64), ``sgd`` and ``adamw`` (3 steps of
+``torch.optim.SGD(lr=1e-2, momentum=0.9)`` / ``AdamW(lr=1e-4, weight_decay=0.1)`` through
+``ngdist.compile(..., strategy="local")`` against the same steps in torch, every parameter
+and float buffer), ``timing`` (the AdamW step, ngdist with one onnxruntime intra-op thread
+against eager torch with ``torch.set_num_threads(1)``; best of alternating rounds).
+
+Bound, tensor by tensor: 1e-4 relative (to the tensor's largest entry for a gradient; to the
+larger of that and the largest change of its kind for the trained state), or 10x torch's own
+float32 error of the same tensor from float64 where that is larger (float32 is
+ill-conditioned there: the table gives torch's worst float32 error per model), or within 1e-4
+of torch's float32 result (both float32 programs took the same side of a kink). AdamW: entries whose float64
+gradient is within float32's error of zero step by ~lr in rounding's direction on both
+sides; they are bounded by twice the model's largest update, not compared.
+"""
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOL = 1e-4
+FACTOR = 10.0
+NGDIST = str(Path(__file__).resolve().parents[1] / "ngdist")
+
+
+class StageError(Exception):
+    """A check that did not hold: the stage and what differed."""
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """The failure's one-line message, and where a raw (non-NgdistError) exception raised
+    inside ngdist came from: ngdist should have named the op and node instead."""
+    from ngdist.errors import NgdistError
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if f.filename.startswith(NGDIST)
+              and "/zoo" not in f.filename]
+    message = " ".join(str(exc).split())[:400]
+    out: dict[str, Any] = {"error": f"{type(exc).__name__}: {message}"}
+    if inside and not isinstance(exc, (NgdistError, StageError)) \
+            and frames[-1].filename.startswith(NGDIST):
+        last = inside[-1]
+        out["raw_in_ngdist"] = f"{Path(last.filename).relative_to(Path(NGDIST).parent)}:" \
+                               f"{last.lineno} ({last.name})"
+    return out
+
+
+def _tensors(feeds: dict[str, np.ndarray], float64: bool = False) -> list[Any]:
+    import torch
+
+    return [torch.from_numpy(v.astype(np.float64) if float64 and v.dtype.kind == "f" else v)
+            for v in feeds.values()]
+
+
+def loss_of(module: Any, loss_fn: Any, tensors: list[Any]) -> Any:
+    """``loss_fn(module(*inputs), y)``, or ``module(*inputs, y)`` where the module returns its
+    loss (``loss_fn`` None: the labels are the module's last input)."""
+    return module(*tensors) if loss_fn is None else loss_fn(module(*tensors[:-1]), tensors[-1])
+
+
+def module_inputs(feeds: dict[str, np.ndarray], loss_fn: Any) -> dict[str, np.ndarray]:
+    """The feeds the module's forward takes: all of them where it computes its own loss."""
+    return dict(feeds) if loss_fn is None else {k: v for k, v in feeds.items() if k != "y"}
+
+
+def torch_grads(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, float64: bool
+                ) -> tuple[float, dict[str, np.ndarray]]:
+    ref = copy.deepcopy(module)
+    if float64:
+        ref.double()
+    loss = loss_of(ref, loss_fn, _tensors(feeds, float64))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy().astype(np.float64)
+                                  for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _judge(errors: dict[str, float], own: dict[str, float], vs32: dict[str, float]
+           ) -> tuple[float, float, str | None]:
+    """(worst error from float64, torch's own worst float32 error, the first tensor out of
+    bounds or None). Tensor by tensor: within TOL of float64, or FACTOR x torch's float32
+    error of that tensor, or within TOL of torch's float32 result."""
+    bad = [k for k, e in errors.items()
+           if e > max(TOL, FACTOR * own.get(k, 0.0)) and vs32.get(k, 0.0) > TOL]
+    worst = max(errors.values(), default=0.0)
+    return worst, max(own.values(), default=0.0), max(bad, key=errors.get) if bad else None
+
+
+def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
+                    out: dict[str, Any]) -> tuple[dict, dict]:
+    from step_probe import gradient_errors, run_step
+
+    from ngdist.frontends import torch as tfront
+
+    inputs = module_inputs(feeds, loss_fn)
+    out["stage"] = "export"
+    model, exp = tfront.training_model(copy.deepcopy(module), _tensors(inputs), loss=loss_fn,
+                                       input_names=list(inputs))
+    out["stage"] = "gradients"
+    got = run_step(model, feeds)
+    loss, g64 = torch_grads(module, feeds, loss_fn, True)
+    _, g32 = torch_grads(module, feeds, loss_fn, False)
+    missing = sorted(set(g64) - set(exp.params))
+    if missing:
+        raise StageError(f"{len(missing)} parameters with a torch gradient are not trained "
+                         f"by ngdist, e.g. {missing[:3]}")
+    if abs(float(got["loss"]) - loss) > TOL * max(abs(loss), 1.0):
+        raise StageError(f"loss {float(got['loss']):.6g}, torch float64 {loss:.6g}")
+    errors = gradient_errors(got, g64)
+    own = gradient_errors({f"{n}.grad": g for n, g in g32.items()}, g64)
+    err, own32, bad = _judge(errors, own, gradient_errors(got, g32))
+    out.update(grad_err=err, torch32_err=own32, params=len(g64))
+    if bad:
+        raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
+                         f"{own[bad]:.1e})")
+    return g64, g32
+
+
+def _state(module: Any) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().astype(np.float64) for k, v in module.state_dict().items()
+            if v.is_floating_point()}
+
+
+def torch_train(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, make_opt: Any,
+                float64: bool, steps: int = 3) -> dict[str, np.ndarray]:
+    ref = copy.deepcopy(module)
+    if float64:
+        ref.double()
+    tensors = _tensors(feeds, float64)
+    opt = make_opt(ref.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(ref, loss_fn, tensors).backward()
+        opt.step()
+    return _state(ref)
+
+
+def _errors(state, exact, before, noise) -> dict[str, float]:
+    """Per tensor: max |state - exact| off the noise entries, relative to the larger of the
+    tensor's largest exact entry and the largest change of any tensor of its kind."""
+    kind = {k: k.rsplit(".", 1)[-1] if "running_" in k else "param" for k in exact}
+    moved: dict[str, float] = {}
+    for k in exact:
+        moved[kind[k]] = max(moved.get(kind[k], 0.0), float(np.abs(exact[k] - before[k]).max()))
+    out = {}
+    for k, value in state.items():
+        keep = ~noise.get(k, np.zeros(value.shape, bool))
+        scale = max(float(np.abs(exact[k]).max()), moved[kind[k]], 1e-30)
+        out[k] = float(np.abs(value - exact[k])[keep].max(initial=0.0) / scale)
+    return out
+
+
+def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt: str,
+                   noise: dict[str, np.ndarray], out: dict[str, Any]) -> Any:
+    """3 steps of ``opt`` through ngdist against torch; returns the trainer and its module."""
+    import torch
+
+    import ngdist
+
+    make_opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+                "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1)}[opt]
+    out["stage"] = opt
+    mine_module = copy.deepcopy(module)
+    before = _state(module)
+    inputs = module_inputs(feeds, loss_fn)
+    trainer = ngdist.compile(mine_module, _tensors(inputs), loss=loss_fn,
+                             optimizer=make_opt(mine_module.parameters()), strategy="local",
+                             intra_op_threads=1, input_names=list(inputs))
+    for _ in range(3):
+        trainer.step(feeds, fetch_stats=False)
+    trainer.to_torch()
+    mine = _state(mine_module)
+    ref64 = torch_train(module, feeds, loss_fn, make_opt, True)
+    ref32 = torch_train(module, feeds, loss_fn, make_opt, False)
+    moved = max(float(np.abs(ref64[k] - before[k]).max()) for k in ref64)
+    for k, mask in noise.items():
+        if np.abs(mine[k] - before[k])[mask].max(initial=0.0) > 2 * moved + 1e-12:
+            raise StageError(f"{opt}: {k} entries with a zero gradient moved more than twice "
+                             f"the model's largest update")
+    errors, own = _errors(mine, ref64, before, noise), _errors(ref32, ref64, before, noise)
+    err, own32, bad = _judge(errors, own, _errors(mine, ref32, before, noise))
+    out[f"{opt}_err"], out[f"{opt}_torch32_err"] = err, own32
+    if bad:
+        raise StageError(f"{opt}: {bad} {errors[bad]:.2e} from float64 after 3 steps (torch "
+                         f"float32: {own[bad]:.1e})")
+    return trainer
+
+
+def noise_entries(g64: dict, g32: dict) -> dict[str, np.ndarray]:
+    largest = max(float(np.abs(g).max()) for g in g64.values())
+    return {n: np.abs(g) <= max(3 * float(np.abs(g32[n] - g).max()), 1e-6 * largest)
+            for n, g in g64.items()}
+
+
+def time_steps(trainer: Any, module: Any, feeds: dict, loss_fn: Any,
+               out: dict[str, Any], steps: int = 3, rounds: int = 2) -> None:
+    import torch
+
+    out["stage"] = "timing"
+    eager = copy.deepcopy(module)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-4, weight_decay=0.1)
+    tensors = _tensors(feeds)
+
+    def torch_step() -> None:
+        opt.zero_grad()
+        loss_of(eager, loss_fn, tensors).backward()
+        opt.step()
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - start) / steps
+
+    torch_step()
+    best_ng = best_pt = float("inf")
+    for _ in range(rounds):
+        best_ng = min(best_ng, timed(lambda: trainer.step(feeds, fetch_stats=False)))
+        best_pt = min(best_pt, timed(torch_step))
+    out.update(ngdist_ms=best_ng * 1e3, torch_ms=best_pt * 1e3, ratio=best_ng / best_pt)
+
+
+def check(case: Any) -> dict[str, Any]:
+    """Every stage of ``case``; the first that fails ends it (``status`` "fail", ``stage``,
+    ``error``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"name": case.name, "family": case.family, "source": case.source,
+                           "status": "fail", "stage": "build"}
+    try:
+        module, feeds, loss_fn = case.make()
+        g64, g32 = check_gradients(module, feeds, loss_fn, out)
+        check_training(module, feeds, loss_fn, "sgd", {}, out)
+        trainer = check_training(module, feeds, loss_fn, "adamw", noise_entries(g64, g32), out)
+        time_steps(trainer, module, feeds, loss_fn, out)
+    except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
+        out.update(describe(exc))
+        return out
+    out.update(status="pass", stage="")
+    return out

@@ -1,0 +1,170 @@
+"""The model sweep's catalogue: torchvision and timm image classifiers (random init, nothing
+downloaded, a few classes, small images), each a :class:`Case` that builds a module whose
+forward returns logits, the batch it is fed and the loss people write for it
+(``nn.CrossEntropyLoss()``). The Hugging Face cases are in ``ngdist.zoo_sweep_hf``;
+``benchmarks/model_sweep.py`` runs them all and ``tests/zoo`` a subset.
+
+Case names: ``tv/<constructor>`` (every classification constructor of ``torchvision.models``;
+its family is the module that defines it), ``timm/<model>`` (one model a family of
+``timm.list_models()``, the family being timm's module, the model its variant with the fewest
+parameters), ``hf/<task>/<model_type>``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ngdist import zoo_vision as vz
+
+logger = logging.getLogger(__name__)
+
+CLASSES = 5
+BATCH = 4
+SIDE = 64  # the depthwise models' BatchNorm needs 2x2 maps at the end (zoo_vision.image_size)
+# torchvision constructors that need more than SIDE, or arguments of their own
+_TV_KWARGS: dict[str, dict[str, Any]] = {
+    "googlenet": {"aux_logits": False, "init_weights": True},
+    "inception_v3": {"aux_logits": False, "init_weights": True},
+}
+_TV_SIDE = {"inception_v3": 80, "maxvit_t": 224}
+_TV_VIT_SIDE = {"vit_h_14": 28}
+
+
+@dataclasses.dataclass
+class Case:
+    """One model of the sweep: ``make()`` -> (module, feeds, loss); ``feeds`` holds the
+    module's inputs in forward order, then the labels ``y``."""
+
+    name: str
+    family: str
+    source: str
+    make: Callable[[], tuple[Any, dict[str, np.ndarray], Any]]
+    note: str = ""
+
+
+def _torch() -> Any:
+    import torch
+    return torch
+
+
+def _image_feeds(side: int, channels: int = 3, classes: int = CLASSES, seed: int = 0,
+                 name: str = "x") -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal((BATCH, channels, side, side)).astype(np.float32),
+            "y": rng.integers(0, classes, BATCH).astype(np.int64)}
+
+
+def _no_dropout(module: Any) -> Any:
+    """Dropout p=0 and stochastic depth off: a step is a deterministic function."""
+    torch = _torch()
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for attr in ("drop_prob", "p") if type(m).__name__ in ("DropPath",
+                                                                "StochasticDepth") else ():
+            setattr(m, attr, 0.0)
+    return module.train()
+
+
+def _param_count(build: Callable[[], Any]) -> int:
+    """Parameters of ``build()``'s model, built on the meta device (no memory, no init)
+    where it can be (a builder that reads a tensor's value is built on the CPU)."""
+    torch = _torch()
+    try:
+        with torch.device("meta"):
+            model = build()
+    except NotImplementedError:
+        model = build()
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- torchvision
+
+def _tv_build(ctor: str) -> tuple[Any, dict[str, np.ndarray], Any]:
+    torch = _torch()
+    models = vz.import_torchvision().models
+    kwargs = {"num_classes": CLASSES, **_TV_KWARGS.get(ctor, {})}
+    side = _TV_SIDE.get(ctor, SIDE)
+    if ctor.startswith("vit_"):
+        side = _TV_VIT_SIDE.get(ctor, 32)
+        kwargs["image_size"] = side
+    if ctor == "maxvit_t":
+        kwargs["input_size"] = (side, side)
+    torch.manual_seed(0)
+    model = models.get_model(ctor, weights=None, **kwargs)
+    if ctor.startswith("vit_"):  # torchvision zero-initializes the head
+        torch.nn.init.normal_(model.heads.head.weight, std=0.02)
+    return _no_dropout(model), _image_feeds(side), torch.nn.CrossEntropyLoss()
+
+
+def torchvision_cases(all_constructors: bool = True) -> list[Case]:
+    """Every classification constructor (``all_constructors``), or the smallest of each
+    family (the module defining it)."""
+    tv = vz.import_torchvision()
+    names = tv.models.list_models(module=tv.models)
+    family = {n: tv.models.get_model_builder(n).__module__.rsplit(".", 1)[-1] for n in names}
+    if not all_constructors:
+        best: dict[str, tuple[int, str]] = {}
+        for n in names:
+            size = _param_count(lambda n=n: tv.models.get_model(n, weights=None,
+                                                                num_classes=CLASSES))
+            if family[n] not in best or size < best[family[n]][0]:
+                best[family[n]] = (size, n)
+        names = sorted(n for _, n in best.values())
+    return [Case(f"tv/{n}", f"tv/{family[n]}", "torchvision", lambda n=n: _tv_build(n))
+            for n in names]
+
+
+# --------------------------------------------------------------------------- timm
+
+def _timm_families(cache: Path | None) -> dict[str, str]:
+    """timm module -> its model with the fewest parameters (cached in ``cache``)."""
+    timm = vz.import_timm()
+    if cache is not None and cache.exists():
+        return json.loads(cache.read_text())
+    chosen: dict[str, str] = {}
+    for module in timm.list_modules():
+        sizes = []
+        for name in timm.list_models(module=module):
+            try:
+                sizes.append((_param_count(lambda n=name: timm.create_model(
+                    n, pretrained=False, num_classes=CLASSES)), name))
+            except Exception as exc:  # a variant that needs arguments: try the next one
+                logger.info("timm %s: %s", name, exc)
+        if sizes:
+            chosen[module] = min(sizes)[1]
+    if cache is not None:
+        cache.write_text(json.dumps(chosen, indent=1, sort_keys=True))
+    return chosen
+
+
+def _timm_build(name: str) -> tuple[Any, dict[str, np.ndarray], Any]:
+    torch = _torch()
+    timm = vz.import_timm()
+    cfg = timm.get_pretrained_cfg(name)
+    channels, *default = cfg.input_size if cfg is not None else (3, 224, 224)
+    kwargs = {"pretrained": False, "num_classes": CLASSES}
+    for side, extra in ((SIDE, {"img_size": SIDE}), (SIDE, {}), (default[0], {})):
+        torch.manual_seed(0)
+        try:
+            model = timm.create_model(name, **kwargs, **extra)
+            feeds = _image_feeds(side, channels)
+            with torch.no_grad():
+                model.eval()(torch.from_numpy(feeds["x"][:2]))
+        except (TypeError, RuntimeError, ValueError, AssertionError) as exc:
+            logger.info("timm %s at %d (%s): %s", name, side, extra, exc)
+            continue
+        return _no_dropout(model), feeds, torch.nn.CrossEntropyLoss()
+    raise RuntimeError(f"timm {name}: no input size of {SIDE} or {default[0]} runs")
+
+
+def timm_cases(cache: Path | None = None) -> list[Case]:
+    return [Case(f"timm/{model}", f"timm/{module}", "timm",
+                 lambda m=model: _timm_build(m))
+            for module, model in sorted(_timm_families(cache).items())]

@@ -1,0 +1,209 @@
+"""The model sweep's Hugging Face cases: one tiny config (random init, nothing downloaded) per
+architecture family (``model_type``) of each of AutoModelForCausalLM,
+AutoModelForSequenceClassification, AutoModelForSeq2SeqLM, AutoModelForImageClassification,
+AutoModelForAudioClassification and AutoModelForSpeechSeq2Seq, wrapped so that its forward
+returns logits for ``nn.CrossEntropyLoss()``, or, for token-level tasks, the loss people
+write there, ``F.cross_entropy(logits.reshape(-1, V), labels, ignore_index=-100)`` (compiled with
+``loss=None``: the labels are the module's last input):
+
+* causal LM: ``logits[:, :-1]`` flattened against ``input_ids[:, 1:].reshape(-1)``, the
+  last sequence right-padded by 2 tokens (``attention_mask`` 0, labels -100 there,
+  ``pad_token_id`` 0, which is the embeddings' ``padding_idx`` where the model sets one);
+* sequence classification: the same padded batch, 3 labels, one a sequence;
+* seq2seq and speech seq2seq: the decoder fed the labels shifted right, logits flattened
+  over the tokens, padded target positions -100;
+* image and audio classification: logits of a small image or a short waveform / feature map.
+
+A config is made tiny by name: every attribute of a known width, depth, head count or
+vocabulary name present in the config (or a sub-config) is set to a small value.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ngdist.zoo_sweep import Case, _no_dropout, _torch
+
+TASKS = {
+    "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seqcls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "imgcls": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "audiocls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "speech2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+}
+VOCAB, LENGTH, BATCH, LABELS, PAD = 96, 8, 3, 3, 0
+WIDTH, HEADS = 32, 4
+_SCALARS = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "d_embed",
+                     "embedding_size", "hidden_dim", "word_embed_proj_dim"), WIDTH),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers",
+                     "encoder_layers", "decoder_layers", "num_decoder_layers",
+                     "num_encoder_layers", "decoder_num_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+                     "decoder_attention_heads", "num_heads", "decoder_num_attention_heads"),
+                    HEADS),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+                     "d_ff", "n_inner", "decoder_intermediate_size", "mlp_dim"), 2 * WIDTH),
+    "head_dim": WIDTH // HEADS, "d_kv": WIDTH // HEADS, "vocab_size": VOCAB,
+    "max_position_embeddings": 64, "n_positions": 64, "max_source_positions": 16,
+    "max_target_positions": 64, "image_size": 32, "patch_size": 8,
+    "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    "num_mel_bins": 16, "use_cache": False,
+    "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
+    "moe_intermediate_size": WIDTH, "first_k_dense_replace": 1,
+}
+_LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None}
+_ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate")
+
+
+def _transformers() -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ngdist.zoo_transformers import _transformers
+    return _transformers()
+
+
+def _shrink(cfg: Any) -> None:
+    """Small values for the known size attributes of ``cfg`` and its sub-configs; dropout 0."""
+    tf = _transformers()
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, tf.PretrainedConfig):
+            _shrink(value)
+        elif key in _SCALARS and (value is None or isinstance(value, (int, bool))):
+            setattr(cfg, key, _SCALARS[key])
+        elif key in _LISTS and isinstance(value, (list, tuple)):
+            n = len(value)
+            setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
+                    [8 * 2 ** i for i in range(n)])
+        elif isinstance(value, float) and any(key.endswith(z) for z in _ZERO):
+            setattr(cfg, key, 0.0)
+    if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
+        layers = getattr(cfg, "num_hidden_layers", 2)
+        cfg.layer_types = (cfg.layer_types * layers)[:layers]
+
+
+def hf_families(task: str) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    _transformers()
+    return sorted(getattr(modeling_auto, TASKS[task]))
+
+
+def _model(task: str, model_type: str) -> Any:
+    tf = _transformers()
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = getattr(tf, getattr(modeling_auto, TASKS[task])[model_type])
+    cfg = CONFIG_MAPPING[model_type]()
+    _shrink(cfg)
+    cfg.num_labels = LABELS
+    torch = _torch()
+    torch.manual_seed(0)
+    return _no_dropout(cls(cfg))
+
+
+def _tokens(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (3..vocab-1) and an attention mask; the last sequence right-padded by 2."""
+    ids = rng.integers(3, vocab, (BATCH, LENGTH)).astype(np.int64)
+    mask = np.ones_like(ids)
+    ids[-1, -2:], mask[-1, -2:] = PAD, 0
+    return ids, mask
+
+
+def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    return np.where(mask == 1, ids, -100).astype(np.int64)
+
+
+def _vocab(model: Any) -> int:
+    return int(model.get_output_embeddings().weight.shape[0]) \
+        if model.get_output_embeddings() is not None else model.config.vocab_size
+
+
+class _Logits:
+    """``forward(*inputs)`` -> the model's logits; with ``tokens``, ``forward(*inputs, y)`` ->
+    the cross-entropy of the logits flattened over the tokens against the flattened labels
+    ``y`` (-100: not counted), as people write a language model's loss."""
+
+    @staticmethod
+    def wrap(model: Any, names: list[str], shift: bool = False, tokens: bool = False) -> Any:
+        torch = _torch()
+
+        class Logits(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+
+            def forward(self, *inputs):
+                if tokens:
+                    *inputs, y = inputs
+                logits = self.model(**dict(zip(names, inputs))).logits
+                if not tokens:
+                    return logits
+                logits = logits[:, :-1] if shift else logits
+                return torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), y, ignore_index=-100)
+
+        return Logits().train()
+
+
+def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The main audio input: a waveform of 1600 samples, or a feature map the config's
+    size (mel bins by 2 * max_source_positions frames, or frames by features)."""
+    name = model.main_input_name
+    cfg = model.config
+    if name == "input_values":
+        if hasattr(cfg, "max_length") and hasattr(cfg, "num_mel_bins"):  # AST
+            shape: tuple[int, ...] = (BATCH, cfg.max_length, cfg.num_mel_bins)
+        else:
+            shape = (BATCH, 1600)
+    elif hasattr(cfg, "max_source_positions") and hasattr(cfg, "num_mel_bins"):
+        shape = (BATCH, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    else:
+        feat = getattr(cfg, "input_feat_per_channel", getattr(cfg, "feature_size", 16))
+        shape = (BATCH, 32, feat * getattr(cfg, "input_channels", 1))
+    return {name: rng.standard_normal(shape).astype(np.float32)}
+
+
+def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
+    torch = _torch()
+    model = _model(task, model_type)
+    rng = np.random.default_rng(0)
+    if task in ("imgcls", "audiocls"):
+        if task == "imgcls":
+            side = getattr(model.config, "image_size", 32)
+            side = side[0] if isinstance(side, (list, tuple)) else side
+            chans = getattr(model.config, "num_channels", 3)
+            feeds = {"pixel_values": rng.standard_normal((BATCH, chans, side, side))
+                     .astype(np.float32)}
+        else:
+            feeds = _audio_feeds(model, rng)
+        feeds["y"] = rng.integers(0, LABELS, BATCH).astype(np.int64)
+        return _Logits.wrap(model, list(feeds)[:-1]), feeds, torch.nn.CrossEntropyLoss()
+    vocab = _vocab(model) if task != "seqcls" else model.config.vocab_size
+    ids, mask = _tokens(rng, min(vocab, VOCAB))
+    if task == "causal":
+        feeds = {"input_ids": ids, "attention_mask": mask,
+                 "y": _labels(ids, mask)[:, 1:].reshape(-1)}
+        return _Logits.wrap(model, ["input_ids", "attention_mask"], True, True), feeds, None
+    if task == "seqcls":
+        feeds = {"input_ids": ids, "attention_mask": mask,
+                 "y": rng.integers(0, LABELS, BATCH).astype(np.int64)}
+        return _Logits.wrap(model, ["input_ids", "attention_mask"]), feeds, \
+            torch.nn.CrossEntropyLoss()
+    target, tmask = _tokens(rng, min(vocab, VOCAB))
+    start = getattr(model.config, "decoder_start_token_id", None) or 1
+    decoder = np.concatenate([np.full((BATCH, 1), start, np.int64), target[:, :-1]], 1)
+    source = {"input_ids": ids, "attention_mask": mask} if task == "seq2seq" \
+        else _audio_feeds(model, rng)
+    feeds = {**source, "decoder_input_ids": decoder, "y": _labels(target, tmask).reshape(-1)}
+    return _Logits.wrap(model, list(feeds)[:-1], tokens=True), feeds, None
+
+
+def hf_cases(tasks: tuple[str, ...] = tuple(TASKS)) -> list[Case]:
+    return [Case(f"hf/{task}/{mt}", f"hf/{task}/{mt}", "transformers",
+                 lambda t=task, m=mt: _build(t, m))
+            for task in tasks for mt in hf_families(task)]

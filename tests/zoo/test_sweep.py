@@ -1,0 +1,73 @@
+"""The model sweep as a test tier (benchmarks/model_sweep.py, benchmarks/sweep_check.py): each
+model, in a subprocess of its own under a time limit, is exported by the torch frontend with
+``nn.CrossEntropyLoss()``, its one-step gradients compared with torch autograd in float64 and
+3 steps of SGD and of AdamW with torch's (within 1e-4, or 10x torch's own float32 error of a
+tensor where float32 is ill-conditioned), and its AdamW step timed against eager torch.
+
+* ``test_ci_model``: the subset CI runs (``CI_MODELS``: one small model of each source and of
+  each Hugging Face task that passes, ~20-40 s each on one core);
+* ``test_model`` (marker ``zoo``, ``pytest -m zoo tests/zoo``): every case of the catalogue,
+  one model a family (``python benchmarks/model_sweep.py`` runs the same and writes the table
+  in docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import model_sweep  # noqa: E402
+
+LIMIT = 240  # seconds a model, below pytest-timeout's 300 s
+CI_MODELS = {
+    "tv/mobilenet_v3_small": "tv/mobilenetv3",
+    "hf/seqcls/bert": "hf/seqcls/bert",
+    "hf/causal/llama": "hf/causal/llama",
+    "hf/imgcls/beit": "hf/imgcls/beit",
+    "hf/audiocls/audio-spectrogram-transformer": "hf/audiocls/audio-spectrogram-transformer",
+}
+
+
+def _check(name: str, family: str) -> None:
+    row = model_sweep.run_one(name, family, LIMIT)
+    assert row["status"] == "pass", \
+        f"{name}: {row.get('stage')}: {row.get('error')} {row.get('raw_in_ngdist', '')}"
+    assert row["grad_err"] <= max(1e-4, 10 * row["torch32_err"])
+    assert row["ratio"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CI_MODELS))
+def test_ci_model(name):
+    _check(name, CI_MODELS[name])
+
+
+@pytest.mark.zoo
+def test_model(name, family):
+    _check(name, family)
+
+
+def test_the_docs_section_is_regenerated_in_place(tmp_path, monkeypatch):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## Other\n\ntext\n")
+    monkeypatch.setattr(model_sweep, "DOC", doc)
+    rows = [{"name": "tv/resnet18", "family": "tv/resnet", "status": "pass", "stage": "",
+             "grad_err": 8.6e-6, "torch32_err": 0.11, "adamw_err": 2.8e-3, "ratio": 0.99},
+            {"name": "hf/causal/x", "family": "hf/causal/x", "status": "fail",
+             "stage": "export", "error": "GraphError: a | b"},
+            {"name": "hf/causal/y", "family": "hf/causal/y", "status": "fail",
+             "stage": "build", "error": "ValueError: bad config"}]
+    model_sweep.write_docs(rows, "then")
+    first = doc.read_text()
+    model_sweep.write_docs(rows, "now")
+    text = doc.read_text()
+    assert text == first.replace("results of then", "results of now")
+    assert text.count(model_sweep.BEGIN) == text.count(model_sweep.END) == 1
+    assert "3 models, 2 built, 1 passed (**50.0%** of those built)" in text
+    assert "median step ratio ngdist / eager torch over the passing models: **0.99**" in text
+    assert "| hf/causal/x | x | fail | export: GraphError: a \\| b |" in text
+    assert text.startswith("# Benchmarks\n\n## Other\n\ntext\n")
