@@ -1,9 +1,10 @@
 """N ranks train as one process on the combined batch does, with torch itself as the oracle:
 torch modules (float64) with flattened-token labels, padding tokens with ignored labels
-(``ignore_index=-100``) and a masked mean, on 2 and 4 ranks under mpiexec, each rank fed its
-``trainer.shard`` of every global batch; against torch autograd on one process on the whole
-batches (models and batches: torch_rank_models.py). The ranks of the padded cases hold very
-different numbers of counted tokens (20 and 2 on two ranks; 10, 10, 2 and 0 on four)."""
+(``ignore_index=-100``), a masked mean and ``nn.Embedding(padding_idx)``, on 2 and 4 ranks
+under mpiexec, each rank fed its ``trainer.shard`` of every global batch; against torch
+autograd on one process on the whole batches (models and batches: torch_rank_models.py). The
+ranks of the padded cases hold very different numbers of counted tokens (20 and 3 on two
+ranks; 10, 10, 3 and 0 on four)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,16 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
 def test_the_ranks_hold_uneven_counts():
     b = M.batch("ignored", 0)
     counted = (b["labels"] != M.IGNORE).reshape(M.SAMPLES, -1).sum(axis=1)
-    assert counted.tolist() == [5, 5, 5, 5, 1, 1, 0, 0]
+    assert counted.tolist() == [5, 5, 5, 5, 2, 1, 0, 0]
     np.testing.assert_array_equal(M.batch("masked", 0)["mask"], b["labels"] != M.IGNORE)
+
+
+def test_the_padding_row_matters():
+    """The padding row moves in ``ignored`` and stays in ``padding_idx``: both are tested."""
+    for case, moves in (("ignored", True), ("padding_idx", False)):
+        start = M.module(case).state_dict()["emb.weight"][M.PAD].numpy().copy()
+        end = M.oracle(case)[0]["emb.weight"][M.PAD]
+        assert (not np.array_equal(start, end)) == moves, case
 
 
 @pytest.mark.mpi

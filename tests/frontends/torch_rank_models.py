@@ -1,14 +1,16 @@
 """Language models and global batches for the multi-rank tests against torch
 (test_torch_ranks.py): the ranks' script and the torch oracle build them from here.
 
-Cases (float64, SGD with momentum):
-- ``flat``: a causal LM whose output is ``logits[:, :-1].reshape(-1, V)``, compiled with
+Cases (float64, SGD with momentum); the LM's positions each see their token and the one before:
+- ``flat``: output ``logits[:, :-1].reshape(-1, V)``, compiled with
   ``loss=nn.CrossEntropyLoss()``; labels ``ids[:, 1:].reshape(-1)`` (per-token rows).
 - ``ignored``: the same LM computing its own loss, ``F.cross_entropy(..., ignore_index=-100)``
-  over flattened labels (``loss=None``); the sequences end in padding tokens (id 0, an ordinary
-  embedding row) whose labels are -100, and the ranks hold very different numbers of counted
-  tokens (one of four ranks none at all).
+  over flattened labels (``loss=None``); the sequences start with padding tokens (id 0, an
+  ordinary embedding row), the labels of padding are -100, and the ranks hold very different
+  numbers of counted tokens (one of four ranks none at all).
 - ``masked``: a masked mean ``sum(l * mask) / sum(mask)`` over the same padded batches.
+- ``padding_idx``: ``ignored`` with ``nn.Embedding(padding_idx=0)``, whose padding row torch
+  never changes.
 """
 from __future__ import annotations
 
@@ -18,19 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 V, E, T, PAD, IGNORE = 13, 8, 6, 0, -100
-CASES = ("flat", "ignored", "masked")
+CASES = ("flat", "ignored", "masked", "padding_idx")
 LR, MOMENTUM, STEPS, SAMPLES = 0.5, 0.9, 3, 8
 
 
 class CausalLM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.emb = nn.Embedding(V, E)
+        self.emb = nn.Embedding(V, E, padding_idx=padding_idx)
         self.mix = nn.Linear(E, E)
         self.out = nn.Linear(E, V)
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.mix(self.emb(ids))))[:, :-1].reshape(-1, V)
+        """Each position sees its token and the one before it (zeros before the first)."""
+        h = self.emb(ids)
+        h = h + torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+        return self.out(torch.tanh(self.mix(h)))[:, :-1].reshape(-1, V)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.logits(ids)
@@ -50,6 +55,8 @@ class MaskedLM(CausalLM):
 
 def module(case: str) -> nn.Module:
     torch.manual_seed(0)
+    if case == "padding_idx":
+        return IgnoredLM(padding_idx=PAD).double()
     cls = {"flat": CausalLM, "ignored": IgnoredLM, "masked": MaskedLM}[case]
     return cls().double()
 
@@ -60,19 +67,20 @@ def optimizer(m: nn.Module) -> torch.optim.Optimizer:
 
 def batch(case: str, step: int) -> dict[str, np.ndarray]:
     """The global batch of ``step``: SAMPLES sequences; for the padded cases, the first half
-    full length, the others 2 or 1 real tokens then padding (counted tokens per sample:
-    5, 5, 5, 5, 1, 1, 0, 0)."""
+    full length, the others padding then 2, 1, 0 and 0 real tokens (left padding: a padding
+    token feeds the position that predicts the first real one). A label counts where the token
+    it predicts is real: 5, 5, 5, 5, 2, 1, 0, 0 per sample."""
     rng = np.random.default_rng(100 + step)
     ids = rng.integers(1, V, (SAMPLES, T))
     if case == "flat":
         return {"ids": ids, "y": ids[:, 1:].reshape(-1)}
-    lengths = [T] * 4 + [2, 2, 1, 1]
+    lengths = [T] * 4 + [2, 1, 0, 0]
     for i, n in enumerate(lengths):
-        ids[i, n:] = PAD
-    real = np.arange(T)[None, :] < np.array(lengths)[:, None]
+        ids[i, :T - n] = PAD
+    real = np.arange(T)[None, :] >= T - np.array(lengths)[:, None]
     counted = real[:, 1:].reshape(-1)  # a label that is a real token
     targets = ids[:, 1:].reshape(-1)
-    if case == "ignored":
+    if case in ("ignored", "padding_idx"):
         return {"ids": ids, "labels": np.where(counted, targets, IGNORE)}
     return {"ids": ids, "targets": targets, "mask": counted.astype(np.float64)}
 
