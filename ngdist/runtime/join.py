@@ -52,20 +52,21 @@ def unsupported(trainer: Trainer) -> str | None:
                 "which a rank without data cannot give")
     if type(trainer.executor).__name__ != "Executor":
         return "several devices per worker run replicas that each take a share of a batch"
+    for node in trainer.executor.comm_nodes.values():
+        attrs = node.attributes
+        if node.op_type != "AllReduce":
+            return f"the step communicates with ngdist.{node.op_type} (strategy allreduce only)"
+        if attrs.get("compression", "none") != "none":
+            return ("compressed AllReduce: only plain sums (with error feedback a rank without "
+                    "data would still send its residual)")
+        if attrs.get("reduction", "mean") != "sum":
+            return (f"ngdist.AllReduce '{node.name}' takes the mean over every rank (a "
+                    "counted loss, or gradients that are not prescaled)")
     if GRAD_SCALE not in trainer.values:
         return ("the step's AllReduce takes the mean over every rank (a training model with "
                 "its own backward pass), so a rank without data cannot be left out of it")
     if trainer.metrics is not None:
         return "log_dir metrics reduce each rank's own steps; train without log_dir"
-    for node in trainer.executor.comm_nodes.values():
-        attrs = node.attributes
-        if node.op_type != "AllReduce":
-            return f"the step communicates with ngdist.{node.op_type} (strategy allreduce only)"
-        if attrs.get("reduction", "mean") != "sum":
-            return (f"ngdist.AllReduce '{node.name}' takes the mean over every rank (a "
-                    "counted loss, or a reduction that is not prescaled)")
-        if attrs.get("compression", "none") != "none":
-            return "compressed AllReduce (its error feedback would send the residual)"
     return None
 
 

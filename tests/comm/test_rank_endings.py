@@ -115,6 +115,9 @@ def run_case(tmp_path: Path, n: int, how: str, when: str,
     except subprocess.TimeoutExpired as exc:
         cleanup(path)
         pytest.fail(f"ngdist run did not end within {LIMIT_S} s:\n{exc.stderr!r}")
+    if not (tmp_path / "ended").exists():
+        pytest.fail(f"the job ended before the rank did (status {proc.returncode}):\n"
+                    f"{proc.stdout}\n{proc.stderr}")
     ended = float((tmp_path / "ended").read_text())
     return proc, time.time() - ended
 
@@ -154,8 +157,9 @@ def test_every_ending_ends_the_job_within_seconds_with_the_ranks_status(tmp_path
     raised = "MPI_Abort(1)" if when == "mid_training" else "exit 1"
     expected = (row[0].format(raised=raised), row[1].format(r=r))
     assert rows[r] == expected, proc.stderr
-    head = proc.stderr[proc.stderr.index("ngdist: rank"):].splitlines()[0]
-    assert head.startswith(f"ngdist: rank {r} failed ({expected[0]})"), proc.stderr
+    head = re.search(r"^ngdist: rank \d+ failed .*$", proc.stderr, re.M)
+    assert head and head.group().startswith(f"ngdist: rank {r} failed ({expected[0]})"), \
+        proc.stderr
 
 
 def test_a_rank_that_exits_0_without_starting_mpi_fails_the_job(tmp_path):

@@ -115,3 +115,53 @@ def test_without_join_a_rank_that_runs_out_fails_the_job_naming_it(tmp_path):
                 "rank 0 waits for it in step 8 (ngdist.AllReduce" in proc.stderr), proc.stderr
     assert "When the ranks have different numbers of batches, step inside `with " \
            "trainer.join():`" in proc.stderr
+
+
+REFUSALS = r"""
+import ngdist
+from ngdist.errors import OptionError
+from ngdist.zoo import mlp
+
+cases = {"pushsum": dict(strategy="pushsum"),
+         "micro": dict(reproducible_micro_batch=2),
+         "fp16": dict(compression="fp16")}
+for name, options in cases.items():
+    trainer = ngdist.compile(mlp((6, 5, 3)), optimizer=ngdist.optim.SGD(lr=0.1), timeout=60,
+                             **options)
+    try:
+        trainer.join()
+    except OptionError as exc:
+        print(f"rank {ngdist.rank()} {name}: {exc}", flush=True)
+    trainer.close()
+"""
+
+
+@pytest.mark.mpi
+def test_join_refuses_what_it_cannot_train_with_the_reason(ranks):
+    out = ranks(2, REFUSALS, timeout=180).stdout
+    head = "trainer.join() cannot train on uneven inputs here: "
+    for rank in (0, 1):
+        assert (f"rank {rank} pushsum: {head}the step communicates with ngdist.PushSum "
+                "(strategy allreduce only)") in out, out
+        assert (f"rank {rank} micro: {head}reproducible_micro_batch sums a fixed number of "
+                "micro-batches per rank, which a rank without data cannot give") in out, out
+        assert (f"rank {rank} fp16: {head}compressed AllReduce: only plain sums (with error "
+                "feedback a rank without data would still send its residual)") in out, out
+
+
+def test_join_on_one_rank_trains_as_without_it():
+    import ngdist
+    from ngdist.zoo import mlp
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((4, 6)).astype(np.float32), rng.integers(0, 3, 4))
+               for _ in range(3)]
+    a, b = (ngdist.compile(mlp(SIZES, seed=0), optimizer=ngdist.optim.SGD(lr=LR),
+                           intra_op_threads=1) for _ in range(2))
+    with a.join():
+        for x, y in batches:
+            a.step({"x": x, "y": y})
+    for x, y in batches:
+        b.step({"x": x, "y": y})
+    pa, pb = a.parameters(), b.parameters()
+    assert all(pa[k].tobytes() == pb[k].tobytes() for k in pa)
