@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """What one step reports. ``loss`` is this rank's loss on its own shard."""
+    """What one step reports. ``loss`` is this rank's loss on its own shard (for a mean over
+    counted tokens, its term of the global batch's loss times the ranks: passes/losscount.py)."""
 
     loss: float
     step_time: float
