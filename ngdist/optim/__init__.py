@@ -453,3 +453,5 @@ _ALIASES = {"learning_rate": "lr", "epsilon": "eps", "beta1": "betas", "beta2": 
             "beta_1": "betas", "beta_2": "betas", "decay": "weight_decay",
             "lr_decay_factor": "lr_decay"}
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+from ngdist.optim import schedules  # noqa: E402  (ngdist.optim.schedules.warmup_cosine...)

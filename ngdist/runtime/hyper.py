@@ -5,7 +5,8 @@ Every parameter group's learning rate is a ``hyper`` value of the step (``ngdist
 the trainer feeds it to every step, so a new value takes effect on the next step with no
 recompilation. When the trainer came from a torch optimizer, each ``step()`` first reads the
 learning rate of every ``param_groups`` entry (``WriteBack.hypers``) and feeds the ones that
-changed: whatever ``torch.optim.lr_scheduler`` steps that optimizer is followed.
+changed: whatever ``torch.optim.lr_scheduler`` steps that optimizer is followed. Without one,
+``trainer.set_lr_schedule`` (``ngdist.optim.schedules``) sets them the same way before each step.
 """
 from __future__ import annotations
 
@@ -60,6 +61,21 @@ class Hypers:
             self.values[names[g]] = self.placement.value(  # type: ignore[attr-defined]
                 np.array(value, np.float32))
 
+    def set_lr_schedule(self, schedule: Callable[[int], float] | None) -> None:
+        """From the next step on, every group's learning rate is the one it has now times
+        ``schedule(steps)``, ``steps`` the steps done before that step (``steps_done``, which a
+        resumed checkpoint restores); e.g. ``ngdist.optim.schedules.warmup_cosine(100, 10_000)``
+        or any function of the step. ``None`` ends the schedule (the rates stay as they are).
+        Not with a trainer that follows a torch optimizer: step a torch scheduler instead."""
+        if schedule is not None and not callable(schedule):
+            raise OptionError(f"set_lr_schedule takes a function of the step (e.g. "
+                              f"ngdist.optim.schedules.warmup_linear(100, 1000)), not a "
+                              f"{type(schedule).__name__}")
+        if schedule is not None and getattr(self._write_back, "hypers", None) is not None:
+            raise OptionError("this trainer follows its torch optimizer's learning rates; "
+                              "schedule them with a torch.optim.lr_scheduler on that optimizer")
+        self._lr_schedule = None if schedule is None else (schedule, self.lr)
+
     @property
     def lr(self) -> dict[int, float]:
         """The learning rate of every parameter group, {group: lr}, as the next step uses it."""
@@ -67,6 +83,11 @@ class Hypers:
 
     def _follow_hypers(self) -> None:
         """Before a step: the learning rates of the framework optimizer, where they changed."""
+        scheduled = getattr(self, "_lr_schedule", None)
+        if scheduled is not None:
+            schedule, base = scheduled
+            factor = float(schedule(self.steps_done))  # type: ignore[attr-defined]
+            self.set_lr({g: lr * factor for g, lr in base.items()})
         source: Callable[[], Mapping[int, float]] | None = \
             getattr(self._write_back, "hypers", None)
         if source is None:

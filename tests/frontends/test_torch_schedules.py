@@ -184,3 +184,13 @@ def test_groups_and_a_scheduler_on_several_ranks_match_torch_on_the_global_batch
         assert np.abs(mine[0][name] - want[name]).max() <= 1e-6, name
         for r in range(1, n):  # every rank holds the same bits
             assert mine[r][name].tobytes() == mine[0][name].tobytes(), (name, r)
+
+
+def test_an_ngdist_schedule_is_refused_where_a_torch_optimizer_is_followed():
+    module = make_model()
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(),
+                             optimizer=O.SGD(module.parameters(), lr=0.1), strategy="local")
+    with pytest.raises(OptionError, match=r"follows its torch optimizer's learning rates; "
+                                          r"schedule them with a torch.optim.lr_scheduler"):
+        trainer.set_lr_schedule(ngdist.optim.schedules.step_decay(3))

@@ -34,17 +34,24 @@ def init_values() -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in forward().graph.initializer}
 
 
-def torch_reference(make_opt, steps: int = 5) -> dict[str, np.ndarray]:
-    """The same MLP (Gemm transB=1, Relu) trained by torch on mean((out - y)^2) in float64."""
+def torch_reference(make_opt, steps: int = 5, lrs: list | None = None
+                    ) -> dict[str, np.ndarray]:
+    """The same MLP (Gemm transB=1, Relu) trained by torch on mean((out - y)^2) in float64;
+    ``make_opt`` gives the optimizer, or (optimizer, scheduler) whose lrs go to ``lrs``."""
     p = {k: torch.tensor(v, requires_grad=True) for k, v in init_values().items()}
-    opt = make_opt(p)
+    made = make_opt(p)
+    opt, sched = made if isinstance(made, tuple) else (made, None)
     for x, y in batches(steps):
+        if lrs is not None:
+            lrs.append([g["lr"] for g in opt.param_groups])
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         h = torch.relu(x @ p["fc0.weight"].T + p["fc0.bias"])
         out = h @ p["fc1.weight"].T + p["fc1.bias"]
         opt.zero_grad()
         ((out - y) ** 2).mean().backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     return {k: v.detach().numpy() for k, v in p.items()}
 
 
@@ -147,3 +154,61 @@ def test_a_formula_on_the_wrong_op_is_refused():
     with pytest.raises(GraphError, match=r"ngdist_formula='lamb' is not a formula ngdist knows; "
                                          r"the formulas are \['adadelta', 'adamax'"):
         ngdist.compile(model, strategy="local")
+
+
+# --------------------------------------------------------------------------- schedules
+
+def test_a_warmup_schedule_on_an_onnx_file_follows_hugging_face():
+    transformers = pytest.importorskip("transformers", reason="the oracle is Hugging Face's "
+                                       "get_linear_schedule_with_warmup")
+    from ngdist.optim import schedules
+
+    biases = ["fc0.bias", "fc1.bias"]
+    opt = ngdist.optim.AdamW(lr=0.05, groups=[{"params": biases, "weight_decay": 0.0}])
+    lrs_torch = []
+
+    def make_opt(p):
+        o = torch.optim.AdamW([{"params": [p[b] for b in biases], "weight_decay": 0.0},
+                               {"params": [p["fc0.weight"], p["fc1.weight"]]}], lr=0.05)
+        return o, transformers.get_linear_schedule_with_warmup(o, 2, 6)
+
+    want = torch_reference(make_opt, steps=5, lrs=lrs_torch)
+    trainer = ngdist.compile(forward(), loss="mse", optimizer=opt, strategy="local")
+    trainer.set_lr_schedule(schedules.warmup_linear(2, 6))
+    lrs = []
+    for x, y in batches(5):
+        trainer.step({"x": x, "y": y})
+        lrs.append(list(trainer.lr.values()))
+    np.testing.assert_allclose(lrs, lrs_torch, rtol=1e-7)
+    assert lrs[0] == [0.0, 0.0] and lrs[2][0] == pytest.approx(0.05)
+    for k, v in want.items():
+        assert np.abs(trainer.state_dict()[k] - v).max() <= 1e-6, k
+
+
+def test_schedules_are_hugging_faces_and_torchs_factors():
+    transformers = pytest.importorskip("transformers", reason="Hugging Face's schedules")
+    from ngdist.optim import schedules
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    for ours, theirs in [
+            (schedules.warmup_cosine(3, 11),
+             transformers.get_cosine_schedule_with_warmup(torch.optim.SGD([p], lr=1.0), 3, 11)),
+            (schedules.step_decay(4, 0.5),
+             torch.optim.lr_scheduler.StepLR(torch.optim.SGD([p], lr=1.0), 4, 0.5))]:
+        factors = []
+        for _ in range(14):
+            factors.append(theirs.get_last_lr()[0])
+            theirs.optimizer.step()
+            theirs.step()
+        assert [ours(s) for s in range(14)] == pytest.approx(factors, rel=1e-12)
+    assert schedules.from_spec("warmup_cosine:warmup=10", total=100) == \
+        schedules.warmup_cosine(10, 100)
+    with pytest.raises(ngdist.errors.OptionError, match=r"lr schedule 'warmup_linear:warmup=5' "
+                                                        r"needs \['total'\]"):
+        schedules.from_spec("warmup_linear:warmup=5")
+    with pytest.raises(ngdist.errors.OptionError, match=r"unknown lr schedule 'cosine' in 'cosine'; "
+                                                        r"choose one of \['step_decay', "):
+        schedules.from_spec("cosine")
+    with pytest.raises(ngdist.errors.OptionError, match=r"warmup_linear\(warmup=1.5\): warmup "
+                                                        r"takes a whole number of steps"):
+        schedules.warmup_linear(1.5, 10)
