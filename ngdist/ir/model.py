@@ -34,6 +34,7 @@ from ngdist.ir.atomic import remove_stale_temps_in, write_atomic
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
 from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
                                  resolve_external_data)
+from ngdist.ir.shapes import fill_same_shape_outputs
 from ngdist.ir.validate import MODEL_LEVEL, ROLES, check_training_model
 
 __all__ = ["IR_VERSION", "MODEL_LEVEL", "ROLES", "StepMeta", "assemble_training_model",
@@ -207,7 +208,7 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         alg, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
         ir_version=IR_VERSION)
     try:
-        step_proto = onnx.shape_inference.infer_shapes(step_proto)
+        step_proto = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(step_proto))
     except Exception as exc:  # shapes help the autodiff; they are not required
         logger.debug("shape inference of the step graph failed: %s", exc)
     try:

@@ -144,3 +144,52 @@ def test_gradients_match_torch_autograd_float64(name: str) -> None:
     assert set(grads) == set(exp.params)
     errors = gradient_errors(got, grads)
     assert max(errors.values()) <= TOL, errors
+
+
+class RMSNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(6, 8), nn.RMSNorm(8, eps=1e-5), nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+# the dynamo exporter at opset 23: nn.GroupNorm becomes GroupNormalization-21 and nn.RMSNorm
+# RMSNormalization-23
+DYNAMO = {
+    "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
+    "rms_norm": (RMSNormed, (8, 6)),
+    "interpolate_bicubic": (lambda: Interpolate("bicubic", False, 2), (8, 3, 4, 4)),
+    "cumsum_scatter_topk_tril": (Scan, (8, 6)),
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMO))
+def test_dynamo_exports_match_torch_autograd_float64(name: str) -> None:
+    """The dynamo exporter's graphs (other decompositions, opset 23), through ngdist's ONNX
+    frontend: every parameter keeps its state_dict name and its gradient matches torch's."""
+    from ngdist.frontends.onnx import build_training_model
+
+    make, shape = DYNAMO[name]
+    torch.manual_seed(0)
+    module = make()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    y = rng.integers(0, CLASSES, shape[0]).astype(np.int64)
+    forward = torch.onnx.export(
+        module, (torch.from_numpy(x[:2]),), dynamo=True, opset_version=23, verbose=False,
+        input_names=["x"], output_names=["output"],
+        dynamic_shapes=({0: torch.export.Dim("batch")},)).model_proto
+    ops = {n.op_type for n in forward.graph.node}
+    if name in ("group_norm", "rms_norm"):
+        assert {"GroupNormalization", "RMSNormalization"} & ops
+    names = [n for n, _ in module.named_parameters()]
+    model = build_training_model(forward, params=names)
+    _, step = split_training_model(model)
+    check_step_graph(run_passes(step, "local", lower=False))
+    got = run_step(model, {"x": x, "y": y})
+    loss, grads, _ = torch_step(module, x, y, nn.CrossEntropyLoss(), float64=True)
+    assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)
+    errors = gradient_errors(got, grads)
+    assert max(errors.values()) <= TOL, errors

@@ -1,0 +1,51 @@
+"""Types and shapes that ONNX's shape inference leaves out.
+
+``onnx.shape_inference`` infers some function ops through their function bodies, which fail
+for some element types and attributes (GroupNormalization-21 with a stash type,
+MeanVarianceNormalization in float64): their outputs get no type and no shape, and neither
+does anything after them. The outputs of the ops below have the type and shape of their first
+input by definition, so they are filled in from it and inference runs again.
+"""
+from __future__ import annotations
+
+import onnx
+
+# output 0 has input 0's element type and shape
+SAME_AS_INPUT = frozenset({
+    "GroupNormalization", "InstanceNormalization", "RMSNormalization", "LayerNormalization",
+    "MeanVarianceNormalization", "LpNormalization", "LRN", "Gelu", "Mish", "Swish", "Celu",
+    "HardSwish", "HardSigmoid", "Softsign", "Softplus", "Elu", "Selu", "ThresholdedRelu",
+    "Shrink"})
+
+
+def _typed(graph: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
+    values = [*graph.input, *graph.value_info, *graph.output]
+    known = {v.name: v for v in values
+             if v.type.tensor_type.elem_type and v.type.tensor_type.HasField("shape")}
+    for t in graph.initializer:
+        if t.name not in known:
+            known[t.name] = onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
+    return known
+
+
+def fill_same_shape_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the missing types and shapes of SAME_AS_INPUT outputs filled in from
+    their inputs, and shape inference run again after each round that filled one."""
+    for _ in range(len(model.graph.node)):
+        known = _typed(model.graph)
+        filled = 0
+        for node in model.graph.node:
+            if node.domain not in ("", "ai.onnx") or node.op_type not in SAME_AS_INPUT or \
+                    not node.input or not node.output or node.output[0] in known or \
+                    node.input[0] not in known:
+                continue
+            outputs = [o for o in model.graph.output if o.name == node.output[0]]
+            info = outputs[0] if outputs else model.graph.value_info.add()
+            info.CopyFrom(known[node.input[0]])
+            info.name = node.output[0]
+            known[info.name] = info
+            filled += 1
+        if not filled:
+            break
+        model = onnx.shape_inference.infer_shapes(model)
+    return model
