@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import ngdist.comm.shared as shared
-from ngdist.comm import exits
+import ngdist.comm.exits as exits
 from ngdist.comm.backoff import wait_until
 from ngdist.comm.group import (DoneWork, ProcessGroup, ReduceOp, Work, WorkList, alive,
                                default_timeout, describe, divide)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -35,8 +35,8 @@ from ngdist.errors import OptionError
 from ngdist.ir.domain import GRAD_SCALE
 from ngdist.runtime.executor import StepTimes
 
-if TYPE_CHECKING:
-    from ngdist.runtime.trainer import Trainer
+# runtime.trainer.Trainer, which imports this module (importing it here would be a cycle)
+Trainer = Any
 
 logger = logging.getLogger(__name__)
 
