@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default="y", help="name of the labels array/input (default y)")
     p.add_argument("--optimizer", help="e.g. sgd:lr=0.05,momentum=0.9 or adam:lr=1e-3 "
                    f"(default {DEFAULT_OPTIMIZER}); not for a training model")
+    p.add_argument("--lr-schedule", metavar="SPEC", help="scale the learning rate at each "
+                   "step: warmup_linear:warmup=100 | warmup_cosine:warmup=100 | "
+                   "step_decay:step_size=1000,gamma=0.5 (total= defaults to the run's steps; "
+                   "ngdist.optim.schedules)")
     p.add_argument("-n", type=int, default=DEFAULT_RANKS,
                    help=f"number of ranks (default {DEFAULT_RANKS})")
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
@@ -92,7 +96,7 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
             "--log-every", str(args.log_every)]
     for flag, value in (("--loss", args.loss), ("--optimizer", args.optimizer),
                         ("--timeout", args.timeout), ("--save", args.save),
-                        ("--timeline", args.timeline),
+                        ("--timeline", args.timeline), ("--lr-schedule", args.lr_schedule),
                         ("--val-split", args.val_split), ("--val-data", args.val_data),
                         ("--log-dir", getattr(args, "log_dir", None))):  # a launch option
         if value is not None:
@@ -100,6 +104,13 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
     for name, value in given_options(args).items():  # the strategy's flags, as given
         argv += [cli_flag(name)] if value is True else [cli_flag(name), str(value)]
     return argv
+
+
+def lr_schedule(args: argparse.Namespace, total: int) -> Any:
+    """The schedule of ``--lr-schedule`` over a run of ``total`` steps."""
+    from ngdist.optim import schedules
+
+    return schedules.from_spec(args.lr_schedule, total=total)
 
 
 def given_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,6 +249,8 @@ def train(args: argparse.Namespace) -> int:
         raise InputError(f"{Path(args.data).name}: {samples} samples are fewer than one global "
                          f"batch ({args.batch_size} per rank x {size} ranks); lower "
                          "--batch-size")
+    if args.lr_schedule:
+        trainer.set_lr_schedule(lr_schedule(args, args.epochs * steps))
     bar = tqdm(total=args.epochs * steps, disable=rank != 0, unit="step",
                desc=f"train {Path(args.model).name} on {size} rank(s)")
     start, loss = time.perf_counter(), float("nan")
@@ -316,6 +329,8 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--checkpoint-every {args.checkpoint_every} needs a folder: give "
                          "--checkpoint-dir DIR too")
     check_validation(args)
+    if args.lr_schedule:  # a wrong spec: refused before anything runs
+        lr_schedule(args, 1)
     if (args.n > 1 or args.max_restarts) and world_rank_size()[1] == 1:  # supervised
         if args.log_dir is not None and existing_log(args.log_dir):
             raise InputError(existing_log(args.log_dir))
