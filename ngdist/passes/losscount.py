@@ -38,10 +38,11 @@ def _attr(node: ir.Node, name: str, default: object = None) -> object:
     return default if a is None else a.value
 
 
-def _ancestors(value: ir.Value) -> set[str]:
-    """Names of the graph inputs and initializers ``value`` is computed from."""
+def _ancestors(value: ir.Value) -> tuple[set[str], list[ir.Node]]:
+    """Names of the graph inputs and initializers ``value`` is computed from, and the nodes."""
     seen: set[int] = set()
     leaves: set[str] = set()
+    nodes: dict[int, ir.Node] = {}
     stack = [value]
     while stack:
         v = stack.pop()
@@ -52,12 +53,13 @@ def _ancestors(value: ir.Value) -> set[str]:
         if producer is None:
             leaves.add(v.name or "")
             continue
+        nodes[id(producer)] = producer
         stack.extend(i for i in producer.inputs if i is not None)
         for attr in producer.attributes.values():  # subgraphs read outer values too
             if isinstance(attr, ir.Attr) and attr.type in (ir.AttributeType.GRAPH,
                                                             ir.AttributeType.GRAPHS):
                 leaves.add("<subgraph>")
-    return leaves
+    return leaves, list(nodes.values())
 
 
 LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
@@ -144,8 +146,32 @@ def _normalised_by_data(div: ir.Node, data: set[str], params: set[str]) -> bool:
     if den.shape is None or not den.shape.is_static() or \
             int(np.prod([int(d) for d in den.shape.dims])) != 1:
         return False
-    leaves = _ancestors(den)
+    leaves, _ = _ancestors(den)
     return bool(leaves & data) and not leaves & params and "<subgraph>" not in leaves
+
+
+def _loss_node(y: ir.Value | None) -> ir.Node | None:
+    """The node whose first output ``y`` is, through Identity and Cast nodes."""
+    node = y.producer() if y is not None else None
+    while node is not None and node.op_type in ("Identity", "Cast") and \
+            node.inputs[0] is not None:
+        y = node.inputs[0]
+        node = y.producer()
+    return node if node is not None and y is node.outputs[0] else None
+
+
+def _log_inner_means(y: ir.Value | None, top: ir.Node | None) -> None:
+    """A counted mean that the loss combines with other terms (``ce + 0.1 * aux``) keeps each
+    rank's own count, as DDP does: said once per loss, in the log."""
+    if y is None:
+        return
+    inner = [n for n in _ancestors(y)[1] if n is not top and _counted_mean(n)]
+    if inner:
+        logger.warning("the loss '%s' uses a mean over counted tokens inside other ops (%s): "
+                       "each rank divides by its own count, so N ranks can differ from one "
+                       "process on the combined batch; make that mean the loss itself (or a "
+                       "Div by a count of the batch) to divide by the global count", y.name,
+                       ", ".join(f"{n.op_type} '{n.name}'" for n in inner[:3]))
 
 
 class CountedLossPass(ir.passes.InPlacePass):
@@ -165,16 +191,14 @@ class CountedLossPass(ir.passes.InPlacePass):
         marked = 0
         for grad in [n for n in graph if n.domain == PREVIEW_TRAINING and n.op_type == "Gradient"]:
             values = {o.name: o for n in graph for o in n.outputs}
-            y = v = values.get(str(_attr(grad, "y")))
-            node = v.producer() if v is not None else None
-            while node is not None and node.op_type == "Identity" and node.inputs[0] is not None:
-                v = node.inputs[0]
-                node = v.producer()
-            if node is None or v is not node.outputs[0]:
-                continue
+            y = values.get(str(_attr(grad, "y")))
+            node = _loss_node(y)
             params = {str(x) for x in _attr(grad, "xs", [])} | set(meta.names("param"))
-            if not (_counted_mean(node) or _normalised_by_data(node, data, params)):
+            if y is None or node is None or \
+                    not (_counted_mean(node) or _normalised_by_data(node, data, params)):
+                _log_inner_means(y, None)
                 continue
+            _log_inner_means(y, node)
             weights = node.inputs[2] if node.op_type != "Div" and len(node.inputs) > 2 else None
             if weights is not None and weights.name in params:
                 raise GraphError(f"the class weights '{weights.name}' of the loss '{y.name}' "

@@ -4,12 +4,14 @@ global batch (passes/losscount.py): N ranks then train as one process on the com
 against torch float64. Strategies that cannot do it refuse such a loss."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import onnx_ir as ir
+from onnx import helper
 
 import ngdist
 from ngdist import zoo
@@ -105,6 +107,22 @@ def test_the_count_is_one_scalar_allreduce_outside_buckets_and_compression():
 def test_a_plain_mean_is_left_alone():
     trainer = ngdist.compile(zoo.mlp((6, 4, 5)), optimizer=ngdist.optim.SGD(lr=0.1))
     assert _count_nodes(trainer) == []
+
+
+def test_a_counted_mean_inside_a_sum_of_losses_is_said_in_the_log(caplog):
+    base = model("ignore", W0, CLASS_WEIGHTS)
+    g = base.graph
+    g.node[-1].output[0] = "ce"  # loss = ce + ce * ce: the mean is not the loss itself
+    g.node.extend([helper.make_node("Mul", ["ce", "ce"], ["sq"]),
+                   helper.make_node("Add", ["ce", "sq"], ["loss"])])
+    with caplog.at_level(logging.WARNING, logger="ngdist.passes.losscount"):
+        trainer = ngdist.compile(base, loss=None, optimizer=ngdist.optim.SGD(lr=1.0))
+    assert _count_nodes(trainer) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "the loss 'loss' uses a mean over counted tokens inside other ops "
+        "(SoftmaxCrossEntropyLoss 'sce'): each rank divides by its own count, so N ranks can "
+        "differ from one process on the combined batch; make that mean the loss itself (or a "
+        "Div by a count of the batch) to divide by the global count"]
 
 
 def test_pushsum_keeps_each_rank_own_mean():
