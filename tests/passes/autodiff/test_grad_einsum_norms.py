@@ -59,6 +59,17 @@ def _cases() -> list:
     for size in (3, 5):  # onnxruntime's LRN takes odd sizes only
         add(case(f"LRN-size{size}", "LRN", lambda g: [g.n(2, 5, 2, 3)], size=size, alpha=0.3,
                  beta=0.75, bias=1.5))
+    # every dimension symbolic (read at run time)
+    add(case("Einsum-attention-symbolic", "Einsum", lambda g: [g.n(2, 3, 4), g.n(2, 5, 4)],
+             equation="bid,bjd->bij", symbolic=True))
+    add(case("Einsum-ellipsis-linear-symbolic", "Einsum", lambda g: [g.n(2, 3, 4), g.n(4, 5)],
+             equation="...ij,jk->...ik", symbolic=True))
+    add(case("InstanceNorm-symbolic", "InstanceNormalization",
+             lambda g: [g.n(2, 3, 4), g.n(3), g.n(3)], symbolic=True))
+    add(case("RMSNorm-symbolic", "RMSNormalization", lambda g: [g.n(2, 3, 4), g.n(4)],
+             opset=23, stash_type=TensorProto.DOUBLE, symbolic=True))
+    add(case("LRN-symbolic", "LRN", lambda g: [g.n(2, 4, 3, 2)], size=3, symbolic=True))
+    add(case("LpNorm-symbolic", "LpNormalization", lambda g: [g.away(3, 4)], symbolic=True))
     for p in (1, 2):
         add(case(f"LpNorm-p{p}-last", "LpNormalization", lambda g: [g.away(3, 4)], p=p))
         add(case(f"LpNorm-p{p}-axis0", "LpNormalization", lambda g: [g.away(3, 2, 4)], p=p,

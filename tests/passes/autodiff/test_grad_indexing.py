@@ -72,6 +72,19 @@ def _cases() -> list:
     add(case("MaxUnpool", "MaxUnpool",
              lambda g: [g.n(1, 2, 2, 2), np.array([[[[0, 3], [9, 14]], [[17, 22], [24, 31]]]])],
              kernel_shape=[2, 2], strides=[2, 2]))
+    # every dimension symbolic (read at run time)
+    add(case("ScatterElements-symbolic", "ScatterElements",
+             lambda g: [g.n(3, 4), ROWS, g.n(2, 4)], axis=0, symbolic=True))
+    add(case("ScatterND-symbolic", "ScatterND",
+             lambda g: [g.n(4, 3), np.array([[3], [1]]), g.n(2, 3)], symbolic=True))
+    add(case("GatherND-symbolic", "GatherND", lambda g: [g.n(3, 4, 2), PAIRS], symbolic=True))
+    add(case("TopK-symbolic", "TopK", lambda g: [g.distinct(3, 5), np.array([2])], n_out=2,
+             symbolic=True))
+    add(case("CumSum-symbolic", "CumSum", lambda g: [g.n(3, 4), np.array(1)], reverse=1,
+             symbolic=True))
+    add(case("Trilu-symbolic", "Trilu", lambda g: [g.n(3, 4)], symbolic=True))
+    add(case("SpaceToDepth-symbolic", "SpaceToDepth", lambda g: [g.n(2, 3, 4, 6)], blocksize=2,
+             symbolic=True))
     return out
 
 

@@ -25,6 +25,9 @@ def _cases() -> list:
         out.append(case(f"{op}-all", op, lambda g, m=make: [m(g)], keepdims=0))
     out.append(case("ReduceL2-opset17-attr", "ReduceL2", lambda g: [g.n(3, 5)], axes=[1],
                     opset=17))
+    for op in ("ReduceL2", "ReduceLogSumExp", "ReduceProd"):
+        out.append(case(f"{op}-symbolic", op, lambda g: [g.away(2, 3, 4), np.array([1])],
+                        keepdims=0, symbolic=True))
     zeros = np.array([[0.0, 1.5, -2.0, 0.7], [0.0, 0.0, 1.3, -0.9], [1.1, -0.6, 0.8, 2.0]])
     out.append(op_case("ReduceProd-zeros", "ReduceProd", [zeros, np.array([1])]))
     out.append(op_case("ReduceProd-zeros-axis0", "ReduceProd", [zeros.T.copy(), np.array([0])],

@@ -18,7 +18,7 @@ def _const(name: str, value) -> onnx.NodeProto:
 
 
 def resize_case(cid: str, shape, *, scales=None, sizes=None, roi=None, opset: int = 19,
-                **attrs):
+                symbolic: bool | str = False, **attrs):
     nodes, ins = [], ["x", "", "", ""]
     for k, (name, value, dtype) in enumerate([("roi", roi, np.float32),
                                               ("scales", scales, np.float32),
@@ -29,7 +29,9 @@ def resize_case(cid: str, shape, *, scales=None, sizes=None, roi=None, opset: in
     while ins[-1] == "":
         ins.pop()
     nodes.append(helper.make_node("Resize", ins, ["y"], name="node0", **attrs))
-    return graph_case(cid, nodes, {"x": Gen(cid).n(*shape)}, opset=opset)
+    built = graph_case(cid, nodes, {"x": Gen(cid).n(*shape)}, opset=opset)
+    built.symbolic = symbolic
+    return built
 
 
 CASES = [
@@ -61,6 +63,8 @@ CASES = [
     resize_case("Resize-trilinear", (1, 2, 3, 2, 3), scales=[1, 1, 2, 1.5, 2], mode="linear",
                 coordinate_transformation_mode="align_corners"),
     resize_case("Resize-1d-linear", (2, 2, 5), scales=[1, 1, 1.6], mode="linear"),
+    resize_case("Resize-symbolic-batch", (2, 2, 3, 3), scales=[1, 1, 2, 1.5], mode="cubic",
+                symbolic="batch"),
 ]
 
 
