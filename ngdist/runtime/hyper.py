@@ -81,6 +81,11 @@ class Hypers:
         """The learning rate of every parameter group, {group: lr}, as the next step uses it."""
         return {g: float(self.values[n].numpy()) for g, n in self._lr_names().items()}
 
+    def _first_lr(self) -> float | None:
+        """The learning rate of the first group (the step stats' ``lr``), None without one."""
+        names = self._lr_names()
+        return float(self.values[next(iter(names.values()))].numpy()) if names else None
+
     def _follow_hypers(self) -> None:
         """Before a step: the learning rates of the framework optimizer, where they changed."""
         scheduled = getattr(self, "_lr_schedule", None)

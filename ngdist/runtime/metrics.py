@@ -8,13 +8,14 @@ of a small float64 array (``every`` rows x ``FIELDS``), so logging adds one coll
 interval rather than per step. Rank 0 then writes:
 
 * ``metrics.csv``: one row per step (``split=train``) and one per validation (``split=val``),
-  each row written whole and flushed. A ``log_dir`` that already holds a ``metrics.csv`` is
+  each row written whole and flushed; a train row's ``lr`` is the learning rate the step ran
+  with (of the first parameter group). A ``log_dir`` that already holds a ``metrics.csv`` is
   refused before training (one file per run; choose a new folder or remove the old file),
   except by a job restarted by ``ngdist run --max-restarts`` (``NGDIST_RESTART_COUNT`` > 0) or
   resumed from a checkpoint: its rows go on in the same file, from the resumed step.
 * TensorBoard event files (``events.out.tfevents.*``, tags ``train/loss``,
   ``train/samples_per_s``, ``train/compute_s``, ``train/comm_s``, ``train/wait_s``,
-  ``val/loss``, ``val/accuracy``) when ``tensorboard`` is installed.
+  ``train/lr``, ``val/loss``, ``val/accuracy``) when ``tensorboard`` is installed.
 * ``metrics.png`` at ``close()``: the training loss vs step (validation loss on the same axes)
   and the validation accuracy vs epoch, drawn with matplotlib's Agg canvas when matplotlib is
   installed, written atomically.
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 CSV_NAME = "metrics.csv"
 PNG_NAME = "metrics.png"
 COLUMNS = ("step", "epoch", "split", "loss", "accuracy", "samples_per_s", "step_time_s",
-           "compute_s", "comm_s", "wait_s", "samples")
+           "compute_s", "comm_s", "wait_s", "samples", "lr")
 # what each rank contributes per step; summed over the ranks
 FIELDS = ("loss", "samples", "step_time_s", "compute_s", "comm_s", "wait_s")
 DEFAULT_EVERY = 10
@@ -143,9 +144,11 @@ class MetricsLog:
     # ------------------------------------------------------------------ recording
     def record(self, step: int, epoch: int | None, stats: Any) -> None:
         """One step's ``StepStats`` of this rank; reduced and written every ``every`` steps."""
+        lr = getattr(stats, "lr", None)  # the same on every rank: not reduced
         self.pending.append(np.array(
-            [step, -1 if epoch is None else epoch, stats.loss, stats.samples, stats.step_time,
-             stats.compute_time, stats.comm_time, stats.wait_time], np.float64))
+            [step, -1 if epoch is None else epoch, np.nan if lr is None else lr, stats.loss,
+             stats.samples, stats.step_time, stats.compute_time, stats.comm_time,
+             stats.wait_time], np.float64))
         if len(self.pending) >= self.every:
             self.flush()
 
@@ -155,10 +158,10 @@ class MetricsLog:
             return
         table = np.stack(self.pending)
         self.pending = []
-        sums = np.ascontiguousarray(table[:, 2:])
+        sums = np.ascontiguousarray(table[:, 3:])
         self.group.allreduce(sums, "metrics: step statistics of the interval").wait()
         n = self.group.size
-        for (step, epoch), row in zip(table[:, :2], sums):
+        for (step, epoch, lr), row in zip(table[:, :3], sums):
             loss, samples, step_time, compute, comm, wait = row
             mean_time = step_time / n  # the ranks' mean step time
             self._write({
@@ -166,7 +169,8 @@ class MetricsLog:
                 "loss": loss / n, "accuracy": None,
                 "samples_per_s": samples / mean_time if mean_time > 0 else float("nan"),
                 "step_time_s": mean_time, "compute_s": compute / n, "comm_s": comm / n,
-                "wait_s": wait / n, "samples": int(samples)})
+                "wait_s": wait / n, "samples": int(samples),
+                "lr": None if np.isnan(lr) else lr})
 
     def validation(self, step: int, epoch: int | None, result: Evaluation) -> None:
         """A validation result (already combined over the ranks), after the pending steps."""
@@ -186,7 +190,7 @@ class MetricsLog:
     def _add_scalars(self, row: dict[str, Any]) -> None:
         prefix = row["split"]
         names = ("loss", "accuracy") if prefix == "val" else \
-            ("loss", "samples_per_s", "compute_s", "comm_s", "wait_s")
+            ("loss", "samples_per_s", "compute_s", "comm_s", "wait_s", "lr")
         self._events.scalars(row["step"], {f"{prefix}/{k}": row[k] for k in names
                                            if row.get(k) is not None})
 

@@ -58,6 +58,7 @@ class StepStats:
     wait_time: float
     samples: int
     bytes_sent: int
+    lr: float | None = None  # the step's learning rate (of group 0, the first group)
 
     @property
     def samples_per_s(self) -> float:
@@ -349,7 +350,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if not fetch_stats:
             return None
         stats = StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
-                          samples, self.group.bytes_sent - sent0)
+                          samples, self.group.bytes_sent - sent0, self._first_lr())
         if self.metrics is not None:
             self.metrics.record(self.steps_done, self.epoch, stats)
         return stats

@@ -108,9 +108,9 @@ def test_log_dir_on_2_ranks_writes_the_mean_loss_validation_events_and_png(train
     acc = event_accumulator.EventAccumulator(str(logs))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == {"train/loss", "train/samples_per_s", "train/compute_s",
-                                          "train/comm_s", "train/wait_s", "val/loss",
-                                          "val/accuracy"}
-    for tag, source, column in (("train/loss", train, "loss"),
+                                          "train/comm_s", "train/wait_s", "train/lr",
+                                          "val/loss", "val/accuracy"}
+    for tag, source, column in (("train/loss", train, "loss"), ("train/lr", train, "lr"),
                                 ("train/samples_per_s", train, "samples_per_s"),
                                 ("train/comm_s", train, "comm_s"),
                                 ("val/loss", val, "loss"), ("val/accuracy", val, "accuracy")):

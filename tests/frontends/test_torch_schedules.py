@@ -194,3 +194,24 @@ def test_an_ngdist_schedule_is_refused_where_a_torch_optimizer_is_followed():
     with pytest.raises(OptionError, match=r"follows its torch optimizer's learning rates; "
                                           r"schedule them with a torch.optim.lr_scheduler"):
         trainer.set_lr_schedule(ngdist.optim.schedules.step_decay(3))
+
+
+def test_the_lr_of_each_step_is_in_its_stats_and_in_metrics_csv(tmp_path):
+    import csv
+
+    module = make_model()
+    opt = O.SGD(module.parameters(), lr=0.1)
+    sched = S.StepLR(opt, step_size=2, gamma=0.5)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local",
+                             log_dir=tmp_path, log_every=2)
+    stats = []
+    for x, y in data()[:5]:
+        stats.append(trainer.step({"input": x, "y": y}).lr)
+        sched.step()
+    trainer.close()
+    want = [0.1, 0.1, 0.05, 0.05, 0.025]
+    assert stats == pytest.approx(want, rel=1e-7)
+    with open(tmp_path / "metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["split"] == "train"]
+    assert [float(r["lr"]) for r in rows] == pytest.approx(want, rel=1e-6)
