@@ -98,6 +98,32 @@ def summarize(model: onnx.ModelProto) -> Summary:
     return s
 
 
+def explain(model: onnx.ModelProto, ranks: int = 2) -> list[str]:
+    """Which implementation runs each comm node of a training model's step on ``ranks``
+    ranks, and why: the step is planned as the runtime plans it (runtime/plan.py), and each
+    AllReduce goes to the first of ``kernels.allreduce.IMPLEMENTATIONS`` that takes it."""
+    from ngdist.ir.model import get_meta, split_training_model
+    from ngdist.kernels.allreduce import choose
+    from ngdist.runtime.plan import build_plan
+
+    if not model.training_info:
+        return ["implementations: none (a forward-only model has no comm nodes)"]
+    _, step = split_training_model(model)
+    import onnx_ir as ir
+
+    plan = build_plan(ir.to_proto(step), ranks, donate=get_meta(step).binding)
+    out = [f"implementations on {ranks} ranks:"]
+    for node in plan.comm_nodes.values():
+        if node.op_type == "AllReduce":
+            impl = choose(node, None)
+            out.append(f"  {node.op_type:12s} {node.name:32s} {impl.name}: {impl.when}")
+        else:
+            out.append(f"  {node.op_type:12s} {node.name:32s} the ngdist.{node.op_type} kernel")
+    if len(out) == 1:
+        out.append("  (no comm nodes)")
+    return out
+
+
 def _flat_members(name: str, producers: dict[str, onnx.NodeProto]) -> list[str] | None:
     """The tensors of a fused bucket's flat buffer (``Concat`` of ``Reshape``s, as
     passes/bucketing.py builds it), in buffer order; None if ``name`` is no such buffer.
@@ -143,6 +169,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="show parameters, gradients, comm nodes and buckets",
                        description="Summarize an ONNX model or training model.")
     p.add_argument("file")
+    p.add_argument("--explain", action="store_true",
+                   help="also say which implementation runs each comm node on several ranks, "
+                        "and why (the first of the op's list that takes it)")
     p.add_argument("--dot", metavar="FILE",
                    help="also write the step graph as Graphviz DOT to FILE, comm nodes filled "
                         "orange and each flat bucket boxed; rendered to FILE.svg when Graphviz's "
@@ -158,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     for line in optimizer_lines(model):  # its parameter groups
         print(line)
+    if args.explain:
+        for line in explain(model):
+            print(line)
     if args.dot:
         from ngdist.cli.dot import write_dot
 

@@ -83,15 +83,24 @@ def alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("Z", "X")
 
 
-def divide(buf: np.ndarray, n: int) -> None:
+def array_module(x: Any) -> Any:
+    """The array module of ``x``: the namespace its ``__array_namespace__`` names (numpy for
+    host arrays, cupy for CUDA ones), else numpy. Code over buffers calls ``xp.empty``,
+    ``xp.multiply``, ... on it, and runs unchanged on either memory."""
+    namespace = getattr(x, "__array_namespace__", None)
+    return np if namespace is None else namespace()
+
+
+def divide(buf: Any, n: int) -> None:
     """``buf /= n`` in place (floor division for integers): the mean of a sum over n ranks."""
     if n == 1:
         return
+    xp = array_module(buf)
     if buf.dtype.kind == "f":
-        np.multiply(buf, buf.dtype.type(1.0 / n), out=buf) if n & (n - 1) == 0 else \
-            np.divide(buf, buf.dtype.type(n), out=buf)
+        xp.multiply(buf, buf.dtype.type(1.0 / n), out=buf) if n & (n - 1) == 0 else \
+            xp.divide(buf, buf.dtype.type(n), out=buf)
     else:
-        np.floor_divide(buf, n, out=buf)
+        xp.floor_divide(buf, n, out=buf)
 
 
 def describe(what: Any) -> str:
@@ -229,18 +238,24 @@ class ProcessGroup(abc.ABC):
     # ------------------------------------------------------------------ collectives
     @abc.abstractmethod
     def allreduce(self, buf: Any, what: Any, op: ReduceOp | str = ReduceOp.SUM,
-                  peers: Sequence[int] | None = None) -> Work:
+                  peers: Sequence[int] | None = None, placed: Any = None) -> Work:
         """In place: ``buf`` becomes the element-wise ``op`` over the ranks: ``sum``, ``max``,
         ``min``, or ``mean`` (the sum, then ``divide`` by the group's size on every rank; a
-        backend may fold the division into its reduction, with the same result bit for bit)."""
+        backend may fold the division into its reduction, with the same result bit for bit).
+        ``placed``: where ``buf`` lies in memory the group made (:meth:`symmetric`; the
+        handle its ``locate`` gives), which the group may reduce without a message."""
 
     def allreduce_coalesced(self, bufs: Sequence[Any], what: Any,
-                            op: ReduceOp | str = ReduceOp.SUM) -> Work:
+                            op: ReduceOp | str = ReduceOp.SUM, peers: Sequence[int] | None = None,
+                            placed: Sequence[Any] | None = None) -> Work:
         """:meth:`allreduce` of every buffer of ``bufs`` (each in place, each on its own: no
         element of one meets another's), as one call whose Work completes when all have:
         a backend may share its synchronisation between them. ``what``: a tuple of the
-        comm nodes, or a label. Default: one ``allreduce`` each, all started, then waited."""
-        return WorkList(self, [self.allreduce(b, what, op) for b in bufs], what)
+        comm nodes, or a label; ``placed``: each buffer's ``placed`` (or None). Default: one
+        ``allreduce`` each, all started, then waited."""
+        where = list(placed) if placed is not None else [None] * len(bufs)
+        return WorkList(self, [self.allreduce(b, what, op, peers, p)
+                               for b, p in zip(bufs, where)], what)
 
     @abc.abstractmethod
     def broadcast(self, buf: Any, root: int, what: Any) -> Work:
@@ -285,8 +300,9 @@ class ProcessGroup(abc.ABC):
     def symmetric(self, nbytes: int, what: Any) -> Any:
         """Collective: a buffer of ``nbytes`` per rank that every rank can read and write
         (comm/shared.py), or None where the group cannot make it (ranks on several hosts,
-        one rank, ``NGDIST_SHM_ALLREDUCE=0``). ``allreduce`` of a buffer that lies in it
-        reduces through the shared memory instead of sending messages."""
+        one rank, ``NGDIST_SHM_ALLREDUCE=0``). ``allreduce`` of a buffer that lies in it,
+        given its place (``placed=mem.locate(buf)``), reduces through the shared memory
+        instead of sending messages."""
         return None
 
     def host_groups(self, what: Any, ranks_per_host: int = 0) -> tuple[ProcessGroup, ProcessGroup | None]:

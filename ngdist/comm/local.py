@@ -13,7 +13,7 @@ class LocalGroup(ProcessGroup):
     backend = "local"
     rank, size = 0, 1
 
-    def allreduce(self, buf, what, op=ReduceOp.SUM, peers=None):
+    def allreduce(self, buf, what, op=ReduceOp.SUM, peers=None, placed=None):
         ReduceOp(op)  # (an unknown op is refused here as on every group)
         return DoneWork(self, what, peers)
 

@@ -155,7 +155,6 @@ class MpiGroup(ProcessGroup):
         MPI = _mpi()
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self._one_host: bool | None = None  # every rank on this host (known once asked)
-        self._symmetric = shared.SymmetricRegistry()
         # the flags the AllReduce through symmetric memory synchronises with (made with the
         # first memory; False where they cannot be made)
         self._signals: shared.Signals | bool | None = None
@@ -187,21 +186,21 @@ class MpiGroup(ProcessGroup):
         return MpiWork(self, requests, what, peers)
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf, what, op="sum", peers=None):
-        return self.allreduce_coalesced((buf,), what, op, peers)
+    def allreduce(self, buf, what, op="sum", peers=None, placed=None):
+        return self.allreduce_coalesced((buf,), what, op, peers, placed=(placed,))
 
-    def allreduce_coalesced(self, bufs, what, op="sum", peers=None):
-        """Buffers in symmetric memory share one pair of barriers (comm/shared.py); the others
-        go to MPI's ``Iallreduce``, all started before any is waited for."""
+    def allreduce_coalesced(self, bufs, what, op="sum", peers=None, placed=None):
+        """Buffers placed in this group's symmetric memory (``placed``) share one pair of
+        barriers (comm/shared.py); the others go to MPI's ``Iallreduce``, all started before
+        any is waited for."""
         MPI = _mpi()
         op = ReduceOp(op)
         mpi_op = getattr(MPI, "SUM" if op.summed else op.name)
         entries, requests, on_mpi = [], [], []
-        for buf in bufs:
+        for buf, where in zip(bufs, placed or [None] * len(bufs)):
             self.bytes_sent += buf.nbytes
-            found = self._symmetric.find(buf)
-            if found is not None:
-                entries.append((found[0], buf, found[1]))
+            if where is not None and where.mem.group is self:
+                entries.append((where.mem, buf, where.offset))
                 continue
             requests.append(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=mpi_op))
             on_mpi.append(buf)
@@ -287,8 +286,6 @@ class MpiGroup(ProcessGroup):
                 self._signals = shared.Signals.create(self, what) or False
         finally:
             self.bytes_sent = sent
-        if mem is not None:
-            self._symmetric.add(mem)
         return mem
 
     def _shared_memory_usable(self, what) -> bool:

@@ -33,8 +33,8 @@ import logging
 import mmap
 import os
 import platform
-import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,13 +124,12 @@ class SymmetricMemory:
     def view(self, rank: int) -> np.ndarray:
         return self._views[rank]
 
-    def offset_of(self, buf: np.ndarray, start: int | None = None) -> int | None:
-        """The byte offset of ``buf`` (whose first byte is at address ``start``, when given)
-        when it lies in this rank's buffer, else None."""
-        if start is None:
-            start = buf.__array_interface__["data"][0]
+    def locate(self, buf: np.ndarray) -> Placed | None:
+        """Where ``buf`` lies in this rank's buffer (the handle ``allreduce`` takes as
+        ``placed``), else None."""
+        start = buf.__array_interface__["data"][0]
         if self._base <= start and start + buf.nbytes <= self._base + self.nbytes:
-            return start - self._base
+            return Placed(self, start - self._base)
         return None
 
     def parts(self, offset: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
@@ -144,6 +143,15 @@ class SymmetricMemory:
             parts = self._parts[key] = [np.frombuffer(m, dtype, count, offset)[lo:hi]
                                         for m in self._maps]
         return parts
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A buffer's place in symmetric memory: the memory, and the buffer's byte offset there.
+    Whoever made the memory hands it to ``allreduce`` with the buffer (``placed``)."""
+
+    mem: SymmetricMemory
+    offset: int
 
 
 def _path(pid: int, counter: int) -> str:
@@ -282,35 +290,3 @@ class SharedAllreduceWork(Work):
                     part[j][...] = mine
         self.barrier(self.what).wait(gentle)  # every buffer holds the whole result
         self.done = True
-
-
-class SymmetricRegistry:
-    """The symmetric memories of one group, found again from a buffer's address."""
-
-    SEEN = 256  # buffers found, remembered by (address, bytes): a step's buckets again
-
-    def __init__(self) -> None:
-        self._mems: weakref.WeakSet[SymmetricMemory] = weakref.WeakSet()
-        self._seen: dict[tuple[int, int], tuple[weakref.ref, int]] = {}
-
-    def add(self, mem: SymmetricMemory) -> None:
-        self._mems.add(mem)
-
-    def find(self, buf: np.ndarray) -> tuple[SymmetricMemory, int] | None:
-        """(the memory, the byte offset) that ``buf`` lies in, else None."""
-        if not self._mems or not isinstance(buf, np.ndarray):
-            return None
-        key = (buf.__array_interface__["data"][0], buf.nbytes)
-        seen = self._seen.get(key)
-        if seen is not None:
-            mem = seen[0]()  # (a memory still alive still maps those addresses)
-            if mem is not None:
-                return mem, seen[1]
-        for mem in self._mems:
-            offset = mem.offset_of(buf, key[0])
-            if offset is not None:
-                if len(self._seen) >= self.SEEN:
-                    self._seen.clear()
-                self._seen[key] = (weakref.ref(mem), offset)
-                return mem, offset
-        return None

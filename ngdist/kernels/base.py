@@ -14,12 +14,13 @@ A kernel that keeps communication in flight across steps (PushSum with overlap) 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
+from ngdist.comm.group import array_module
 from ngdist.errors import CommError
 from ngdist.ir.domain import with_defaults
 
@@ -38,13 +39,26 @@ class CommFacts:
     # SGD's state is the reduced gradient): they live until the end of the next step
     replaced_next_step: bool = False
     stacked: bool = False  # each input is a stack of micro-batch values (kernels/exact.py)
+    # where the inputs live: "host" (numpy arrays), or "device" (arrays of the placement's
+    # array module, which a host group cannot read: kernels/host_staged.py)
+    memory: str = "host"
+
+
+@dataclass(frozen=True)
+class WriteInto:
+    """A kernel's request to the runtime: write input ``index`` of the node's next call into
+    ``array`` (memory the kernel owns, such as its symmetric memory)."""
+
+    index: int
+    array: Any
 
 
 @dataclass
 class CommNode:
     """What a kernel sees of a comm node: its name and attributes (every one the op has,
-    defaults filled in), the runtime's facts, and ``state``, the kernel's own (private,
-    lives across steps)."""
+    defaults filled in), the runtime's facts (read-only), ``state``, the kernel's own
+    (private, lives across steps), and ``requests``, what the kernel asks of the runtime
+    (read by the runtime only)."""
 
     op_type: str
     name: str
@@ -53,30 +67,43 @@ class CommNode:
     outputs: list[str] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
     facts: CommFacts = CommFacts()
+    requests: tuple[WriteInto, ...] = ()  # the kernel's, for its next call (runtime reads)
 
     def __post_init__(self) -> None:  # every attribute the op has, at its default if left out
         self.attributes = with_defaults(self.op_type, self.attributes)
 
 
-Kernel = Callable[["ProcessGroup", CommNode, Sequence[np.ndarray]], list[np.ndarray]]
+# kernel(group, node, inputs) -> one array per output
+Kernel = Callable[["ProcessGroup", CommNode, Sequence[Any]], list[Any]]
+# drain(group, node) -> what communication in flight brings, one array per output, or None
+Drain = Callable[["ProcessGroup", CommNode], "list[Any] | None"]
+Close = Callable[[CommNode], None]
+Predicate = Callable[[dict[str, Any]], bool]  # on a node's attributes
+# batch(group, nodes, inputs of each) -> outputs of each
+Batch = Callable[["ProcessGroup", Sequence[CommNode], Sequence[Sequence[Any]]], list[list[Any]]]
+
+
+def _never(attributes: dict[str, Any]) -> bool:
+    return False
 
 
 @dataclass
 class KernelSpec:
-    """A registered kernel: the function, the memory it reads, and its optional hooks."""
+    """A registered kernel: the function, the memory it reads (``host``: numpy arrays;
+    ``any``: arrays of the placement's array module, comm/group.py's ``array_module``), and
+    its optional hooks."""
 
     op_type: str
     fn: Kernel
     memory: str = "host"
-    drain: Callable[[Any, CommNode], list[np.ndarray] | None] | None = None
-    close: Callable[[CommNode], None] | None = None
+    drain: Drain | None = None
+    close: Close | None = None
     # whether the op is the identity on a group of one rank, given the node's attributes
-    alone_identity: Callable[[dict[str, Any]], bool] = lambda attributes: False
-    # several nodes of the op that run one after another, as one call:
-    # batch(group, nodes, inputs of each) -> outputs of each, for the nodes whose attributes
-    # ``batchable`` accepts
-    batch: Callable[[Any, list[CommNode], list[Sequence[Any]]], list[list[Any]]] | None = None
-    batchable: Callable[[dict[str, Any]], bool] = lambda attributes: False
+    alone_identity: Predicate = _never
+    # several nodes of the op that run one after another, as one call, for the nodes whose
+    # attributes ``batchable`` accepts
+    batch: Batch | None = None
+    batchable: Predicate = _never
 
     def __call__(self, group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
         return self.fn(group, node, inputs)
@@ -85,9 +112,10 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {}
 
 
-def register_kernel(op_type: str, memory: str = "host", drain: Any = None,
-                    close: Any = None, alone_identity: Any = None, batch: Any = None,
-                    batchable: Any = None) -> Callable[[Kernel], Kernel]:
+def register_kernel(op_type: str, memory: str = "host", drain: Drain | None = None,
+                    close: Close | None = None, alone_identity: bool | Predicate | None = None,
+                    batch: Batch | None = None, batchable: Predicate | None = None
+                    ) -> Callable[[Kernel], Kernel]:
     """``alone_identity``: True, or a predicate on the node's attributes, when the op is the
     identity on a group of one rank (the runtime then runs it as onnxruntime Identity nodes
     inside a segment, without cutting the step). ``batch``: the kernel of several nodes that
@@ -120,7 +148,7 @@ def donated(node: CommNode, i: int) -> bool:
     return i < len(node.facts.donated) and node.facts.donated[i]
 
 
-def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.ndarray:
+def flatten(arrays: Sequence[Any], node: CommNode | None = None) -> Any:
     """One contiguous buffer holding a copy of every array, for the kernels whose message
     carries several tensors (PushSum, PSPushPull, CentralReduce, AllReduce nodes that were
     not fused into one flat tensor by the bucketing pass).
@@ -129,15 +157,16 @@ def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.nd
     its outputs die within the step (``node.facts.outputs_die``): fresh
     multi-megabyte allocations page-fault on every call and cost as much as the copy.
     """
+    xp = array_module(arrays[0])
     size = sum(a.size for a in arrays)
-    dtype = np.result_type(*arrays)
+    dtype = xp.result_type(*arrays)
     buf = None
     if node is not None and node.facts.outputs_die:
         buf = node.state.get("buffer")
-        if buf is None or buf.size != size or buf.dtype != dtype:
-            buf = node.state["buffer"] = np.empty(size, dtype)
+        if buf is None or buf.size != size or buf.dtype != dtype or array_module(buf) is not xp:
+            buf = node.state["buffer"] = xp.empty(size, dtype)
     if buf is None:
-        buf = np.empty(size, dtype)
+        buf = xp.empty(size, dtype)
     offset = 0
     for a in arrays:
         buf[offset:offset + a.size] = a.reshape(-1)
@@ -145,12 +174,12 @@ def flatten(arrays: Sequence[np.ndarray], node: CommNode | None = None) -> np.nd
     return buf
 
 
-def unflatten(buffer: np.ndarray, like: Sequence[Any]) -> list[np.ndarray]:
+def unflatten(buffer: Any, like: Sequence[Any]) -> list[Any]:
     """Views into ``buffer`` with the shapes of ``like`` (arrays or shapes)."""
     out, offset = [], 0
     for a in like:
         shape = a.shape if hasattr(a, "shape") else tuple(a)
-        n = int(np.prod(shape, dtype=np.int64))
+        n = math.prod(shape)
         out.append(buffer[offset:offset + n].reshape(shape))
         offset += n
     return out

@@ -217,6 +217,19 @@ class CountedLossPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, marked > 0)
 
 
+def _hoist(graph: ir.Graph, value: ir.Value) -> None:
+    """Moves the nodes that compute ``value`` (from the batch and constants only) to the start
+    of the graph, in their order: its AllReduce then runs first in the step, right after the
+    ranks met at the last step's gradients, instead of stopping the forward pass midway."""
+    hoisted = {id(n): n for n in _ancestors(value)[1]}
+    anchor = next((n for n in graph if id(n) not in hoisted), None)
+    if anchor is None:
+        return
+    for node in [n for n in graph if id(n) in hoisted]:
+        graph.remove(node)
+        graph.insert_before(anchor, node)
+
+
 class GlobalCountPass(ir.passes.InPlacePass):
     """Every count marked by :class:`CountedLossPass` is reduced over the ranks
     (``ngdist.AllReduce``, mean), and every reader of the local count reads the reduced one."""
@@ -231,6 +244,7 @@ class GlobalCountPass(ir.passes.InPlacePass):
                 name=f"ngdist/loss_count/{div.outputs[0].name}/allreduce")
             out = node.outputs[0]
             out.name, out.shape, out.type = f"{count.name}.global", count.shape, count.type
+            _hoist(graph, count)
             insert_after_producer(graph, count, node)
             reroute(count, out, node)
             del div.metadata_props[MARK]

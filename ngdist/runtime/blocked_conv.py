@@ -122,6 +122,18 @@ def block_convs(model: onnx.ModelProto, block: int,
     if block <= 4 or not requested() or \
             not any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node):
         return model
+    targets = _targets(model, block, shapes)
+    if not targets:
+        return model
+    out = _rewritten(model, targets, block)
+    logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
+                 sorted(t.kind for t in targets.values()))
+    return out
+
+
+def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[int]] | None
+             ) -> dict[int, _Target]:
+    """{node index: how it is rewritten} of the convolutions :func:`block_convs` rewrites."""
     known = _static_shapes(model)
     known.update({k: list(v) for k, v in (shapes or {}).items()})
     # weights fed to the graph as float32 inputs (a constant one onnxruntime reorders itself)
@@ -142,8 +154,12 @@ def block_convs(model: onnx.ModelProto, block: int,
                     math.prod(y_shape) < DENSE_OUTPUT_PER_WEIGHT * math.prod(w_shape):
                 continue
         targets[i] = _Target(kind, tuple(w_shape))
-    if not targets:
-        return model
+    return targets
+
+
+def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], block: int
+               ) -> onnx.ModelProto:
+    """A copy of ``model`` with the convolutions of ``targets`` on the NCHWc kernels."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     reordered: dict[tuple[str, str], str] = {}
@@ -182,8 +198,6 @@ def block_convs(model: onnx.ModelProto, block: int,
     out.graph.node.extend(new_nodes)
     if not any(o.domain == DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
-                 sorted(t.kind for t in targets.values()))
     return out
 
 

@@ -3,8 +3,8 @@
 A kernel reads arrays in the memory it declares (``host``: numpy views of the values' memory on
 the CPU, no copy; a bfloat16 value is a ``uint16`` view of its bits) and returns arrays; an
 input it hands back is its own value again, a new array is wrapped without a copy. A kernel
-may ask for the next step's input in memory of its own (``node.state["write_to"]``: {input
-index: host array}): :meth:`CommRunner.memory_for` gives the segment that makes that input an
+may ask for the next step's input in memory of its own (a ``WriteInto`` request in
+``node.requests``): :meth:`CommRunner.memory_for` gives the segment that makes that input an
 OrtValue over it.
 """
 from __future__ import annotations
@@ -27,6 +27,18 @@ from ngdist.runtime.sessions import Placement
 from ngdist.runtime.timing import span
 
 
+def device_module(placement: Placement) -> Any:
+    """The array module of the placement's device memory (cupy for CUDA), or None: on the
+    CPU (numpy views of the values serve), or where it is not installed (host copies do)."""
+    if placement.device == "cpu":
+        return None
+    try:
+        import cupy  # noqa: PLC0415 - only on a device placement
+    except ImportError:
+        return None
+    return cupy
+
+
 class CommRunner:
     """Runs the comm items of one plan through ``group``."""
 
@@ -35,6 +47,7 @@ class CommRunner:
         self.group = group
         self.placement = placement
         self.kernels: dict[int, KernelSpec] = dict(plan.kernels)
+        self.device_module = device_module(placement)
         # value name -> {id of an array its kernel asked for: (the array, an OrtValue over it)}
         self._kernel_values: dict[str, dict[int, tuple[Any, ort.OrtValue]]] = {}
         self.timeline: Any = None
@@ -47,7 +60,8 @@ class CommRunner:
         if spot is None:
             return None
         index, i = spot
-        array = self.plan.comm_nodes[index].state.get("write_to", {}).get(i)
+        array = next((r.array for r in self.plan.comm_nodes[index].requests if r.index == i),
+                     None)
         if array is None:
             return None
         made_for = self._kernel_values.setdefault(name, {})
@@ -59,9 +73,13 @@ class CommRunner:
         return made[1]
 
     def views(self, spec: KernelSpec, values: Sequence[ort.OrtValue]) -> list[Any]:
-        """The kernel's inputs: views of the values' memory, staged to the host only when the
-        kernel reads host memory and the values live on a device."""
-        if spec.memory == "host":  # on CPU the same memory; from a device, a host copy
+        """The kernel's inputs: views of the values' memory (on a device, DLPack views in the
+        placement's array module for a kernel that takes any memory), staged to the host only
+        when the kernel reads host memory and the values live on a device."""
+        xp = self.device_module
+        if spec.memory == "any" and xp is not None:
+            return [xp.from_dlpack(v) for v in values]
+        if spec.memory in ("host", "any"):  # on CPU the same memory; from a device, a copy
             return [self._bits(v) if v.data_type() == BFLOAT16 else v.numpy() for v in values]
         raise NgdistError(f"ngdist.{spec.op_type} has a {spec.memory}-memory kernel, which "
                           f"the {self.placement.device} placement cannot feed")
@@ -88,6 +106,8 @@ class CommRunner:
         for i, out in enumerate(outs):
             same = next((v for x, v in zip(inputs, values) if x is out), None) if on_cpu \
                 else None
+            if same is None and not isinstance(out, np.ndarray):  # a device array
+                same = ort.OrtValue.from_dlpack(out.__dlpack__(), False)
             if same is None:
                 out = out if out.flags.c_contiguous else np.array(out, order="C")
                 bf16 = out.dtype == np.uint16 and i < len(values) and \

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import onnx
@@ -29,7 +29,7 @@ from onnx import numpy_helper
 from ngdist.comm.group import ProcessGroup
 from ngdist.errors import NgdistError
 from ngdist.kernels import CommNode, KernelSpec
-from ngdist.runtime.comm_runner import CommRunner
+from ngdist.runtime.comm_runner import CommRunner, device_module
 from ngdist.runtime.inplace_planner import InPlacePlanner
 from ngdist.runtime.partition import CommCall, Item, Segment
 from ngdist.runtime.plan import StepPlan, build_plan
@@ -37,26 +37,7 @@ from ngdist.runtime.segments import SegmentRunner, ends
 from ngdist.runtime.sessions import CPU, Placement
 from ngdist.runtime.timing import StepTimes, span
 
-__all__ = ["Executor", "StepExecutor", "StepTimes"]
-
-
-class StepExecutor(Protocol):
-    """What the Trainer asks of an executor (this one, or runtime/replicas.py's and
-    runtime/microbatch.py's, which run an Executor for the part after their towers)."""
-
-    comm_nodes: Mapping[int, CommNode]
-
-    @property
-    def segment_count(self) -> int: ...
-
-    def set_timeline(self, timeline: Any) -> None: ...
-
-    def run(self, feeds: dict[str, ort.OrtValue], times: StepTimes | None = None
-            ) -> dict[str, ort.OrtValue]: ...
-
-    def drain(self) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None: ...
+__all__ = ["Executor", "StepTimes"]
 
 
 class _Pending:
@@ -100,9 +81,10 @@ class Executor:
         step may reuse once they are dead (the caller never reads them again)."""
         self.group = group
         self.placement = placement
-        self.plan: StepPlan = build_plan(model, group.size, overlap=overlap,
-                                         inline_alone=inline_alone, donate=donate,
-                                         host_memory=placement.device == "cpu")
+        self.plan: StepPlan = build_plan(
+            model, group.size, overlap=overlap, inline_alone=inline_alone, donate=donate,
+            host_memory=placement.device == "cpu",
+            memory="host" if device_module(placement) is None else "device")
         self.comm = CommRunner(self.plan, group, placement)
         planner = InPlacePlanner(self.plan, any_shape=placement.device == "cpu") \
             if self.plan.donated else None

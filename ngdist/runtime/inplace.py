@@ -151,39 +151,9 @@ def plan_segment(nodes: Sequence[onnx.NodeProto], buffers: Sequence[Buffer],
     that receives one is not overwritten again); results of fewer than ``min_elements``
     elements stay where onnxruntime puts them; ``constants``: values of the segment's small
     constants (a no-op such as ``x * 1`` counts as a view of x)."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    values = dict(constants or {})
-    for n in nodes:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            values[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
-    # a view (Reshape, Squeeze, a no-op ...) may share its input's memory: its readers read
-    # that memory
-    root: dict[str, str] = {}
-    passes: set[int] = set()  # nodes whose output may be their input's memory
-    for i, n in enumerate(nodes):
-        pairs = ((0, 0),) if n.op_type in VIEWS else ALIASES.get(n.op_type, ())
-        noop = _noop_input(n, values)
-        if noop is not None:
-            pairs = ((0, list(n.input).index(noop)),)
-        if pairs:
-            passes.add(i)
-        for o, k in pairs:
-            if o < len(n.output) and k < len(n.input) and n.output[o] and n.input[k]:
-                root[n.output[o]] = root.get(n.input[k], n.input[k])
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for k, x in enumerate(n.input):
-            if x and (n.op_type, k) not in METADATA_ONLY:
-                readers.setdefault(root.get(x, x), []).append(i)
+    root, passes, readers = _memory_readers(nodes, constants)
     kept = {root.get(x, x) for x in keep}
-    ancestors: list[int] = []  # bit j of entry i: node j is an ancestor of node i
-    for n in nodes:
-        bits = 0
-        for x in n.input:
-            p = producer.get(x)
-            if p is not None:
-                bits |= ancestors[p] | (1 << p)
-        ancestors.append(bits)
+    ancestors = _ancestors(nodes)
     holding = {b.name: b.name for b in buffers}  # buffer -> the value it holds now
     free = {b.name: b for b in buffers}
     plan: dict[str, str] = {}
@@ -210,3 +180,46 @@ def plan_segment(nodes: Sequence[onnx.NodeProto], buffers: Sequence[Buffer],
                 del free[b]
             break
     return plan
+
+
+def _memory_readers(nodes: Sequence[onnx.NodeProto], constants: Mapping[str, np.ndarray] | None
+                    ) -> tuple[dict[str, str], set[int], dict[str, list[int]]]:
+    """(value -> the value whose memory it may be, the nodes whose output may be their
+    input's memory, memory -> the nodes that read it). A view (Reshape, Squeeze, a no-op ...)
+    may share its input's memory: its readers read that memory."""
+    values = dict(constants or {})
+    for n in nodes:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            values[n.output[0]] = onnx.numpy_helper.to_array(n.attribute[0].t)
+    root: dict[str, str] = {}
+    passes: set[int] = set()  # nodes whose output may be their input's memory
+    for i, n in enumerate(nodes):
+        pairs = ((0, 0),) if n.op_type in VIEWS else ALIASES.get(n.op_type, ())
+        noop = _noop_input(n, values)
+        if noop is not None:
+            pairs = ((0, list(n.input).index(noop)),)
+        if pairs:
+            passes.add(i)
+        for o, k in pairs:
+            if o < len(n.output) and k < len(n.input) and n.output[o] and n.input[k]:
+                root[n.output[o]] = root.get(n.input[k], n.input[k])
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for k, x in enumerate(n.input):
+            if x and (n.op_type, k) not in METADATA_ONLY:
+                readers.setdefault(root.get(x, x), []).append(i)
+    return root, passes, readers
+
+
+def _ancestors(nodes: Sequence[onnx.NodeProto]) -> list[int]:
+    """Bit j of entry i: node j is an ancestor of node i."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    ancestors: list[int] = []
+    for n in nodes:
+        bits = 0
+        for x in n.input:
+            p = producer.get(x)
+            if p is not None:
+                bits |= ancestors[p] | (1 << p)
+        ancestors.append(bits)
+    return ancestors

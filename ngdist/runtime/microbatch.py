@@ -107,5 +107,5 @@ class MicroBatchExecutor(ReplicatedExecutor):
         rest_feeds = dict(feeds)
         for j, name in enumerate(self.crossing):
             value = np.stack([r[j] for r in results]) if name in self.stacked else results[0][j]
-            rest_feeds[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+            rest_feeds[name] = self.placement.value(np.ascontiguousarray(value))
         return self.rest.run(rest_feeds, times)

@@ -118,6 +118,7 @@ class ReplicatedExecutor:
                              intra_op_threads=rest_threads or intra_op_threads)
         self.comm_nodes = self.rest.comm_nodes
         self.devices = devices
+        self.placement = placement  # where the towers' slices and results are placed
         self.pool = ThreadPoolExecutor(devices, thread_name_prefix="ngdist-replica")
         self.timeline: Any = None  # runtime/timeline.py, when the job records one
         logger.info("%d replicas: tower of %d nodes -> %d values; rest of %d nodes", devices,
@@ -151,7 +152,7 @@ class ReplicatedExecutor:
         def replica(d: int) -> list[np.ndarray]:
             lo, hi = bounds[d]
             feed = dict(shared)
-            feed.update((n, ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a[lo:hi])))
+            feed.update((n, self.placement.value(np.ascontiguousarray(a[lo:hi])))
                         for n, a in arrays.items() if n in self.tower_inputs)
             outs = self.towers[d % len(self.towers)].run_with_ort_values(self.crossing, feed)
             return [o.numpy() for o in outs]
@@ -197,7 +198,7 @@ class ReplicatedExecutor:
                     for v, w in zip(vals[1:], weights[1:]):
                         acc += v * first.dtype.type(w)
                 first = acc
-            rest_feeds[name] = ort.OrtValue.ortvalue_from_numpy(np.asarray(first, order="C"))
+            rest_feeds[name] = self.placement.value(np.asarray(first, order="C"))
         return self.rest.run(rest_feeds, times)
 
     def close(self) -> None:

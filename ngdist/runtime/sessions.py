@@ -154,10 +154,12 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU,
     convolutions with weights fed as inputs run on the blocked-channel kernels
     (``blocked_conv``; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that off); ``shapes`` gives static
-    shapes of inputs the model leaves open."""
-    if optimize and placement.device == "cpu" and isinstance(model, onnx.ModelProto) and \
-            blocked_conv.requested():
-        model = blocked_conv.block_convs(model, nchwc_block_size(), shapes)
+    shapes of inputs the model leaves open. A model given as bytes is rewritten the same."""
+    if optimize and placement.device == "cpu" and blocked_conv.requested():
+        proto = onnx.load_from_string(model) if isinstance(model, bytes) else model
+        if any(n.op_type in ("Conv", "ConvTranspose") for n in proto.graph.node):
+            blocked = blocked_conv.block_convs(proto, nchwc_block_size(), shapes)
+            model = model if blocked is proto else blocked
     data = model if isinstance(model, bytes) else model.SerializeToString()
     opts = session_options(intra_op_threads)
     if not optimize:

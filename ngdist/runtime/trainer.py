@@ -30,7 +30,8 @@ from ngdist.ir.domain import GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
-from ngdist.runtime.executor import Executor, StepExecutor, StepTimes
+from ngdist.runtime.executor import StepTimes
+from ngdist.runtime.step_executor import StepExecutor, make_executor
 from ngdist.data.digest import first_batch_checked
 from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
 from ngdist.runtime.feeds import BatchFeeds
@@ -38,7 +39,7 @@ from ngdist.runtime.hyper import Hypers
 from ngdist.runtime.inference import Inference
 from ngdist.runtime.join import Join
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
-from ngdist.runtime.microbatch import MicroBatchExecutor, micro_batch_size
+from ngdist.runtime.microbatch import micro_batch_size
 from ngdist.runtime.sessions import Placement, placement_for
 from ngdist.runtime.state import StateAccess
 from ngdist.runtime.timeline import Timeline, check_path, timeline_path
@@ -97,10 +98,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
         self.placement = device if isinstance(device, Placement) else \
             placement_for(device, self.group.local_rank)
-        if step is None:
-            inference, step = split_training_model(model)
-        else:
-            inference = model
+        inference, step = split_training_model(model) if step is None else (model, step)
         self.inference = inference
         self.step_model = step
         self.meta = get_meta(step)
@@ -110,23 +108,9 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if overlap is None:  # a comm thread waiting on MPI spins: only beside a spare core
             overlap = _default_threads(self.group) > 1
         self.micro_batch = micro_batch_size(proto)  # > 0: reproducible mode
-        self.executor: StepExecutor
-        if self.micro_batch:  # the tower once per micro-batch (runtime/microbatch.py)
-            self.executor = MicroBatchExecutor(
-                proto, self.group, self.micro_batch, data_inputs=self.meta.names("data"),
-                sessions=devices_per_worker if devices_per_worker > 1 else threads,
-                loss=self.meta.loss, params=self.meta.names("param"),
-                placement=self.placement, overlap=overlap)
-        elif devices_per_worker > 1:  # several model replicas in this process (runtime/replicas.py)
-            from ngdist.runtime.replicas import ReplicatedExecutor
-            self.executor = ReplicatedExecutor(
-                proto, self.group, devices_per_worker, data_inputs=self.meta.names("data"),
-                loss=self.meta.loss, params=self.meta.names("param"),
-                placement=self.placement, intra_op_threads=threads, overlap=overlap)
-        else:
-            self.executor = Executor(proto, self.group, placement=self.placement,
-                                     intra_op_threads=threads, overlap=overlap,
-                                     donate=self.meta.binding)
+        self.executor: StepExecutor = make_executor(
+            proto, self.group, self.meta, self.placement, devices_per_worker=devices_per_worker,
+            threads=threads, overlap=overlap)
         graph = proto.graph
         self.data_inputs = {i.name: i for i in graph.input if self.meta.roles.get(i.name) == "data"}
         model_inputs = {i.name for i in inference.graph.input}
@@ -142,10 +126,21 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = checkpoint_every
         self.checkpoint_keep = checkpoint_keep
+        self._start_state(proto, trace)
+        self._start_metrics(log_dir, log_every)
+        self._start_ps(ps_serve)
+        logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
+                    self.group.rank, self.group.size, self.group.backend,
+                    self.executor.segment_count,
+                    len(self.executor.comm_nodes))
+
+    def _start_state(self, proto: onnx.ModelProto, trace: Path | None) -> None:
+        """Collective: every rank holds the same graph (structure and constants) and timeline
+        setting, then rank 0's values (or the newest checkpoint's), broadcast in host memory
+        before they are placed."""
+        graph = proto.graph
         if self.checkpoint_dir is not None:
             checkpoint.check_checkpointable(graph, self.group.size)
-        # every rank: same graph (structure and constants), then rank 0's values, broadcast
-        # in host memory before they are placed
         self.group.check_same(self._graph_fingerprint(proto), "step graph")
         self.group.check_same(str(trace).encode(), f"timeline setting ({trace or 'off'})")
         if trace is not None:  # before a dedicated ps server starts serving
@@ -159,9 +154,11 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
                 self.checkpoint_dir, host, self.group, self.micro_batch)
         self.group.broadcast_arrays(list(host.values()))
         self.values: dict[str, ort.OrtValue] = {n: self.placement.value(a) for n, a in host.items()}
-        # the training ranks' own group for metrics and evaluation: made here (collective)
-        # when it is needed or a dedicated server rank is about to go off serving, else on
-        # the first evaluate()
+
+    def _start_metrics(self, log_dir: str | os.PathLike | None, log_every: int) -> None:
+        """The training ranks' own group for metrics and evaluation: made here (collective)
+        when it is needed or a dedicated server rank is about to go off serving, else on the
+        first evaluate(); the metrics log with ``log_dir``."""
         workers = ps_server.planned_workers(self)
         self._stats_group: ProcessGroup | None = None
         self._stats_made = False
@@ -173,18 +170,16 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         restarted = self.resumed_from > 0 or os.environ.get("NGDIST_RESTART_COUNT", "0") != "0"
         self.metrics = MetricsLog(log_dir, self._stats_group, log_every, resume=restarted) \
             if log_dir is not None and self._stats_group is not None else None
-        # ps: shard owners (collective); on a dedicated server rank with ps_serve, this
-        # serves the workers until they stop (runtime/ps_server.py)
+
+    def _start_ps(self, ps_serve: bool) -> None:
+        """ps: shard owners (collective); on a dedicated server rank with ``ps_serve``, this
+        serves the workers until they stop (runtime/ps_server.py)."""
         self.ps = ps_server.attach(self, ps_serve)
         self.role = self.ps.role if self.ps else "worker"
         self.num_workers = self.ps.workers if self.ps else self.group.size  # ranks that train
         if GRAD_SCALE in self.values:  # gradients prescaled so that their sum is the mean
             self.values[GRAD_SCALE] = self.placement.value(
                 np.array(1.0 / self.num_workers, self.values[GRAD_SCALE].numpy().dtype))
-        logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
-                    self.group.rank, self.group.size, self.group.backend,
-                    self.executor.segment_count,
-                    len(self.executor.comm_nodes))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self) -> Path | None:

@@ -9,7 +9,6 @@ The tests compare every result with numpy's reduction of all ranks' inputs, bit 
 """
 from __future__ import annotations
 
-import gc
 import json
 import mmap
 import os
@@ -57,10 +56,17 @@ if mem is not None:
             item = np.dtype(dtype).itemsize
             buf = mem.view(rank)[offset:offset + count * item].view(dtype)
             buf[:] = exact(rank, count, dtype)
-            work = world.allreduce(buf, f"{dtype} {count} {op}", op=op)
+            work = world.allreduce(buf, f"{dtype} {count} {op}", op=op, placed=mem.locate(buf))
             kinds.append(type(work).__name__)
             work.wait()
             results[f"{dtype}_{count}_{offset}_{op}"] = buf.copy()
+if mem is not None:  # in symmetric memory but not placed: the group never looks it up
+    buf = mem.view(rank)[:4 * 37].view(np.float32)
+    buf[:] = exact(rank, 37, "float32")
+    work = world.allreduce(buf, "a buffer in symmetric memory, not placed")
+    kinds.append(type(work).__name__)
+    work.wait()
+    results["unplaced"] = buf.copy()
 outside = exact(rank, 37, "float32")
 work = world.allreduce(outside, "a buffer outside the symmetric memory")
 kinds.append(type(work).__name__)
@@ -81,7 +87,8 @@ for op in ("sum", "mean"):
     for buf, (_, dtype, count) in zip(bufs, COALESCED):
         buf[:] = exact(rank, count, dtype)
     before = len(barriers)
-    work = world.allreduce_coalesced(bufs, "several buffers", op=op)
+    placed = [mem.locate(b) for b in inside] + [None] * (len(bufs) - len(inside))
+    work = world.allreduce_coalesced(bufs, "several buffers", op=op, placed=placed)
     report[f"coalesced_{op}"] = [type(work).__name__] + \
         [type(w).__name__ for w in getattr(work, "works", [])]
     work.wait()
@@ -124,7 +131,7 @@ def test_allreduce_in_symmetric_memory_equals_numpy_on_every_rank(ranks, tmp_pat
         assert rep["made"], rep
         assert rep["left"] == []  # the files are unlinked once every rank has mapped them
         assert rep["kinds"] == ["SharedAllreduceWork"] * (len(CASES) * len(OPS)) + \
-            ["MpiWork"], rep["kinds"]
+            ["MpiWork", "MpiWork"], rep["kinds"]
         for dtype, count, offset in CASES:
             everyone = np.stack([exact(j, count, dtype) for j in range(n)])
             for op in OPS:
@@ -134,6 +141,7 @@ def test_allreduce_in_symmetric_memory_equals_numpy_on_every_rank(ranks, tmp_pat
                 assert got.tobytes() == want.tobytes(), (r, dtype, count, op)
         want = np.sum([exact(j, 37, "float32") for j in range(n)], axis=0, dtype=np.float32)
         np.testing.assert_array_equal(rep["arrays"]["outside"], want)
+        np.testing.assert_array_equal(rep["arrays"]["unplaced"], want)  # exact values
 
 
 @pytest.mark.mpi
@@ -295,23 +303,13 @@ def _memory(nbytes: int) -> shared.SymmetricMemory:
     return shared.SymmetricMemory(LocalGroup(timeout=5), nbytes, [mmap.mmap(-1, nbytes)])
 
 
-def test_the_registry_finds_a_buffer_again_and_forgets_a_memory_that_is_gone():
+def test_a_memory_locates_the_buffers_that_lie_in_it():
     a, b = _memory(4096), _memory(4096)
-    registry = shared.SymmetricRegistry()
-    registry.add(a)
-    registry.add(b)
     inside = a.view(0)[128:128 + 400].view(np.float32)
-    for _ in range(2):  # found, then remembered
-        mem, offset = registry.find(inside)
-        assert mem is a and offset == 128
-    assert registry.find(b.view(0)[64:]) == (b, 64)
-    assert registry.find(np.zeros(100, np.float32)) is None
-    assert registry.find(inside[1:]) == (a, 132)  # another buffer in it: looked up anew
-    del a, mem
-    gc.collect()
-    # the pages outlive the memory (the view holds them), but the memory is no longer one
-    assert registry.find(inside) is None
-    assert registry.find(b.view(0)[64:]) == (b, 64)
+    assert a.locate(inside) == shared.Placed(a, 128) and b.locate(inside) is None
+    assert a.locate(inside[1:]) == shared.Placed(a, 132)
+    assert b.locate(b.view(0)[64:]) == shared.Placed(b, 64)
+    assert a.locate(np.zeros(100, np.float32)) is None
 
 
 def test_parts_are_each_ranks_block_of_a_buffer():

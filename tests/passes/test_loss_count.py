@@ -102,6 +102,10 @@ def test_the_count_is_one_scalar_allreduce_outside_buckets_and_compression():
     assert node.attributes["reduction"].value == "mean"
     assert "compression" not in node.attributes and "bucket" not in node.attributes
     assert node.inputs[0].shape == ir.Shape([])
+    names = [n.name for n in trainer.step_model.graph]
+    before = names[:names.index(node.name)]
+    # the count's nodes come first: the step meets the other ranks before its forward pass
+    assert before and all(n.startswith("ngdist/loss_count/loss/") for n in before), before
 
 
 def test_a_plain_mean_is_left_alone():

@@ -271,3 +271,20 @@ def test_a_conv_result_read_elsewhere_keeps_its_relu(monkeypatch):
     blocked = make_session(model).run(None, feeds)
     for a, b in zip(blocked, plain):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+
+
+def test_a_session_given_bytes_is_blocked_as_one_given_the_proto(monkeypatch):
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    model = conv_model(BLOCK, [BLOCK, 1, 3, 3], group=BLOCK)
+    made = []
+    block = blocked_conv.block_convs
+    monkeypatch.setattr(blocked_conv, "block_convs",
+                        lambda m, *a: made.append(block(m, *a)) or made[-1])
+    feeds = {i.name: np.random.default_rng(0).standard_normal(
+        [d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+        for i in model.graph.input}
+    outs = [make_session(m).run(None, feeds) for m in (model, model.SerializeToString())]
+    assert len(made) == 2 and made[0] is not model
+    assert made[0].SerializeToString() == made[1].SerializeToString()
+    assert [n.op_type for n in made[1].graph.node].count("ReorderInput") == 1
+    assert all(np.array_equal(a, b) for a, b in zip(*outs))

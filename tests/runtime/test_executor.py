@@ -37,12 +37,12 @@ class TwoRanks(ProcessGroup):
         self.calls: list[str] = []
         self.coalesced: list[list[str]] = []  # the nodes of each allreduce_coalesced call
 
-    def allreduce_coalesced(self, bufs, what, op="sum"):
+    def allreduce_coalesced(self, bufs, what, op="sum", peers=None, placed=None):
         self.coalesced.append([w.name for w in what])
         assert len(bufs) == len(what)
-        return super().allreduce_coalesced(bufs, what, op)
+        return super().allreduce_coalesced(bufs, what, op, peers, placed)
 
-    def allreduce(self, buf, what, op="sum", peers=None):
+    def allreduce(self, buf, what, op="sum", peers=None, placed=None):
         self.calls.append(describe(what))
         if self.fail is not None:
             raise self.fail

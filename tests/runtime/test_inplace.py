@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 import ngdist
 from ngdist.data import load_digits
 from ngdist.runtime import executor as executor_module
-from ngdist.runtime import trainer as trainer_module
+from ngdist.runtime import step_executor
 from ngdist.runtime.inplace import Buffer
 from ngdist.runtime.inplace import plan_segment as plan_all
 from ngdist.runtime.partition import Segment, plan
@@ -111,7 +111,7 @@ def _digits_cnn_step(monkeypatch, in_place: bool, batches: list[int], optimizer:
 
         def plain(*args, donate=None, **kw):
             return real(*args, **kw)
-        monkeypatch.setattr(trainer_module, "Executor", plain)
+        monkeypatch.setattr(step_executor, "Executor", plain)
     torch.manual_seed(0)
     net = torch.nn.Sequential(
         torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
