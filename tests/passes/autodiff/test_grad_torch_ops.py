@@ -3,7 +3,7 @@
 Each tiny module uses one op family that ngdist's torch frontend exports to an op with a
 newer rule (Einsum, InstanceNormalization for nn.GroupNorm / nn.InstanceNorm2d, Resize for
 F.interpolate, ReduceL2 for F.normalize, CumSum, ScatterElements, TopK, Trilu, Tile,
-DepthToSpace, the activations); it is compiled into a training model, differentiated by
+DepthToSpace, the activations, LSTM and GRU); it is compiled into a training model, differentiated by
 ngdist's autodiff pass and run once in onnxruntime (float32). Loss and every parameter
 gradient must match torch autograd in float64 (max error <= 1e-4 of the largest entry), and
 the step graph must pass onnx.checker's full check with unique node names.
@@ -111,6 +111,21 @@ class PixelShuffleActs(nn.Module):
         return self.head(self.prelu(y) + torch.atan(y) + torch.sin(y))
 
 
+class Recurrent(nn.Module):
+    """A bidirectional batch-first LSTM, then a GRU whose last state joins the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True, bidirectional=True)
+        self.gru = nn.GRU(10, 3, batch_first=True)
+        self.head = nn.Linear(3, CLASSES)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        z, h = self.gru(y)
+        return self.head(z.mean(1) + h[-1])
+
+
 MODELS = {
     "einsum_attention": (EinsumAttention, (8, 5, 8)),
     "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
@@ -123,6 +138,7 @@ MODELS = {
     "normalize": (Normalize, (8, 6)),
     "cumsum_scatter_topk_tril": (Scan, (8, 6)),
     "pixel_shuffle_activations": (PixelShuffleActs, (8, 3, 3, 3)),
+    "lstm_gru": (Recurrent, (8, 5, 4)),
 }
 
 

@@ -12,6 +12,7 @@ from ngdist.passes.autodiff.rules import (  # noqa: F401
     norm,
     pointwise,
     pool,
+    recurrent,
     reduce,
     resize,
     select,
