@@ -168,6 +168,10 @@ class RuntimeOptions(TypedOptions):
     log_dir: str | os.PathLike | None = None
     log_every: int = DEFAULT_EVERY
 
+    def as_kwargs(self) -> dict[str, Any]:
+        """The options as the Trainer's keyword arguments (it takes each, by the same name)."""
+        return {name: getattr(self, name) for name in self.names()}
+
 
 def _checkpoint_options(every: int | None, folder: str | os.PathLike | None
                         ) -> tuple[int | None, str | None]:
@@ -246,12 +250,9 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
         timeline = False if timeline is None else timeline
     else:
         checkpoint_every, folder = _checkpoint_options(checkpoint_every, checkpoint_dir)
-    runtime = RuntimeOptions(timeout=timeout, intra_op_threads=intra_op_threads, device=device,
-                             overlap=overlap, devices_per_worker=devices_per_worker,
-                             ps_serve=ps_serve, nan_check=nan_check, timeline=timeline,
-                             checkpoint_every=checkpoint_every, checkpoint_dir=folder,
-                             checkpoint_keep=checkpoint_keep, log_dir=log_dir,
-                             log_every=log_every)
+    given = locals()  # (the runtime options as given, checkpoint_every and timeline resolved)
+    runtime = RuntimeOptions(**{**{n: given[n] for n in RuntimeOptions.names()},
+                                "checkpoint_dir": folder})
     if checkpoint_every is not None and checkpoint_every < 1 or checkpoint_keep < 1:
         raise OptionError(f"checkpoint_every and checkpoint_keep must be at least 1, got "
                           f"{checkpoint_every} and {checkpoint_keep}")
@@ -280,13 +281,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     inference, step = split_training_model(proto)
     step = run_passes(step, chosen)
     # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
-    return Trainer(inference, step=step, group=group, intra_op_threads=runtime.intra_op_threads,
-                   device=runtime.device, overlap=runtime.overlap,
-                   devices_per_worker=runtime.devices_per_worker, ps_serve=runtime.ps_serve,
-                   nan_check=runtime.nan_check, write_back=write_back,
-                   timeline=runtime.timeline, checkpoint_every=runtime.checkpoint_every,
-                   checkpoint_dir=runtime.checkpoint_dir, checkpoint_keep=runtime.checkpoint_keep,
-                   log_dir=runtime.log_dir, log_every=runtime.log_every)
+    return Trainer(inference, step=step, group=group, write_back=write_back,
+                   **runtime.as_kwargs())
 
 
 # every keyword compile takes, for the "did you mean" of a misspelt one
