@@ -130,9 +130,8 @@ class RuntimeOptions(TypedOptions):
     ``intra_op_threads``: onnxruntime threads (default cores / ranks on this host);
     ``device``: ``cpu``, ``cuda`` or ``auto``; ``overlap``: communication runs on a thread of
     its own and overlaps computation (default: when the host has more than one core per rank;
-    a thread waiting on MPI spins, and on a rank's only core it halves the compute: CNN on 2
-    ranks of 2 cores, 9.1 vs 0.7 ms of comm per step); with ``pushsum`` it is also the gossip's
-    overlap, off by default there;
+    a thread waiting on MPI spins, and on a rank's only core it takes the compute's time:
+    docs/benchmarks.md); with ``pushsum`` it is also the gossip's overlap, off by default there;
     ``devices_per_worker``: model replicas in this process (runtime/replicas.py);
     ``ps_serve``: with ``ps`` and dedicated servers, False makes a server rank serve round by
     round as its program calls ``step`` (``DistributedSGD``) instead of until the workers stop;

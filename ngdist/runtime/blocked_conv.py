@@ -4,9 +4,8 @@ onnxruntime runs a Conv through its NCHWc kernels only when the graph optimiser 
 the weight once, at load time, which needs the weight to be a constant. In a training step
 the weights are inputs, so every Conv takes the generic im2col + GEMM path (and every
 ConvTranspose its GEMM + col2im path). For a depthwise Conv (one input and one output channel
-per group) that path does one tiny GEMM per channel: x [8, 40, 16, 16] with a 7x7 depthwise
-kernel takes 1.8 ms there and 0.31 ms on the NCHWc kernel, [8, 144, 16, 16] 3x3 1.2 vs 0.26
-ms (one thread, the reorders included).
+per group) that path does one tiny GEMM per channel, several times slower than the NCHWc
+kernel even with the reorders included (docs/benchmarks.md, "Blocked convolutions").
 
 :func:`block_convs` rewrites such a convolution into what the optimiser would have made of
 it, with the weight reordered inside the graph at every run (a Reshape, Transpose, Reshape of
@@ -17,15 +16,11 @@ order, output channels blocked innermost); dense Convs (group 1) and stride-1 Co
 of group 1 (a Conv's data gradient, computed as the Conv of the output gradient with the
 weight flipped and its channels swapped) in OIHWBiBo order when the output holds at least
 ``DENSE_OUTPUT_PER_WEIGHT`` elements per weight element: the 6-D reorder of a large weight on a
-small map costs more than the kernel saves ([8, 512, 2, 2] 3x3: 11.8 vs 5.9 ms). In the digits
-CNN's training step (batch 128, one thread), the 32 -> 64 channel 3x3 Conv on [128, 32, 8, 8]
-takes 2.6 instead of 4.3 ms, its data gradient 2.6 instead of 4.3-4.8 ms (onnxruntime's
-profiler).
+small map costs more than the kernel saves.
 
-On by default on the CPU; ``NGDIST_CPU_BLOCKED_CONV=0`` turns it off. It makes MobileNetV2,
-MobileNetV3-Large and timm's ConvNeXt-Atto steps ~23% faster (8 images of 64x64, one
-thread); each rewritten convolution agrees with onnxruntime's own to float32 rounding, and a
-step's gradients agree with float64 as closely as PyTorch's float32 ones.
+On by default on the CPU; ``NGDIST_CPU_BLOCKED_CONV=0`` turns it off. Each rewritten
+convolution agrees with onnxruntime's own to float32 rounding, and a step's gradients agree
+with float64 as closely as PyTorch's float32 ones.
 """
 from __future__ import annotations
 
@@ -92,12 +87,8 @@ def probe_model() -> onnx.ModelProto:
 
 # a dense Conv (or stride-1 ConvTranspose) goes to the blocked kernels when its output holds at
 # least this many elements per weight element: the weight is reordered in the graph at every
-# run, which pays only when the convolution's work outweighs it. One thread, AVX-512 (block 16),
-# 3x3, in-graph reorder against the generic Conv, by output elements per weight element:
-# 0.4-0.9: 0.93-1.10x the time ([8, 128, 8, 8] -> 128 channels, [16, 256, 8, 8], [4, 128, 16,
-# 16]); 1.8: 0.87x ([32, 128, 8, 8]); 3.6: 0.84x ([64, 128, 8, 8], [8, 64, 16, 16]); 7-28:
-# 0.70-0.81x ([128, 128, 8, 8], [16, 64, 16, 16], [8, 32, 16, 16], [128, 32, 8, 8] -> 64
-# channels 4.3 -> 3.3 ms); [8, 512, 2, 2] (0.007) 5.9 -> 11.8 ms
+# run, which pays only when the convolution's work outweighs it (the measured threshold:
+# docs/benchmarks.md, "Blocked convolutions")
 DENSE_OUTPUT_PER_WEIGHT = 2
 
 

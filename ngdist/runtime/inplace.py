@@ -3,8 +3,7 @@
 onnxruntime gives each result of a session a buffer of its own, so an elementwise op over a
 parameter-sized tensor reads its inputs and writes a third buffer, which on a CPU costs a
 read for ownership of every line it writes. An op that writes into the memory of one of its
-inputs runs about 2x faster (benchmarks/inplace_ops.py: three chained Muls over 128 MiB, one
-thread, 66-75 ms with onnxruntime's own buffers, 29-40 ms written in place), and the optimizer
+inputs runs about twice as fast (benchmarks/inplace_ops.py; docs/benchmarks.md), and the optimizer
 update is a chain of such ops over every parameter: PyTorch runs it in place (``add_``,
 ``mul_``, ``lerp_``).
 
@@ -59,8 +58,7 @@ def plannable(nodes: Sequence[onnx.NodeProto]) -> bool:
 
 # smaller results stay in onnxruntime's memory: they fit in the caches (1 MiB of float32 is a
 # core's L2 here), where a new buffer costs little, and binding one costs more than it saves
-# (MobileNetV2, 158 parameters: 156 ms a step without in-place results, 176 ms with all of
-# them bound, 169 ms with those of at least 16384 elements)
+# (MobileNetV2: docs/benchmarks.md, "In-place update")
 MIN_ELEMENTS = 1 << 18
 
 

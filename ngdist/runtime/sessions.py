@@ -116,7 +116,7 @@ def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
     quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``.
 
     The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
-    half the memory at batch 4096 but runs about 1.3x slower (docs/benchmarks.md).
+    half the memory at batch 4096 but runs slower (docs/benchmarks.md, "Peak memory").
     """
     opts = ort.SessionOptions()
     if intra_op_threads:
