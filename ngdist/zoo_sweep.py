@@ -26,13 +26,17 @@ logger = logging.getLogger(__name__)
 
 CLASSES = 5
 BATCH = 4
-SIDE = 64  # the depthwise models' BatchNorm needs 2x2 maps at the end (zoo_vision.image_size)
+SIDE = 32
+# depthwise convolutions: at 32x32 a channel's BatchNorm on the last 1x1 maps normalizes 4
+# values, and float32 is noise there (zoo_vision.image_size); these get 64x64
+DEPTHWISE = ("mobilenet", "efficientnet", "mnasnet", "shufflenet")
 # torchvision constructors that need more than SIDE, or arguments of their own
 _TV_KWARGS: dict[str, dict[str, Any]] = {
     "googlenet": {"aux_logits": False, "init_weights": True},
     "inception_v3": {"aux_logits": False, "init_weights": True},
 }
-_TV_SIDE = {"inception_v3": 80, "maxvit_t": 224}
+_TV_SIDE = {"alexnet": 64, "squeezenet1_0": 64, "squeezenet1_1": 64, "inception_v3": 80,
+            "maxvit_t": 224}
 _TV_VIT_SIDE = {"vit_h_14": 28}
 
 
@@ -90,7 +94,7 @@ def _tv_build(ctor: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     torch = _torch()
     models = vz.import_torchvision().models
     kwargs = {"num_classes": CLASSES, **_TV_KWARGS.get(ctor, {})}
-    side = _TV_SIDE.get(ctor, SIDE)
+    side = _TV_SIDE.get(ctor, 2 * SIDE if ctor.startswith(DEPTHWISE) else SIDE)
     if ctor.startswith("vit_"):
         side = _TV_VIT_SIDE.get(ctor, 32)
         kwargs["image_size"] = side
@@ -123,19 +127,33 @@ def torchvision_cases(all_constructors: bool = True) -> list[Case]:
 
 # --------------------------------------------------------------------------- timm
 
-def _timm_families(cache: Path | None) -> dict[str, str]:
-    """timm module -> its model with the fewest parameters (cached in ``cache``)."""
+_SIZES = ("atto", "femto", "pico", "nano", "xxxs", "xxs", "tiny", "xs", "mini", "micro",
+          "small", "lite", "s", "b0", "050", "075", "100", "t", "m", "base")
+
+
+def _size_rank(name: str) -> int:
+    """How small a timm variant's name says it is (lower: smaller; unnamed sizes last)."""
+    tokens = name.replace("-", "_").replace(".", "_").split("_")
+    ranks = [_SIZES.index(t) for t in tokens if t in _SIZES]
+    return min(ranks, default=len(_SIZES))
+
+
+def _timm_families(cache: Path | None, candidates: int = 4) -> dict[str, str]:
+    """timm module -> its model with the fewest parameters among the ``candidates`` whose names
+    say they are smallest (counted on the meta device; cached in ``cache``)."""
     timm = vz.import_timm()
     if cache is not None and cache.exists():
         return json.loads(cache.read_text())
     chosen: dict[str, str] = {}
     for module in timm.list_modules():
+        names = sorted(timm.list_models(module=module), key=lambda n: (_size_rank(n), len(n), n))
         sizes = []
-        for name in timm.list_models(module=module):
+        for name in names[:candidates]:
             try:
-                sizes.append((_param_count(lambda n=name: timm.create_model(
-                    n, pretrained=False, num_classes=CLASSES)), name))
-            except Exception as exc:  # a variant that needs arguments: try the next one
+                with _torch().device("meta"):
+                    model = timm.create_model(name, pretrained=False, num_classes=CLASSES)
+                sizes.append((sum(p.numel() for p in model.parameters()), name))
+            except Exception as exc:  # noqa: BLE001 - a variant that needs arguments: skip it
                 logger.info("timm %s: %s", name, exc)
         if sizes:
             chosen[module] = min(sizes)[1]

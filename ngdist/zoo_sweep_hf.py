@@ -55,9 +55,11 @@ _SCALARS = {
     "num_mel_bins": 16, "use_cache": False,
     "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
     "moe_intermediate_size": WIDTH, "first_k_dense_replace": 1,
+    "apply_spec_augment": False,  # SpecAugment draws random masks in training mode
 }
 _LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None}
-_ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate")
+_ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
+         "mask_time_prob", "mask_feature_prob")
 
 
 def _transformers() -> Any:
@@ -77,7 +79,7 @@ def _shrink(cfg: Any) -> None:
         elif key in _LISTS and isinstance(value, (list, tuple)):
             n = len(value)
             setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
-                    [8 * 2 ** i for i in range(n)])
+                    [32 * 2 ** i for i in range(n)])  # GroupNorm's 32 groups divide them
         elif isinstance(value, float) and any(key.endswith(z) for z in _ZERO):
             setattr(cfg, key, 0.0)
     if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
@@ -137,7 +139,9 @@ class _Logits:
                 super().__init__()
                 self.model = model
 
-            def forward(self, *inputs):
+            def forward(self, a, b=None, c=None, d=None, e=None):  # named: what people
+                # write, and what both exporters take (dynamo matches *args to one input)
+                inputs = [v for v in (a, b, c, d, e) if v is not None]
                 if tokens:
                     *inputs, y = inputs
                 logits = self.model(**dict(zip(names, inputs))).logits

@@ -71,3 +71,20 @@ def test_the_docs_section_is_regenerated_in_place(tmp_path, monkeypatch):
     assert "median step ratio ngdist / eager torch over the passing models: **0.99**" in text
     assert "| hf/causal/x | x | fail | export: GraphError: a \\| b |" in text
     assert text.startswith("# Benchmarks\n\n## Other\n\ntext\n")
+
+
+def test_a_raw_exception_from_inside_ngdist_is_flagged_an_ngdist_error_is_not():
+    import sweep_check
+
+    from ngdist.errors import GraphError
+    from ngdist.frontends import torch as tfront
+
+    with pytest.raises(TypeError) as raw:
+        tfront._as_tuple([object()])  # the library's own TypeError, raised inside ngdist
+    row = sweep_check.describe(raw.value)
+    assert row["error"].startswith("TypeError: example_inputs must be tensors or numpy arrays")
+    assert row["raw_in_ngdist"].startswith("ngdist/frontends/torch.py:")
+    assert row["raw_in_ngdist"].endswith("(_as_tuple)")
+    with pytest.raises(GraphError) as clear:
+        tfront.translate_loss(object())
+    assert "raw_in_ngdist" not in sweep_check.describe(clear.value)
