@@ -1,4 +1,4 @@
-"""LSTM and GRU against central differences (the harness of ``grad_harness``; float64 on
+"""LSTM, GRU and RNN against central differences (the harness of ``grad_harness``; float64 on
 ONNX's reference evaluator, onnxruntime has no float64 kernels for them): directions, biases,
 initial states, every output in the loss or only some; refused forms are named."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ T, B, I, H = 3, 2, 3, 2
 
 def _rnn(cid: str, op: str, direction: str = "forward", bias: bool = True,
          initial: bool = True, used=(0, 1), **attrs):
-    gates, dirs = (4 if op == "LSTM" else 3), (2 if direction == "bidirectional" else 1)
+    gates, dirs = {"LSTM": 4, "GRU": 3, "RNN": 1}[op], (2 if direction == "bidirectional" else 1)
     n_out = 3 if op == "LSTM" else 2
     if op == "GRU":
         attrs.setdefault("linear_before_reset", 1)
@@ -41,6 +41,10 @@ CASES = [
     _rnn("GRU-reverse", "GRU", "reverse"),
     _rnn("GRU-bidirectional", "GRU", "bidirectional"),
     _rnn("GRU-no-bias-no-initial", "GRU", bias=False, initial=False, used=(0,)),
+    _rnn("RNN-tanh-bidirectional", "RNN", "bidirectional"),
+    # (a relu RNN: onnx 1.23's reference RNN knows only tanh; tests/passes/autodiff/
+    # test_grad_torch_ops.py checks nn.RNN(nonlinearity="relu") against torch)
+    _rnn("RNN-no-bias-Yh-only", "RNN", bias=False, used=(1,)),
 ]
 
 

@@ -3,7 +3,7 @@
 Each tiny module uses one op family that ngdist's torch frontend exports to an op with a
 newer rule (Einsum, InstanceNormalization for nn.GroupNorm / nn.InstanceNorm2d, Resize for
 F.interpolate, ReduceL2 for F.normalize, CumSum, ScatterElements, TopK, Trilu, Tile,
-DepthToSpace, the activations, LSTM and GRU); it is compiled into a training model, differentiated by
+DepthToSpace, the activations, LSTM, GRU and RNN); it is compiled into a training model, differentiated by
 ngdist's autodiff pass and run once in onnxruntime (float32). Loss and every parameter
 gradient must match torch autograd in float64 (max error <= 1e-4 of the largest entry), and
 the step graph must pass onnx.checker's full check with unique node names.
@@ -126,6 +126,16 @@ class Recurrent(nn.Module):
         return self.head(z.mean(1) + h[-1])
 
 
+class ReluRNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True, bidirectional=True)
+        self.head = nn.Linear(10, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0].mean(1))
+
+
 MODELS = {
     "einsum_attention": (EinsumAttention, (8, 5, 8)),
     "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
@@ -139,6 +149,7 @@ MODELS = {
     "cumsum_scatter_topk_tril": (Scan, (8, 6)),
     "pixel_shuffle_activations": (PixelShuffleActs, (8, 3, 3, 3)),
     "lstm_gru": (Recurrent, (8, 5, 4)),
+    "rnn_relu": (ReluRNN, (8, 4, 4)),
 }
 
 

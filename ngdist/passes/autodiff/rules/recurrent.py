@@ -1,5 +1,5 @@
-"""Recurrent layers: LSTM and GRU (what nn.LSTM / nn.GRU export), forward, reverse and
-bidirectional, with biases and initial states.
+"""Recurrent layers: LSTM, GRU and RNN (what nn.LSTM / nn.GRU / nn.RNN export; RNN with tanh
+or relu), forward, reverse and bidirectional, with biases and initial states.
 
 Nothing is re-run step by step that the forward node already returned: every step's previous
 hidden state is the node's own output Y shifted by one step (the initial state first), so all
@@ -21,8 +21,8 @@ import onnx_ir as ir
 from ngdist.passes.autodiff.registry import GradContext, attr, register
 from ngdist.passes.autodiff.rules._common import ensure_output
 
-_DEFAULT_ACTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"]}
-_GATES = {"LSTM": 4, "GRU": 3}
+_DEFAULT_ACTS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
+_GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 
 
 def _check(node: ir.Node) -> tuple[int, int]:
@@ -36,8 +36,9 @@ def _check(node: ir.Node) -> tuple[int, int]:
                ("linear_before_reset=0", op == "GRU" and not attr(node, "linear_before_reset", 0))]
     acts = attr(node, "activations")
     dirs = 2 if attr(node, "direction", "forward") == "bidirectional" else 1
-    if acts is not None and [a.decode() if isinstance(a, bytes) else a for a in acts] != \
-            _DEFAULT_ACTS[op] * dirs:
+    names = None if acts is None else [a.decode() if isinstance(a, bytes) else a for a in acts]
+    if names is not None and names != _DEFAULT_ACTS[op] * dirs and \
+            not (op == "RNN" and names == ["Relu"] * dirs):
         refused.append((f"activations {list(acts)}", True))
     bad = [name for name, hit in refused if hit]
     if bad:
@@ -202,7 +203,28 @@ def _gru_direction(ctx, dirn: _Direction, gy, gyh, _gyc):
             ctx.op("Squeeze", dh, ctx.ints([0])), None]
 
 
-@register("LSTM", "GRU")
+def _rnn_direction(ctx, dirn: _Direction, gy, gyh, _gyc, relu: bool = False):
+    """(dX, dW, dR, dB, dh0, None) of one RNN direction: h = act(x W + h R + b) is Y itself."""
+    steps = dirn.steps
+    y_t = _steps(ctx, dirn.y, steps)
+    gy_t = _steps(ctx, gy, steps) if gy is not None else [None] * steps
+    dh, dz = None, [None] * steps
+    for t in reversed(range(steps)):
+        dh_t = _total(ctx, [gy_t[t], dh, gyh if t == steps - 1 else None], dirn)
+        dz[t] = ctx.op("Mul", dh_t, ctx.op("CastLike", ctx.op(
+            "Greater", y_t[t], ctx.scalar(0.0, y_t[t])), y_t[t])) if relu else \
+            _tanh_grad(ctx, dh_t, y_t[t])
+        dh = ctx.op("MatMul", dz[t], dirn.r)
+    dz_all = dz[0] if steps == 1 else ctx.op("Concat", *dz, axis=0)
+    return [*dirn.grads(dz_all, dz_all, dirn.hprev), ctx.op("Squeeze", dh, ctx.ints([0])),
+            None]
+
+
+def _relu_rnn_direction(ctx, dirn, gy, gyh, gyc):
+    return _rnn_direction(ctx, dirn, gy, gyh, gyc, relu=True)
+
+
+@register("LSTM", "GRU", "RNN")
 def recurrent(ctx, node, gys):
     steps, dirs = _check(node)
     gys = list(gys) + [None] * 3
@@ -214,7 +236,11 @@ def recurrent(ctx, node, gys):
         gy = _pick(ctx, gys[0], d, axis=1)
         if gy is not None and reverse:
             gy = _flip(ctx, gy, steps)
-        unit = _lstm_direction if node.op_type == "LSTM" else _gru_direction
+        unit = {"LSTM": _lstm_direction, "GRU": _gru_direction, "RNN": _rnn_direction}[
+            node.op_type]
+        if node.op_type == "RNN" and attr(node, "activations") is not None and \
+                attr(node, "activations")[0] in ("Relu", b"Relu"):
+            unit = _relu_rnn_direction
         gyh, gyc = (None if v is None else ctx.op("Unsqueeze", _pick(ctx, v, d), ctx.ints([0]))
                     for v in gys[1:3])  # [1, B, H], like one step
         per_dir.append(unit(ctx, dirn, gy, gyh, gyc))
