@@ -37,6 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ngdist.errors import NgdistError
 from ngdist.runtime.inplace import static_shapes
+from ngdist.runtime.partition import readers_of
 
 logger = logging.getLogger(__name__)
 
@@ -195,10 +196,7 @@ def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], block: in
 def _fusable_relus(graph: onnx.GraphProto, results: Sequence[str]) -> dict[str, int]:
     """{result: index of the Relu node} for each of ``results`` that one Relu alone reads and
     that is no graph output: the blocked Conv applies that Relu itself."""
-    readers: dict[str, list[int]] = {}
-    for i, n in enumerate(graph.node):
-        for x in set(n.input):
-            readers.setdefault(x, []).append(i)
+    readers = readers_of(graph.node)
     outputs = {o.name for o in graph.output}
     fused = {}
     for r in results:

@@ -21,7 +21,7 @@ old ones' memory (runtime/inplace.py).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -52,8 +52,9 @@ class CommCall:
 Item = Segment | CommCall
 
 
-def _readers(nodes: list[onnx.NodeProto]) -> dict[str, list[int]]:
-    """{value: the indices of the nodes that read it}."""
+def readers_of(nodes: Sequence[onnx.NodeProto]) -> dict[str, list[int]]:
+    """{value: the indices of the nodes that read it} (a node that reads a value twice is
+    listed twice): the one readers map of a graph, built once by whoever plans it."""
     readers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         for x in n.input:
@@ -97,7 +98,10 @@ def _sink_updates(nodes: list[onnx.NodeProto], readers: Mapping[str, list[int]],
 
 
 def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[str] = frozenset(),
-         donated: frozenset[str] = frozenset()) -> list[Item]:
+         donated: frozenset[str] = frozenset(),
+         readers: Mapping[str, list[int]] | None = None) -> list[Item]:
+    """The items of ``graph``'s step (see the module docstring); ``readers``: the graph's
+    readers map (``readers_of``), when the caller has it."""
     nodes = list(graph.node)
     producer: dict[str, int] = {}
     for i, n in enumerate(nodes):
@@ -113,7 +117,7 @@ def plan(graph: onnx.GraphProto, defer_comm: bool = False, updated: frozenset[st
         stage[i] = s
     update = [False] * len(nodes)
     if updated:
-        readers = _readers(nodes)
+        readers = readers_of(nodes) if readers is None else readers
         update = _updates(nodes, readers, updated, {o.name for o in graph.output})
         _sink_updates(nodes, readers, stage, update)
 

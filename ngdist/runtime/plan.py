@@ -24,7 +24,7 @@ from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING, comm_attributes
 from ngdist.kernels import CommNode, KernelSpec, get_kernel
 from ngdist.kernels.base import CommFacts
 from ngdist.runtime.inplace import MIN_ELEMENTS
-from ngdist.runtime.partition import CommCall, Item, Segment, plan as partition
+from ngdist.runtime.partition import CommCall, Item, Segment, plan as partition, readers_of
 from ngdist.runtime.rewrites import runtime_rewrites
 
 
@@ -182,7 +182,8 @@ def build_plan(model: onnx.ModelProto, group_size: int, *, overlap: bool = True,
     donate = dict(donate or {})
     donated = donation(graph, donate)
     items = tuple(partition(graph, defer_comm=not overlap, donated=donated,
-                            updated=frozenset(donate[x] for x in donated)))
+                            updated=frozenset(donate[x] for x in donated),
+                            readers=readers_of(graph.node)))
     uses, last = last_uses(items)
     made = frozenset(o for s in items if isinstance(s, Segment) for o in s.outputs)
     outputs = tuple(o.name for o in graph.output)
