@@ -9,11 +9,13 @@ models updates their rows) and the table between the sweep markers of docs/bench
 regenerated from it.
 
     python benchmarks/model_sweep.py [--source torchvision timm transformers]
-        [--only NAME ...] [--from-json FILE] [--failed] [--skip-done] [--limit N]
-        [--timeout 600] [--jobs 1] [--all-constructors] [--list] [--no-docs]
+        [--only NAME ...] [--json FILE] [--merge FILE ...] [--failed] [--skip-done]
+        [--limit N] [--timeout 600] [--jobs 1] [--all-constructors] [--list] [--no-docs]
+        [--report]
 
 ``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``) or
-prefixes (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file.
+prefixes (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file;
+``--report`` regenerates the docs table from it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +156,32 @@ def write_docs(rows: list[dict[str, Any]], when: str) -> None:
     DOC.write_text(text)
 
 
+def merge(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` into the JSON file ``path`` (by name; a sweep running beside this one keeps
+    its rows: the file is read again under a lock before each write). Returns all rows."""
+    import fcntl
+
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = {r["name"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+        old.update({r["name"]: r for r in rows})
+        out = sorted(old.values(), key=lambda r: r["name"])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1, default=float))
+        tmp.replace(path)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", nargs="+", choices=SOURCES, default=list(SOURCES))
     p.add_argument("--only", nargs="+", help="case names or name prefixes")
     p.add_argument("--failed", action="store_true", help="rerun the JSON file's failures")
-    p.add_argument("--from-json", type=Path, default=JSON)
+    p.add_argument("--json", type=Path, default=JSON, help="the results file rows merge into")
+    p.add_argument("--merge", type=Path, nargs="+", default=[],
+                   help="fold these results files into --json first")
+    p.add_argument("--report", action="store_true",
+                   help="only regenerate the docs table from --json")
     p.add_argument("--timeout", type=float, default=600, help="seconds a model")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--all-constructors", action="store_true",
@@ -176,8 +199,12 @@ def main(argv: list[str] | None = None) -> None:
         return _one(args)
     from tqdm import tqdm
 
-    old = {r["name"]: r for r in json.loads(args.from_json.read_text())} \
-        if args.from_json.exists() else {}
+    for extra in args.merge:
+        merge(args.json, json.loads(extra.read_text()))
+    old = {r["name"]: r for r in merge(args.json, [])}
+    if args.report:
+        return write_docs(list(old.values()), datetime.datetime.now(
+            datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     cases = [(c.name, c.family) for c in catalogue(tuple(args.source), args.all_constructors)]
     if args.only:
         cases = [c for c in cases if any(c[0] == o or c[0].startswith(o) for o in args.only)]
@@ -194,12 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         futures = [pool.submit(run_one, n, f, args.timeout) for n, f in cases]
         for fut in concurrent.futures.as_completed(futures):
             row = fut.result()
-            old[row["name"]] = row
+            rows = merge(args.json, [row])
             bar.set_postfix_str(f"{row['name']} {row['status']}")
             bar.update()
-            JSON.write_text(json.dumps(sorted(old.values(), key=lambda r: r["name"]),
-                                       indent=1, default=float))
-    rows = list(old.values())
+    rows = merge(args.json, [])
     print(table(rows))
     if not args.no_docs:
         write_docs(rows, datetime.datetime.now(datetime.timezone.utc).strftime(
