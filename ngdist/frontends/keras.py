@@ -308,7 +308,8 @@ def translate_loss(loss: Any, proto: onnx.ModelProto, output: str) -> tuple[str 
 
 
 def translate_optimizer(opt: Any) -> optim.Optimizer:
-    """``keras.optimizers.SGD`` / ``Adam`` -> the ngdist optimizer with the same update."""
+    """``keras.optimizers.SGD`` / ``Adam`` / ``Adadelta`` / ``Nadam`` -> the ngdist optimizer
+    with the same update."""
     _, keras, _ = _tf()
     name = type(opt).__name__
     cfg = opt.get_config()
@@ -329,8 +330,26 @@ def translate_optimizer(opt: Any) -> optim.Optimizer:
             raise GraphError("Adam(amsgrad=True) is not supported")
         return optim.Adam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
                           eps=float(cfg["epsilon"]))
+    if isinstance(opt, keras.optimizers.Adadelta):  # Keras' Adadelta is torch's formula
+        return optim.Adadelta(lr=float(lr), rho=float(cfg["rho"]), eps=float(cfg["epsilon"]))
+    if isinstance(opt, keras.optimizers.Nadam):  # torch's NAdam with 0.96^t: momentum_decay 1
+        return optim.NAdam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
+                           eps=float(cfg["epsilon"]), momentum_decay=1.0)
+    if name in _OTHER_FORMULA:
+        raise GraphError(f"keras.optimizers.{name} {_OTHER_FORMULA[name]}, and ngdist.optim."
+                         f"{name} has torch's formula: use ngdist.optim.{name} knowingly, or "
+                         "keras.optimizers.SGD, Adam, Adadelta or Nadam")
     raise GraphError(f"optimizer {name} has no ngdist counterpart; use keras.optimizers.SGD, "
-                     "keras.optimizers.Adam or an ngdist.optim optimizer")
+                     "Adam, Adadelta, Nadam or an ngdist.optim optimizer")
+
+
+# Keras optimizers whose update differs from torch's optimizer of the same name
+_OTHER_FORMULA = {
+    "RMSprop": "adds epsilon inside the square root (torch.optim.RMSprop outside) and folds "
+               "the learning rate into its momentum",
+    "Adagrad": "adds epsilon inside the square root (torch.optim.Adagrad outside)",
+    "Adamax": "adds epsilon to the infinity norm after the maximum (torch.optim.Adamax "
+              "before it)"}
 
 
 # --------------------------------------------------------------------------- training model

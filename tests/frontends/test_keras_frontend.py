@@ -101,7 +101,9 @@ def _run_inference(proto, feeds):
     lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     lambda: keras.optimizers.SGD(0.05, momentum=0.8, nesterov=True),
     lambda: keras.optimizers.Adam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
-], ids=["sgd_momentum", "sgd_nesterov", "adam"])
+    lambda: keras.optimizers.Adadelta(1.0, rho=0.9, epsilon=1e-6),
+    lambda: keras.optimizers.Nadam(0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6),
+], ids=["sgd_momentum", "sgd_nesterov", "adam", "adadelta", "nadam"])
 def test_optimizer_translation_follows_keras_for_three_steps(make_opt, digits):
     xtr, ytr, _, _ = digits
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -132,8 +134,11 @@ def test_errors_are_clear():
                                          r"\['batch_normalization.*'\] cannot be trained"):
         kfront.export(bn)
     mlp = make_softmax_mlp()
-    with pytest.raises(GraphError, match="optimizer RMSprop has no ngdist counterpart"):
+    with pytest.raises(GraphError, match=r"keras.optimizers.RMSprop adds epsilon inside the "
+                                         r"square root \(torch.optim.RMSprop outside\)"):
         kfront.translate_optimizer(keras.optimizers.RMSprop())
+    with pytest.raises(GraphError, match="optimizer Lion has no ngdist counterpart"):
+        kfront.translate_optimizer(keras.optimizers.Lion())
     with pytest.raises(GraphError, match=r"SGD: \['weight_decay'\] have no ONNX counterpart"):
         kfront.translate_optimizer(keras.optimizers.SGD(0.1, weight_decay=0.01))
     sched = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
