@@ -19,6 +19,7 @@ from ngdist.passes.options import TypedOptions, strategy_options as _strategy_op
 from ngdist.passes.pipeline import run_passes
 from ngdist.comm import LocalGroup, world_group, world_rank_size
 from ngdist.runtime import checkpoint
+from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
 
@@ -150,6 +151,8 @@ class RuntimeOptions(TypedOptions):
     fetches its stats, with the loss averaged over the ranks, and every ``trainer.evaluate``;
     ``log_every``: steps recorded between two reductions of the metrics over the ranks (one
     small allreduce each, default 10).
+    ``cuda``: the CUDA provider's options on ``device="cuda"`` (runtime/cuda.py
+    ``CudaOptions``: ``use_tf32``, ``cudnn_conv_algo_search``, arena, ``user_compute_stream``).
     """
 
     owner: ClassVar[str] = "ngdist.compile"
@@ -166,6 +169,7 @@ class RuntimeOptions(TypedOptions):
     checkpoint_keep: int = checkpoint.DEFAULT_KEEP
     log_dir: str | os.PathLike | None = None
     log_every: int = DEFAULT_EVERY
+    cuda: CudaOptions | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """The options as the Trainer's keyword arguments (it takes each, by the same name)."""
@@ -205,7 +209,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
             log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
-            **strategy_options: Any) -> Trainer:
+            cuda: CudaOptions | None = None, **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against

@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from ngdist.errors import NgdistError
 from ngdist.runtime import blocked_conv
+from ngdist.runtime.cuda import CudaOptions, missing
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class Placement:
 
     device: str = "cpu"
     device_id: int = 0
+    cuda: CudaOptions = CudaOptions()  # the CUDA provider's options (runtime/cuda.py)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -39,7 +41,7 @@ class Placement:
     @property
     def providers(self) -> list[str | tuple[str, dict[str, str]]]:
         if self.device == "cuda":
-            return [("CUDAExecutionProvider", {"device_id": str(self.device_id)}),
+            return [("CUDAExecutionProvider", self.cuda.provider_options(self.device_id)),
                     "CPUExecutionProvider"]
         return ["CPUExecutionProvider"]
 
@@ -76,7 +78,8 @@ def gpu_count() -> int:
         return 0
 
 
-def placement_for(device: str | None, local_rank: int = 0) -> Placement:
+def placement_for(device: str | None, local_rank: int = 0,
+                  cuda: CudaOptions | None = None) -> Placement:
     """``cpu`` (default), ``cuda`` (rank r on GPU ``local_rank % count``) or ``auto`` (``cuda``
     when it is usable, else ``cpu``). ``cuda`` fails at once, saying what is missing, when
     onnxruntime has no CUDA provider or sees no GPU, or when a buffer cannot be placed on the
@@ -85,7 +88,7 @@ def placement_for(device: str | None, local_rank: int = 0) -> Placement:
         return CPU
     if device == "auto":
         try:
-            return placement_for("cuda", local_rank)
+            return placement_for("cuda", local_rank, cuda)
         except NgdistError as exc:
             logger.info("device='auto': CPU (%s)", exc)
             return CPU
@@ -96,12 +99,17 @@ def placement_for(device: str | None, local_rank: int = 0) -> Placement:
         raise NgdistError("device='cuda' needs onnxruntime with the CUDA execution provider: "
                           "pip install onnxruntime-gpu (a CUDA 13 build from 1.27 on); this "
                           f"onnxruntime has {ort.get_available_providers()}")
+    absent = missing()
+    if absent:
+        raise NgdistError(f"device='cuda': onnxruntime's CUDA provider cannot load, missing "
+                          f"{absent}; use device='cpu' (or 'auto' to pick CUDA only when it "
+                          "is usable)")
     count = gpu_count()
     if count == 0:
         raise NgdistError("device='cuda': onnxruntime has the CUDA execution provider but sees "
                           "no GPU on this machine; use device='cpu' (or 'auto' to pick CUDA "
                           "only when it is usable)")
-    placement = Placement("cuda", local_rank % count)
+    placement = Placement("cuda", local_rank % count, cuda or CudaOptions())
     try:
         placement.value(np.zeros(1, np.float32))
     except Exception as exc:  # noqa: BLE001 - any failure means CUDA is not usable here
@@ -164,4 +172,12 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     opts = session_options(intra_op_threads)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(data, opts, providers=placement.providers)
+    sess = ort.InferenceSession(data, opts, providers=placement.providers)
+    wanted = placement.providers[0]
+    wanted = wanted if isinstance(wanted, str) else wanted[0]
+    if sess.get_providers()[0] != wanted:  # (onnxruntime falls back to the CPU silently)
+        why = missing() or ("nothing ngdist knows of (onnxruntime's log at "
+                            "log_severity_level=0 says why)")
+        raise NgdistError(f"the session asked for {wanted} but took "
+                          f"{sess.get_providers()[0]}: missing {why}; use device='cpu'")
+    return sess

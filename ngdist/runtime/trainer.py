@@ -40,6 +40,7 @@ from ngdist.runtime.inference import Inference
 from ngdist.runtime.join import Join
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import micro_batch_size
+from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.sessions import Placement, placement_for
 from ngdist.runtime.state import StateAccess
 from ngdist.runtime.timeline import Timeline, check_path, timeline_path
@@ -84,7 +85,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
                  checkpoint_dir: str | os.PathLike | None = None,
                  checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
                  log_dir: str | os.PathLike | None = None,
-                 log_every: int = DEFAULT_EVERY) -> None:
+                 log_every: int = DEFAULT_EVERY, cuda: CudaOptions | None = None) -> None:
         """``timeline``: write a Chrome trace of the job to this file (default
         ``NGDIST_TIMELINE``; ``False``: off); see runtime/timeline.py. ``checkpoint_*``: see
         runtime/checkpoint.py; ``log_dir``, ``log_every``: runtime/metrics.py."""
@@ -97,7 +98,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         self._uneven_logged = False
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
         self.placement = device if isinstance(device, Placement) else \
-            placement_for(device, self.group.local_rank)
+            placement_for(device, self.group.local_rank, cuda)
         inference, step = split_training_model(model) if step is None else (model, step)
         self.inference = inference
         self.step_model = step
