@@ -368,3 +368,32 @@ def lowering_error(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: i
     with pytest.raises(GradientError) as info:
         AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
     return str(info.value)
+
+
+def grads_of(case: Case) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(float64 gradients of the case's inputs, the loss weights)."""
+    weights = weights_for(case)
+    run = Runner(grad_model(case, np.float64, weights))
+    return dict(zip(case.inputs, run(dict(case.inputs))[1:])), weights
+
+
+def check_reuse(case: Case) -> None:
+    """The backward pass reads the forward node's outputs (adding outputs such as MaxPool's
+    Indices or Dropout's mask to it) and never runs the forward op a second time."""
+    op = case.nodes[0].op_type
+    lowered = grad_model(case, np.float32, weights_for(case))
+    # BatchNormalization's backward uses inference-mode BatchNormalization with epsilon 0 as
+    # a per-channel affine map; that is not the forward op run again
+    affine = [n for n in lowered.graph.node if n.op_type == "BatchNormalization"
+              and "/grad/" in n.name and any(a.name == "epsilon" and a.f == 0.0
+                                             for a in n.attribute)]
+    assert len(affine) == (2 if op == "BatchNormalization" else 0)
+    assert sum(n.op_type == op for n in lowered.graph.node) == 1 + len(affine)
+    forward = next(n for n in lowered.graph.node if n.name == "node0")
+    if op in ("MaxPool", "Dropout"):
+        extra = forward.output[1]
+        assert extra and any(extra in n.input for n in lowered.graph.node if n is not forward)
+    if op == "Dropout":
+        assert not [n for n in lowered.graph.node if "Random" in n.op_type]
+    if op == "LayerNormalization":  # float32 statistics of float32 data are reused
+        assert len(forward.output) == 3 and all(forward.output)
