@@ -107,7 +107,7 @@ class CommRunner:
             same = next((v for x, v in zip(inputs, values) if x is out), None) if on_cpu \
                 else None
             if same is None and not isinstance(out, np.ndarray):  # a device array
-                same = ort.OrtValue.from_dlpack(out.__dlpack__(), False)
+                same = ort.OrtValue.from_dlpack(out)  # (takes the array, as in 1.31)
             if same is None:
                 out = out if out.flags.c_contiguous else np.array(out, order="C")
                 bf16 = out.dtype == np.uint16 and i < len(values) and \
