@@ -25,19 +25,16 @@ OptionError naming it.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ngdist.errors import OptionError
+from ngdist.optim.checks import Group, checked, checked_groups
+from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
                                       FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
                                       TORCH_ADAM, TORCH_ADAMW, state_kinds)
-
-Group = Mapping[str, Any]
-
 
 class _Optimizer:
     """What every optimizer shares: checks, state kinds, groups (the fields are the class's)."""
@@ -51,9 +48,9 @@ class _Optimizer:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             if f.name != "groups":
-                object.__setattr__(self, f.name, _checked(self, f.name, f.type,
+                object.__setattr__(self, f.name, checked(self, f.name, f.type,
                                                           getattr(self, f.name)))
-        object.__setattr__(self, "groups", _checked_groups(self, self.groups))
+        object.__setattr__(self, "groups", checked_groups(self, self.groups))
 
     def _attributes(self) -> dict[str, object]:
         raise NotImplementedError
@@ -323,135 +320,25 @@ KINDS = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam, 
          "adamax": Adamax, "nadam": NAdam, "radam": RAdam, "rmsprop": RMSprop,
          "adadelta": Adadelta}
 
-# ------------------------------------------------------------------------- checks
-
-# the range torch.optim accepts for a hyper-parameter: (low, high, low included, high included)
-_RANGES = {"lr": (0.0, math.inf, True, False), "eps": (0.0, math.inf, True, False),
-           "weight_decay": (0.0, math.inf, True, False), "momentum": (0.0, math.inf, True, False),
-           "betas": (0.0, 1.0, True, False), "alpha": (0.0, math.inf, True, False),
-           "rho": (0.0, 1.0, True, True), "lr_decay": (0.0, math.inf, True, False),
-           "initial_accumulator_value": (0.0, math.inf, True, False),
-           "momentum_decay": (0.0, math.inf, True, False)}
-_EXPECTED = {"float": "a number", "bool": "True or False",
-             "tuple[float, float]": "two numbers (BETA1, BETA2)"}
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _checked(opt: object, name: str, kind: str, value: object) -> object:
-    """``value`` of hyper-parameter ``name`` in its type (float, bool, pair of floats); a value
-    of another type or out of torch's range is an OptionError naming both."""
-    cls = type(opt).__name__
-    if kind == "float" and _real(value):
-        out: object = float(value)  # type: ignore[arg-type]
-    elif kind == "bool" and (isinstance(value, bool) or type(value).__name__ == "bool_"):
-        out = bool(value)
-    elif kind.startswith("tuple") and isinstance(value, (tuple, list)) and len(value) == 2 \
-            and all(_real(v) for v in value):
-        out = (float(value[0]), float(value[1]))
-    else:
-        raise OptionError(f"{cls}({name}={value!r}): {name} takes {_EXPECTED.get(kind, kind)}, "
-                          f"not a {type(value).__name__}")
-    low, high, low_in, high_in = _RANGES.get(name, (-math.inf, math.inf, True, True))
-    for v in (out if isinstance(out, tuple) else (out,)):
-        if isinstance(v, float) and not ((low <= v if low_in else low < v) and
-                                         (v <= high if high_in else v < high)):
-            span = f"{'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
-            raise OptionError(f"{cls}({name}={value!r}): {name} must be in {span}")
-    return out
-
-
-def _checked_groups(opt: object, groups: object) -> tuple[Group, ...]:
-    """``groups`` as a tuple of dicts whose ``params`` is a tuple of names; a group that is not
-    a mapping with ``params``, or names a key the optimizer does not take, is an OptionError
-    (the values are checked when the group's optimizer is made, ``param_groups``)."""
-    from ngdist.passes.options import unknown_option
-
-    cls = type(opt).__name__
-    if isinstance(groups, Mapping) or not isinstance(groups, Sequence) or isinstance(groups, str):
-        raise OptionError(f"{cls}(groups=...) takes a list of dicts like "
-                          "{'params': [names], 'lr': 0.01}, not a "
-                          f"{type(groups).__name__}")
-    valid = [f.name for f in dataclasses.fields(opt) if f.name != "groups"]  # type: ignore
-    out = []
-    for i, g in enumerate(groups):
-        params = g.get("params") if isinstance(g, Mapping) else None
-        if isinstance(params, str) or not isinstance(params, Sequence) or \
-                not all(isinstance(p, str) for p in params):
-            raise OptionError(f"{cls} group {i} needs 'params': a list of parameter names, "
-                              f"e.g. {{'params': ['fc.bias'], 'weight_decay': 0.0}}")
-        for key in g:
-            if key != "params" and key not in valid:
-                raise unknown_option(key, f"{cls} group {i}", ["params", *valid], noun="key",
-                                     listed_as=f"Valid keys of a {cls} group")
-        dataclasses.replace(opt, groups=(), **{k: v for k, v in g.items() if k != "params"})
-        out.append({**g, "params": tuple(params)})
-    return tuple(out)
-
-
-# ------------------------------------------------------------------------- CLI form
-
 def from_spec(spec: str | Optimizer) -> Optimizer:
     """``"sgd:lr=0.1,momentum=0.9"`` or ``"adam:lr=1e-3,betas=0.9/0.999"`` (the CLI form) ->
     optimizer (``adam`` is ONNX's Adam; ``torch_adam``, ``adamw``, ``adamax``, ``nadam``,
     ``radam``, ``rmsprop``, ``adadelta`` and ``adagrad`` PyTorch's optimizers of those names).
     An unknown optimizer or key, or a value of the wrong type (booleans: 1/0/true/false), is
     an OptionError naming the valid ones."""
-    from ngdist.passes.options import unknown_option
-
     if isinstance(spec, OPTIMIZERS):
         return spec
     if not isinstance(spec, str):
         raise OptionError(f"optimizer={spec!r}: pass an ngdist.optim optimizer (e.g. "
                           f"ngdist.optim.SGD(lr=0.01)) or a spec like 'sgd:lr=0.01', not a "
                           f"{type(spec).__name__}")
-    name, _, rest = spec.partition(":")
-    kind = name.strip().lower()
-    if kind not in KINDS:
-        raise OptionError(f"unknown optimizer {name!r} in {spec!r}; choose one of "
-                          f"{sorted(KINDS)}")
-    cls = KINDS[kind]
-    types = {f.name: f.type for f in dataclasses.fields(cls) if f.name != "groups"}
-    kwargs: dict[str, object] = {}
-    for item in filter(None, (i.strip() for i in rest.split(","))):
-        key, eq, value = (p.strip() for p in item.partition("="))
-        if key not in types:
-            alias = _ALIASES.get(key.lower())
-            raise unknown_option(key, f"optimizer {kind!r} in {spec!r}", list(types),
-                                 noun="key", guess=alias if alias in types else None,
-                                 listed_as=f"Valid keys of {kind}")
-        if not eq or not value:
-            raise OptionError(f"optimizer spec {spec!r}: {key!r} has no value; write "
-                              f"{key}=VALUE")
-        kwargs[key] = _parse(spec, key, str(types[key]), value)
-    return cls(**kwargs)  # type: ignore[arg-type]
-
-
-def _parse(spec: str, key: str, kind: str, value: str) -> object:
-    try:
-        if kind == "bool":
-            if value.lower() not in _BOOLS:
-                raise ValueError(value)
-            return _BOOLS[value.lower()]
-        if kind.startswith("tuple"):
-            pair = tuple(float(v) for v in value.split("/"))
-            if len(pair) != 2:
-                raise ValueError(value)
-            return pair
-        return float(value)
-    except ValueError:
-        expected = {"bool": "1, 0, true or false"}.get(
-            kind, "two numbers as BETA1/BETA2" if kind.startswith("tuple") else "a number")
-        raise OptionError(f"optimizer spec {spec!r}: {key}={value!r} is not "
-                          f"{expected}") from None
+    cls, kwargs = parse_spec(spec, "optimizer", KINDS, _ALIASES)
+    return cls(**kwargs)  # type: ignore[no-any-return]
 
 
 # other libraries' names for the same hyper-parameters, suggested when misused
 _ALIASES = {"learning_rate": "lr", "epsilon": "eps", "beta1": "betas", "beta2": "betas",
             "beta_1": "betas", "beta_2": "betas", "decay": "weight_decay",
             "lr_decay_factor": "lr_decay"}
-_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 from ngdist.optim import schedules  # noqa: E402  (ngdist.optim.schedules.warmup_cosine...)

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ngdist.errors import OptionError
+from ngdist.optim.spec import parse_spec
 
 
 def _whole(owner: str, name: str, value: object, low: int) -> int:
@@ -88,32 +89,13 @@ KINDS = {"warmup_linear": WarmupLinear, "warmup_cosine": WarmupCosine, "step_dec
 def from_spec(spec: str, total: int | None = None) -> Schedule:
     """``"warmup_cosine:warmup=100,total=1000"`` -> schedule; ``total`` (the steps of the run)
     fills a ``total`` the spec leaves out. A wrong name, key or value is an OptionError."""
-    from ngdist.passes.options import unknown_option
-
-    name, _, rest = spec.partition(":")
-    kind = name.strip().lower()
-    if kind not in KINDS:
-        raise OptionError(f"unknown lr schedule {name!r} in {spec!r}; choose one of "
-                          f"{sorted(KINDS)}")
-    cls = KINDS[kind]
-    fields = {f.name: f.type for f in dataclasses.fields(cls)}
-    kwargs: dict[str, object] = {}
-    for item in filter(None, (i.strip() for i in rest.split(","))):
-        key, _, value = (p.strip() for p in item.partition("="))
-        if key not in fields:
-            raise unknown_option(key, f"lr schedule {kind!r} in {spec!r}", list(fields),
-                                 noun="key", listed_as=f"Valid keys of {kind}")
-        try:
-            kwargs[key] = float(value) if fields[key] == "float" else int(value)
-        except ValueError:
-            raise OptionError(f"lr schedule {spec!r}: {key}={value!r} is not a "
-                              f"{'number' if fields[key] == 'float' else 'whole number'}"
-                              ) from None
+    cls, kwargs = parse_spec(spec, "lr schedule", KINDS)
+    fields = [f.name for f in dataclasses.fields(cls)]
     if "total" in fields and "total" not in kwargs and total is not None:
         kwargs["total"] = total
     missing = [f for f in fields if f not in kwargs and
                cls.__dataclass_fields__[f].default is dataclasses.MISSING]
     if missing:
         raise OptionError(f"lr schedule {spec!r} needs {missing}, e.g. "
-                          f"{kind}:{','.join(f'{m}=100' for m in missing)}")
+                          f"{spec.partition(':')[0]}:{','.join(f'{m}=100' for m in missing)}")
     return cls(**kwargs)  # type: ignore[arg-type]
