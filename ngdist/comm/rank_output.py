@@ -49,12 +49,14 @@ class RankScan:
     a traceback, its frames and source lines, are never taken), and the code it called
     MPI_Abort with (MPICH prints "application called MPI_Abort(comm, code)", ngdist's
     ``abort_job`` announces it first, ``ABORT_LINE``, which survives where MPICH's line is lost
-    with the launcher's exit)."""
+    with the launcher's exit), and its last line on stderr."""
 
     def __init__(self) -> None:
         self.traceback_end: str | None = None
         self.error_line: str | None = None
         self.abort_code: int | None = None
+        # the last line on stderr: what ``SystemExit("msg")`` prints as a program ends
+        self.last_stderr: str | None = None
         self._in_traceback: dict[str, bool] = {}
 
     @property
@@ -63,6 +65,8 @@ class RankScan:
 
     def line(self, stream: str, text: str) -> None:
         text = text.rstrip("\r\n")
+        if stream == "stderr" and text.strip():
+            self.last_stderr = text.strip()
         if self.abort_code is None and "MPI_Abort" in text:
             match = _MPI_ABORT.search(text) or _NGDIST_ABORT.search(text)
             self.abort_code = int(match.group(1)) if match else None

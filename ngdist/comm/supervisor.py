@@ -185,6 +185,8 @@ class Supervisor:
         for status in self.ranks:
             scan = self.router.scan(status.rank)
             status.error = scan.first
+            if status.error is None and status.code not in (None, 0):
+                status.error = scan.last_stderr  # e.g. the text of a SystemExit("msg")
             if not status.known:
                 status.aborted = scan.abort_code
         if self._first_failed is None and self.router.aborted and not self._received:

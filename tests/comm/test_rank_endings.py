@@ -193,3 +193,22 @@ def test_max_restarts_relaunches_promptly_after_an_ending(tmp_path, how):
     assert after < BOUND_S, (after, proc.stderr)
     assert proc.stderr.count("ngdist: attempt 1 of 2 failed") == 1, proc.stderr
     assert "(attempt 2 of 2)" in proc.stderr, proc.stderr
+
+
+def test_a_systemexit_message_before_mpi_starts_is_the_ranks_line_in_the_table(tmp_path):
+    """No ngdist exit path runs (MPI never started): the table shows the rank's last line
+    on stderr, which is where Python prints a SystemExit's text."""
+    path = script(tmp_path, """
+        import os, sys, time
+        import ngdist
+        if os.environ["PMI_RANK"] == "1":
+            open("ended", "w").write(repr(time.time()))
+            raise SystemExit("rank 1 cannot find its data")
+        ngdist.barrier(timeout=60)
+        """)
+    proc = subprocess.run([sys.executable, "-m", "ngdist", "run", "-n", "2", "--",
+                           sys.executable, str(path)], capture_output=True, text=True, env=ENV,
+                          cwd=tmp_path, timeout=LIMIT_S)
+    assert time.time() - float((tmp_path / "ended").read_text()) < BOUND_S, proc.stderr
+    assert proc.returncode == 1, proc.stderr
+    assert table(proc.stderr)[1] == ("exit 1", "rank 1 cannot find its data"), proc.stderr
