@@ -212,3 +212,49 @@ def test_schedules_are_hugging_faces_and_torchs_factors():
     with pytest.raises(ngdist.errors.OptionError, match=r"warmup_linear\(warmup=1.5\): warmup "
                                                         r"takes a whole number of steps"):
         schedules.warmup_linear(1.5, 10)
+
+
+PS_SCRIPT = """
+import sys
+import numpy as np
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+
+X, Y, _, _ = load_digits()
+opt = {opt}
+result = {{}}
+for strategy, extra in (("allreduce", {{}}), ("ps", {{"grad_shard_bytes": 2048}})):
+    tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer=opt, strategy=strategy, timeout=60,
+                        **extra)
+    for i in range(3):
+        for xb, yb in tr.shard([(X[16 * i:16 * (i + 1)], Y[16 * i:16 * (i + 1)])]):
+            tr.step({{"x": xb, "y": yb}})
+    tr.sync_state() if strategy == "ps" else None
+    result[strategy] = {{k: v for k, v in tr.state_dict().items() if "." in k and
+                         k.split(".")[0].startswith("fc") and k.count(".") == 1}}
+    tr.close()
+if tr.rank == 0:
+    np.savez("allreduce.npz", **result["allreduce"])
+    np.savez("ps.npz", **result["ps"])
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("opt", [
+    "ngdist.optim.NAdam(lr=0.01, weight_decay=0.01, decoupled_weight_decay=True)",
+    "ngdist.optim.RMSprop(lr=0.01, centered=True, momentum=0.5, maximize=False)",
+    "ngdist.optim.Adagrad(lr=0.1, initial_accumulator_value=0.5, lr_decay=0.1)",
+    "ngdist.optim.RAdam(lr=0.01, betas=(0.9, 0.9))",
+])
+def test_the_ps_strategy_applies_every_formula_on_its_shards(ranks, tmp_path, opt):
+    ranks(2, PS_SCRIPT.format(opt=opt), timeout=150)
+    want, got = np.load(tmp_path / "allreduce.npz"), np.load(tmp_path / "ps.npz")
+    assert sorted(want) == ["fc0.bias", "fc0.weight", "fc1.bias", "fc1.weight"]
+    for k in want:
+        assert np.abs(got[k] - want[k]).max() <= 1e-6, k
+        assert np.abs(got[k] - init_digits_mlp()[k]).max() > 1e-4, k
+
+
+def init_digits_mlp() -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in zoo.mlp((64, 16, 10)).graph.initializer}
