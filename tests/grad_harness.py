@@ -348,14 +348,10 @@ def check_case(case: Case) -> dict[str, np.ndarray]:
 
 
 
-def lowering_error(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: int = 18,
-                   initializers=()) -> str:
-    """The GradientError message of lowering d sum(y) / d x through ``nodes`` (x -> ... ->
-    y; x float32 of shape ``x_dims``); fails if the lowering succeeds."""
-    import pytest
-
-    from ngdist.errors import GradientError
-
+def loss_model(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: int = 18,
+               initializers=()) -> ir.Model:
+    """x (float32, shape ``x_dims``) -> ``nodes`` -> y -> loss sum(y), with a Gradient node of
+    the loss for x; shapes inferred."""
     nodes = [*nodes, helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
              helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
                               domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
@@ -365,8 +361,20 @@ def lowering_error(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: i
         list(initializers))
     proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
         helper.make_opsetid("", opset), helper.make_opsetid(PREVIEW_TRAINING, 1)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+
+
+def lowering_error(nodes: list[onnx.NodeProto], x_dims: list | None, *, opset: int = 18,
+                   initializers=()) -> str:
+    """The GradientError message of lowering ``loss_model``; fails if the lowering
+    succeeds."""
+    import pytest
+
+    from ngdist.errors import GradientError
+
+    model = loss_model(nodes, x_dims, opset=opset, initializers=initializers)
     with pytest.raises(GradientError) as info:
-        AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
+        AutodiffPass()(model)
     return str(info.value)
 
 

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
-from grad_harness import Case, Runner, check_case, check_reuse, grad_model, grads_of, op_case
+from grad_harness import (Case, Runner, check_case, check_reuse, grad_model, grads_of,
+                          loss_model, op_case)
 from grad_harness import case as make_case
 from grad_harness import weights_for
 from ngdist.errors import GradientError
-from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.ir.model import IR_VERSION
 from ngdist.passes.autodiff import AutodiffPass
 
 
@@ -273,16 +271,7 @@ def test_sizes_are_constants_when_static_and_read_at_run_time_otherwise(static: 
 
 
 def _one_node_gradient(node: onnx.NodeProto, x_dims: list, extra_inits=()) -> None:
-    nodes = [node, helper.make_node("ReduceSum", ["y"], ["loss"], name="sum0", keepdims=0),
-             helper.make_node("Gradient", ["x"], ["x.grad"], name="gradient",
-                              domain=PREVIEW_TRAINING, xs=["x"], y="loss")]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_dims)],
-        [helper.make_tensor_value_info("x.grad", TensorProto.FLOAT, x_dims)],
-        list(extra_inits))
-    proto = helper.make_model(graph, ir_version=IR_VERSION, opset_imports=[
-        helper.make_opsetid("", 18), helper.make_opsetid(PREVIEW_TRAINING, 1)])
-    AutodiffPass()(ir.from_proto(onnx.shape_inference.infer_shapes(proto)))
+    AutodiffPass()(loss_model([node], x_dims, initializers=extra_inits))
 
 
 @pytest.mark.parametrize("node, dims, message", [
