@@ -61,12 +61,16 @@ class Hypers:
             self.values[names[g]] = self.placement.value(  # type: ignore[attr-defined]
                 np.array(value, np.float32))
 
-    def set_lr_schedule(self, schedule: Callable[[int], float] | None) -> None:
-        """From the next step on, every group's learning rate is the one it has now times
+    def set_lr_schedule(self, schedule: Callable[[int], float] | None,
+                        base: Mapping[int, float] | None = None) -> None:
+        """From the next step on, every group's learning rate is its ``base`` rate times
         ``schedule(steps)``, ``steps`` the steps done before that step (``steps_done``, which a
         resumed checkpoint restores); e.g. ``ngdist.optim.schedules.warmup_cosine(100, 10_000)``
-        or any function of the step. ``None`` ends the schedule (the rates stay as they are).
-        Not with a trainer that follows a torch optimizer: step a torch scheduler instead."""
+        or any function of the step. ``base`` ({group: lr}) defaults to the rates the step was
+        compiled with (the optimizer's, or the model file's), not the current ones, so that a
+        job resumed from a checkpoint scales the same rates. ``None`` ends the schedule (the
+        rates stay as they are). Not with a trainer that follows a torch optimizer: step a
+        torch scheduler instead."""
         if schedule is not None and not callable(schedule):
             raise OptionError(f"set_lr_schedule takes a function of the step (e.g. "
                               f"ngdist.optim.schedules.warmup_linear(100, 1000)), not a "
@@ -74,7 +78,11 @@ class Hypers:
         if schedule is not None and getattr(self._write_back, "hypers", None) is not None:
             raise OptionError("this trainer follows its torch optimizer's learning rates; "
                               "schedule them with a torch.optim.lr_scheduler on that optimizer")
-        self._lr_schedule = None if schedule is None else (schedule, self.lr)
+        if base is None:
+            inits = self.step_model.graph.initializers  # type: ignore[attr-defined]
+            base = {g: float(inits[n].const_value.numpy())  # type: ignore[union-attr]
+                    for g, n in self._lr_names().items()}
+        self._lr_schedule = None if schedule is None else (schedule, dict(base))
 
     @property
     def lr(self) -> dict[int, float]:

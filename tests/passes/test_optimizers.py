@@ -258,3 +258,25 @@ def test_the_ps_strategy_applies_every_formula_on_its_shards(ranks, tmp_path, op
 
 def init_digits_mlp() -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in zoo.mlp((64, 16, 10)).graph.initializer}
+
+
+def test_a_schedule_resumed_from_a_checkpoint_scales_the_compiled_rates(tmp_path):
+    from ngdist.optim import schedules
+
+    def run(steps: range, folder) -> ngdist.Trainer:
+        tr = ngdist.compile(forward(), loss="mse", optimizer=ngdist.optim.SGD(lr=0.1),
+                            strategy="local", checkpoint_every=2, checkpoint_dir=folder)
+        tr.set_lr_schedule(schedules.step_decay(1, 0.5))
+        data = batches(4)
+        for i in steps[tr.resumed_from:]:
+            tr.step({"x": data[i][0], "y": data[i][1]})
+        return tr
+
+    straight = run(range(4), tmp_path / "a")
+    assert straight.lr == {0: pytest.approx(0.1 * 0.5 ** 3)}
+    run(range(2), tmp_path / "b")
+    resumed = run(range(4), tmp_path / "b")  # starts from the checkpoint of step 2
+    assert resumed.resumed_from == 2
+    assert resumed.lr == straight.lr
+    for k, v in straight.state_dict().items():
+        np.testing.assert_array_equal(resumed.state_dict()[k], v, err_msg=k)
