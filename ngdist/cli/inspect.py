@@ -101,24 +101,24 @@ def summarize(model: onnx.ModelProto) -> Summary:
 def explain(model: onnx.ModelProto, ranks: int = 2) -> list[str]:
     """Which implementation runs each comm node of a training model's step on ``ranks``
     ranks, and why: the step is planned as the runtime plans it (runtime/plan.py), and each
-    AllReduce goes to the first of ``kernels.allreduce.IMPLEMENTATIONS`` that takes it."""
+    node's kernel says which of its implementations takes it (AllReduce: the first of
+    ``kernels.allreduce.IMPLEMENTATIONS`` that is enabled)."""
+    import onnx_ir as ir
+
     from ngdist.ir.model import get_meta, split_training_model
-    from ngdist.kernels.allreduce import choose
+    from ngdist.kernels import get_kernel
     from ngdist.runtime.plan import build_plan
 
     if not model.training_info:
         return ["implementations: none (a forward-only model has no comm nodes)"]
     _, step = split_training_model(model)
-    import onnx_ir as ir
-
     plan = build_plan(ir.to_proto(step), ranks, donate=get_meta(step).binding)
     out = [f"implementations on {ranks} ranks:"]
     for node in plan.comm_nodes.values():
-        if node.op_type == "AllReduce":
-            impl = choose(node, None)
-            out.append(f"  {node.op_type:12s} {node.name:32s} {impl.name}: {impl.when}")
-        else:
-            out.append(f"  {node.op_type:12s} {node.name:32s} the ngdist.{node.op_type} kernel")
+        spec = get_kernel(node.op_type)
+        name, why = spec.explain(node, None) if spec.explain is not None else \
+            (f"ngdist.{node.op_type}", "its one kernel")
+        out.append(f"  {node.op_type:12s} {node.name:32s} {name}: {why}")
     if len(out) == 1:
         out.append("  (no comm nodes)")
     return out

@@ -234,6 +234,13 @@ def allreduce(group: ProcessGroup, node: CommNode, inputs: Inputs) -> list[Any]:
     return _chosen(node, group).execute(group, [node], [inputs])[0]
 
 
+def explain(node: CommNode, group: ProcessGroup | None) -> tuple[str, str]:
+    """The implementation that takes ``node`` (on ``group``; None: from the file alone), and
+    when it is taken."""
+    impl = choose(node, group)
+    return impl.name, impl.when
+
+
 def alone_identity(attributes: dict[str, Any]) -> bool:
     """On one rank every AllReduce but the exact one is the identity."""
     return attributes["algorithm"] != "exact"

@@ -81,6 +81,8 @@ Close = Callable[[CommNode], None]
 Predicate = Callable[[dict[str, Any]], bool]  # on a node's attributes
 # batch(group, nodes, inputs of each) -> outputs of each
 Batch = Callable[["ProcessGroup", Sequence[CommNode], Sequence[Sequence[Any]]], list[list[Any]]]
+# explain(node, group or None) -> (the implementation that runs the node, when it is taken)
+Explain = Callable[[CommNode, "ProcessGroup | None"], tuple[str, str]]
 
 
 def _never(attributes: dict[str, Any]) -> bool:
@@ -104,6 +106,8 @@ class KernelSpec:
     # attributes ``batchable`` accepts
     batch: Batch | None = None
     batchable: Predicate = _never
+    # which implementation runs a node, and why (an op with several; ngdist inspect --explain)
+    explain: Explain | None = None
 
     def __call__(self, group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
         return self.fn(group, node, inputs)
@@ -114,15 +118,15 @@ KERNELS: dict[str, KernelSpec] = {}
 
 def register_kernel(op_type: str, memory: str = "host", drain: Drain | None = None,
                     close: Close | None = None, alone_identity: bool | Predicate | None = None,
-                    batch: Batch | None = None, batchable: Predicate | None = None
-                    ) -> Callable[[Kernel], Kernel]:
+                    batch: Batch | None = None, batchable: Predicate | None = None,
+                    explain: Explain | None = None) -> Callable[[Kernel], Kernel]:
     """``alone_identity``: True, or a predicate on the node's attributes, when the op is the
     identity on a group of one rank (the runtime then runs it as onnxruntime Identity nodes
     inside a segment, without cutting the step). ``batch``: the kernel of several nodes that
     run one after another (their outputs in the same results as one by one), for the nodes
     whose attributes ``batchable`` accepts."""
     def wrap(fn: Kernel) -> Kernel:
-        spec = KernelSpec(op_type, fn, memory, drain, close)
+        spec = KernelSpec(op_type, fn, memory, drain, close, explain=explain)
         if batch is not None:  # (for every node of the op unless ``batchable`` says)
             spec.batch = batch
             spec.batchable = batchable or (lambda attributes: True)

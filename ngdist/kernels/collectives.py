@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ngdist.comm.group import array_module
-from ngdist.kernels.allreduce import (allreduce, allreduce_batch, alone_identity, plain,
-                                      writable_in_place)
+from ngdist.kernels.allreduce import (allreduce, allreduce_batch, alone_identity, explain,
+                                      plain, writable_in_place)
 from ngdist.kernels.base import CommNode, register_kernel
 
 if TYPE_CHECKING:
     from ngdist.comm.group import ProcessGroup
 
 register_kernel("AllReduce", memory="any", alone_identity=alone_identity,
-                batch=allreduce_batch, batchable=plain)(allreduce)
+                batch=allreduce_batch, batchable=plain, explain=explain)(allreduce)
 
 
 @register_kernel("Broadcast", alone_identity=True)

@@ -209,7 +209,8 @@ def split_inputs(node: CommNode, inputs: list[Any]) -> tuple[Any, Any, list, lis
 
 def make_runtime(comm: ProcessGroup, node: CommNode, xs: list[np.ndarray],
                  states: list[list[np.ndarray]], make_session: Any) -> PSRuntime:
-    """Layout, private communicator (collective over all ranks) and this rank's shards."""
+    """Layout, private communicator (collective over all ranks) and this rank's shards, kept
+    in the node's state (the kernel's own) and returned."""
     servers = resolve_servers(int(node.attributes["servers"]), comm.size)
     flat_x = flatten(xs)
     layout = make_layout(flat_x.size, flat_x.itemsize, int(node.attributes[
@@ -221,8 +222,15 @@ def make_runtime(comm: ProcessGroup, node: CommNode, xs: list[np.ndarray],
     shards.load(flat_x, [flatten(group) for group in states])
     logger.info("ps: rank %d owns shards %s of %d (%d worker(s), %d server(s))", comm.rank,
                 shards.ids, len(layout.bounds), layout.workers, servers)
-    return PSRuntime(layout, group, shards, [np.empty(np.shape(x), flat_x.dtype) for x in xs],
-                     flat_x.dtype)
+    rt = node.state["ps"] = PSRuntime(layout, group, shards,
+                                      [np.empty(np.shape(x), flat_x.dtype) for x in xs],
+                                      flat_x.dtype)
+    return rt
+
+
+def runtime_of(node: CommNode) -> PSRuntime | None:
+    """The node's parameter-server runtime (``make_runtime``), or None before it is made."""
+    return node.state.get("ps")
 
 
 # --------------------------------------------------------------------------- one round
@@ -346,7 +354,7 @@ def complete(works: list[Work]) -> None:
 @register_kernel("PSPushPull")
 def ps_push_pull(comm: ProcessGroup, node: CommNode, inputs: list[Any]) -> list[np.ndarray]:
     lr_in, t_in, xs, gs, states = split_inputs(node, list(inputs))
-    rt: PSRuntime | None = node.state.get("ps")
+    rt = runtime_of(node)
     if rt is None:
         raise CommError(f"ngdist.PSPushPull '{node.name}' ran before its parameter-server "
                         "set-up; the Trainer sets it up on every rank at start")

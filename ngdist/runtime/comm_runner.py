@@ -129,7 +129,7 @@ class CommRunner:
             outs = self._call(spec, nodes, inputs)
             wrapped = self.wrap(outs, inputs, values)
             if self.timeline is not None:
-                args.update(self._args(nodes, self.group.bytes_sent - sent0))
+                args.update(self._args(spec, nodes, self.group.bytes_sent - sent0))
         return wrapped, took[0]
 
     def _call(self, spec: KernelSpec, nodes: list[Any], inputs: list[Any]) -> list[Any]:
@@ -148,14 +148,16 @@ class CommRunner:
             raise CommError(f"while executing ngdist.{spec.op_type} {names} on rank "
                             f"{self.group.rank}: {exc}") from exc
 
-    def _args(self, nodes: list[Any], sent: int) -> dict[str, Any]:
-        """What the timeline says of a comm span."""
+    def _args(self, spec: KernelSpec, nodes: list[Any], sent: int) -> dict[str, Any]:
+        """What the timeline says of a comm span (with the implementation that ran it)."""
         buckets = [None if n.attributes.get("bucket", NO_BUCKET) == NO_BUCKET
                    else n.attributes["bucket"] for n in nodes]
         return {"op": nodes[0].op_type, "bytes": sent,
                 "algorithm": nodes[0].attributes.get("algorithm"),
                 "bucket": buckets if len(nodes) > 1 else buckets[0],
-                "values": [x for n in nodes for x in n.inputs], "group_size": self.group.size}
+                "values": [x for n in nodes for x in n.inputs], "group_size": self.group.size,
+                "implementation": None if spec.explain is None
+                else spec.explain(nodes[0], self.group)[0]}
 
     def drain(self) -> dict[str, np.ndarray]:
         """Complete communication that kernels keep in flight across steps (PushSum with

@@ -32,7 +32,7 @@ from ngdist.kernels.base import CommNode, flatten, unflatten
 from ngdist.kernels.ps import (COMMANDS, PS_REDUCTION, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR,
                                TAG_STATE, PSRuntime, complete, env_servers, finish_owner_round,
                                header, make_runtime, owner_round, recv, recv_owner,
-                               resolve_servers, send, split_inputs)
+                               resolve_servers, runtime_of, send, split_inputs)
 from ngdist.runtime.sessions import CPU, make_session
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def planned_workers(trainer: Any) -> int:
 
 def runtime(trainer: Any) -> PSRuntime | None:
     node = ps_node(trainer)
-    return None if node is None else node.state.get("ps")
+    return None if node is None else runtime_of(node)
 
 
 @dataclass
@@ -88,9 +88,8 @@ def attach(trainer: Any, serve: bool = True) -> Attachment | None:
         return None
     values = {n: v.numpy() for n, v in trainer.values.items()}
     _, _, xs, _, states = split_inputs(node, node.inputs)
-    rt = node.state["ps"] = make_runtime(trainer.group, node, [values[x] for x in xs],
-                                         [[values[s] for s in g] for g in states],
-                                         _update_session)
+    rt = make_runtime(trainer.group, node, [values[x] for x in xs],
+                      [[values[s] for s in g] for g in states], _update_session)
     rt.lockstep = not serve
     workers = rt.layout.workers
     if not rt.dedicated:

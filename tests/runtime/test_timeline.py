@@ -94,6 +94,8 @@ def test_two_ranks_write_one_trace_whose_comm_bytes_add_up_to_the_step_stats(ran
         for c in comm:
             assert c["args"]["op"] == "AllReduce" and c["args"]["group_size"] == 2, c
             assert c["args"]["algorithm"] == "mpi" and c["args"]["values"], c
+            # a gradient bucket made for it alone, dead after the update: shared memory
+            assert c["args"]["implementation"] == "shared-memory", c
         for k, step in enumerate(steps):
             mine = [c for c in comm if _within(c, step)]
             assert len(mine) == len(report["comm_nodes"])
