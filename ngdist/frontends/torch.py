@@ -331,7 +331,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     mark_padding_rows(module, exp.train)
     frozen_set = set(frozen or [])
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
-    opt = restrict_groups(opt, trained)
+    if not isinstance(optimizer, optim.OPTIMIZERS):  # torch's groups: what the graph trains
+        opt = restrict_groups(opt, trained)
     if not trained:
         raise GraphError("no trainable parameter of the module appears in the exported graph")
     model = build_training_model(exp.train, loss=translate_loss(loss), labels=labels,

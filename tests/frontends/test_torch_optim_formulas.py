@@ -208,3 +208,19 @@ def test_groups_that_name_unknown_or_shared_parameters_are_refused():
     torch_opt.param_groups[0]["lr"] = "0.1"
     with pytest.raises(OptionError, match=r"^torch.optim.SGD: SGD\(lr='0.1'\): lr takes a "):
         tfront.translate_optimizer(torch_opt)
+
+
+def test_ngdist_groups_on_a_torch_module_name_its_parameters():
+    module = make_model()
+    with pytest.raises(OptionError, match=r"AdamW group 0 names '3.wieght', which is not a "
+                                          r"trained parameter"):
+        ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                       loss=nn.CrossEntropyLoss(), strategy="local",
+                       optimizer=ngdist.optim.AdamW(groups=[{"params": ["3.wieght"]}]))
+    # torch's groups may hold a frozen parameter: it is not trained, and not an error
+    opt = O.AdamW(two_groups(module, {}, {"weight_decay": 0.0}), lr=0.01)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), strategy="local", optimizer=opt,
+                             frozen=["3.bias"])
+    assert sorted(trainer.meta.names("param")) == ["0.bias", "0.weight", "1.bias", "1.weight",
+                                                   "3.weight"]
