@@ -1,7 +1,7 @@
 """Convolution and pooling gradient rules against central differences (the harness of
 ``grad_harness``), and the forms their backward graphs take: Conv/ConvTranspose (groups,
 depthwise, strides, dilations, pads, auto_pad, 1-D to 3-D, symbolic sizes) and
-MaxPool/AveragePool/GlobalAveragePool/GlobalMaxPool."""
+MaxPool/AveragePool/GlobalAveragePool/GlobalMaxPool, MaxUnpool, Col2Im."""
 from __future__ import annotations
 
 import numpy as np
@@ -139,6 +139,12 @@ def _cases() -> list[Case]:
     c("GlobalAveragePool-1d", "GlobalAveragePool", lambda g: [g.n(2, 3, 4)])
     c("GlobalMaxPool", "GlobalMaxPool", lambda g: [g.distinct(2, 3, 3, 3)])
 
+    # Col2Im (F.fold): columns [N, C * block, L] folded into [N, C, H, W]
+    c("Col2Im-2x2-stride1", "Col2Im", lambda g: [g.n(2, 3 * 4, 9), np.array([4, 4]),
+                                                  np.array([2, 2])])
+    c("Col2Im-stride-dilation-pads", "Col2Im",
+      lambda g: [g.n(1, 2 * 6, 6), np.array([5, 6]), np.array([2, 3])], strides=[2, 2],
+      dilations=[2, 1], pads=[1, 0, 0, 1])
     return cases
 
 

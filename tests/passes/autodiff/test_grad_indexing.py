@@ -1,7 +1,7 @@
 """Indexing, scatter, selection and layout ops against central differences (the harness of
 ``grad_harness``): GatherND, ScatterElements and ScatterND (data and updates; reduction none
 and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth,
-ReverseSequence, CenterCropPad, MaxUnpool."""
+ReverseSequence, CenterCropPad, MaxUnpool, Compress."""
 from __future__ import annotations
 
 import numpy as np
@@ -69,6 +69,12 @@ def _cases() -> list:
     add(case("CenterCropPad-crop-and-pad", "CenterCropPad",
              lambda g: [g.n(5, 4, 3), np.array([2, 7])], axes=[0, 1]))
     add(case("CenterCropPad-all-axes", "CenterCropPad", lambda g: [g.n(3, 6), np.array([6, 3])]))
+    add(case("Compress-axis1", "Compress",
+             lambda g: [g.n(2, 5, 3), np.array([True, False, True, True])], axis=1))
+    add(case("Compress-flat", "Compress", lambda g: [g.n(2, 3), np.array([0, 1, 1, 0, 1],
+                                                                          bool)]))
+    add(case("Compress-axis-neg-symbolic", "Compress",
+             lambda g: [g.n(3, 4), np.array([False, True, True])], axis=-2, symbolic=True))
     add(case("MaxUnpool", "MaxUnpool",
              lambda g: [g.n(1, 2, 2, 2), np.array([[[[0, 3], [9, 14]], [[17, 22], [24, 31]]]])],
              kernel_shape=[2, 2], strides=[2, 2]))

@@ -136,6 +136,18 @@ class ReluRNN(nn.Module):
         return self.head(self.rnn(x)[0].mean(1))
 
 
+class Fold(nn.Module):
+    """Per-patch features folded back into an image (F.fold: Col2Im), overlapping patches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.head = nn.Linear(6, 2 * 4), Head(2)
+
+    def forward(self, x):  # x [N, 9, 6]: 3x3 patches of 2x2 over a 4x4 image, stride 1
+        cols = self.proj(x).transpose(1, 2)
+        return self.head(F.fold(cols, output_size=(4, 4), kernel_size=2) ** 2)
+
+
 MODELS = {
     "einsum_attention": (EinsumAttention, (8, 5, 8)),
     "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
@@ -150,6 +162,7 @@ MODELS = {
     "pixel_shuffle_activations": (PixelShuffleActs, (8, 3, 3, 3)),
     "lstm_gru": (Recurrent, (8, 5, 4)),
     "rnn_relu": (ReluRNN, (8, 4, 4)),
+    "fold": (Fold, (8, 9, 6)),
 }
 
 

@@ -1,5 +1,5 @@
-"""Indexing: Gather (embedding lookup), GatherElements, GatherND, Slice, ScatterElements and
-ScatterND (reduction none or add). Indices, starts, ends, axes and steps get no gradient.
+"""Indexing: Gather (embedding lookup), GatherElements, GatherND, Slice, Compress,
+ScatterElements and ScatterND (reduction none or add). Indices, starts, ends, axes and steps get no gradient.
 
 Gather and GatherElements scatter-add the gradient back (repeated indices accumulate; negative
 indices count from the end). Slice scatters the gradient into zeros at the positions that a
@@ -132,3 +132,24 @@ def scatter_nd(ctx, node, gys):
         _scatter_reduction(node)
         out[2] = ctx.op("GatherND", g, indices)
     return out
+
+
+@register("Compress")
+def compress(ctx, node, gys):
+    """The kept slices' gradient written back at the positions where the condition holds
+    (along ``axis``, or of the flattened input without one); the condition gets none."""
+    x, condition = node.inputs
+    g = gys[0]
+    idx = ctx.op("Reshape", ctx.op("NonZero", condition), ctx.ints([-1, 1]))
+    shape = ctx.op("Shape", x)
+    axis = attr(node, "axis")
+    if axis is None:
+        size = ctx.op("Reshape", ctx.op("Size", x), ctx.ints([1]))
+        flat = ctx.op("ScatterND", _zeros(ctx, size, g), idx, g)
+        return [ctx.op("Reshape", flat, shape), None]
+    rank = known_rank(x, "Compress input")
+    axis %= rank
+    perm = [axis, *range(axis), *range(axis + 1, rank)]
+    front = _zeros(ctx, ctx.op("Gather", shape, ctx.ints(perm)), g)
+    scattered = ctx.op("ScatterND", front, idx, ctx.op("Transpose", g, perm=perm))
+    return [ctx.op("Transpose", scattered, perm=np.argsort(perm).tolist()), None]

@@ -1,4 +1,4 @@
-"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, MaxUnpool.
+"""Pooling: MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool, MaxUnpool, Col2Im.
 
 MaxPool routes each output gradient to the element its ``Indices`` output names (the output is
 added to the forward node when absent, so the argmax is never recomputed; ties go to the first
@@ -172,3 +172,27 @@ def max_unpool(ctx, node, gys):
     flat = ctx.op("Gather", ctx.op("Reshape", gys[0], ctx.ints([-1])),
                   ctx.op("Reshape", indices, ctx.ints([-1])), axis=0)
     return [ctx.op("Reshape", flat, ctx.op("Shape", x)), None, None]
+
+
+@register("Col2Im")
+def col2im(ctx, node, gys):
+    """Col2Im (F.fold) is the adjoint of im2col (F.unfold): the columns' gradient is the
+    output gradient unfolded, a grouped Conv (one group per channel) whose kernels pick one
+    block position each, with the node's strides, dilations and pads."""
+    cols, _, block_shape = node.inputs
+    block = ctx.constant_value(block_shape)
+    channels = dims(cols, "Col2Im input")[1]
+    if block is None or channels is None:
+        raise ValueError("Col2Im needs a constant block_shape and a static column count to "
+                         "differentiate")
+    block = [int(b) for b in np.asarray(block).reshape(-1)]
+    taps = int(np.prod(block))
+    c = channels // taps
+    picks = np.tile(np.eye(taps, dtype=np.float32).reshape([taps, 1, *block]), (c, 1) +
+                    (1,) * len(block))
+    n = len(block)
+    unfolded = ctx.op("Conv", gys[0], ctx.const(picks, like=gys[0]), group=c,
+                      strides=list(attr(node, "strides", None) or [1] * n),
+                      dilations=list(attr(node, "dilations", None) or [1] * n),
+                      pads=list(attr(node, "pads", None) or [0] * (2 * n)))
+    return [ctx.op("Reshape", unfolded, ctx.ints([0, 0, -1])), None, None]
