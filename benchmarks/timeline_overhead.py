@@ -9,9 +9,11 @@ the same digits MLP (allreduce, SGD with momentum, one onnxruntime thread per ra
 * ``off``: the shipped runtime without a timeline (every hook is one ``is None`` check);
 * ``on``: the same with ``timeline=`` (every span recorded; the file is written at the end,
   outside the timed steps);
-* ``absent``: the Trainer and Executor with the hooks taken out of their source: the modules'
-  source is parsed, every ``if timeline is not None:`` block and ``timeline = self.timeline``
-  read is removed from the syntax tree, and the result is compiled as a module of its own.
+* ``absent``: the Trainer and the runtime's timer (runtime/timing.py, which the executor and
+  the comm runner time everything with) with the hooks taken out of their source: the
+  modules' source is parsed, every ``if timeline is not None:`` block and ``timeline =
+  self.timeline`` read is removed from the syntax tree, and the result is compiled as a module
+  of its own.
 
 The trainers take turns, ``--steps`` steps each per round (the order rotates every round),
 and the slowest rank's time of a turn gives its steps/s; each trainer keeps its best round.
@@ -85,9 +87,16 @@ def _trainer(variant: str, sizes: tuple[int, ...], overlap: bool | None, trace: 
               overlap=overlap, timeline=trace if variant == "on" else False)
     if variant != "absent":
         return ngdist.compile(zoo.mlp(sizes, seed=0), **kw)
-    executor = _without_hooks("ngdist.runtime.executor", ("run", "_run_comm"))
+    # the runtime's one timer (runtime/timing.py) without its record, and every module that
+    # uses it rebuilt around that one, down to the Trainer
+    timing = _without_hooks("ngdist.runtime.timing", ("span",))
+    comm_runner = _without_hooks("ngdist.runtime.comm_runner", (), span=timing.span)
+    executor = _without_hooks("ngdist.runtime.executor", ("run",), span=timing.span,
+                              CommRunner=comm_runner.CommRunner)
+    step_executor = _without_hooks("ngdist.runtime.step_executor", (),
+                                   Executor=executor.Executor)
     trainer = _without_hooks("ngdist.runtime.trainer", ("step", "shard"),
-                             Executor=executor.Executor)
+                             make_executor=step_executor.make_executor)
     shipped = api.Trainer
     api.Trainer = trainer.Trainer
     try:
