@@ -21,6 +21,15 @@ needed there that Python does not offer, and this module (standard library only)
 
 :func:`note_step` lets the trainer say which step this rank is in, so that such a failure
 in a step can say "rank 1 ran out of data after 7 steps" and point to ``trainer.join()``.
+
+A rank that runs out of data may also go on to another collective (an evaluation, a barrier)
+instead of ending: then it and the ranks still stepping wait for each other. A rank whose wait
+has been pending for a while (the dead-peer check) writes a wait record,
+``/dev/shm/ngdist-wait-PID`` (when, its step, its steps done, lockstep), refreshed every 0.4 s;
+a rank waiting in a step of a lockstep trainer (allreduce: every rank takes every step) that
+finds a peer's fresh record outside that step counts the peer as gone (:func:`astray`), and
+the job fails within seconds with a message naming it. Ranks between two waits have no fresh
+record, so a rank that is merely slow (loading data, saving) is never counted.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ import builtins
 import os
 import sys
 import threading
+import time
 from typing import Any, NoReturn
 
 from ngdist.comm.rankwrap import SUPERVISED_ENV, marker
@@ -38,7 +48,11 @@ _lock = threading.Lock()
 _original_exit = sys.exit
 _tracked = False
 _exit_code: list[Any] = []  # the SystemExit code the interpreter read on its way out
-_step = [0]  # the step this rank's multi-rank trainer is in (0: none)
+# this rank's multi-rank trainer: the step it is in (0: none), the steps done, lockstep
+_step: list[Any] = [0, 0, False]
+_published = [0.0]  # when this rank last wrote its wait record
+WAIT_DIR = "/dev/shm"  # wait records ngdist-wait-PID (the launcher sweeps ngdist-* files)
+FRESH_S = 1.5  # a wait record older than this is of a wait that has completed
 _CODE = SystemExit.__dict__["code"]  # the built-in exception's own member
 
 
@@ -141,21 +155,86 @@ def at_exit(pid: int) -> bool:
     return name == AT_EXIT_NAME and rest.split()[:1] not in (["Z"], ["X"])
 
 
-def note_step(step: int) -> None:
-    """The step this rank's (multi-rank) trainer is in; 0 once it is between steps."""
-    _step[0] = step
+def note_step(step: int, done: int = 0, lockstep: bool = False) -> None:
+    """What this rank's (multi-rank) trainer is doing: in step ``step`` (0: between steps),
+    ``done`` steps taken, ``lockstep`` when every rank takes every step (allreduce)."""
+    _step[:] = [step, done, lockstep]
 
 
 def current_step() -> int:
     return _step[0]
 
 
+def _wait_path(pid: int) -> str:
+    return os.path.join(WAIT_DIR, f"ngdist-wait-{pid}")
+
+
+def publish_blocked() -> None:
+    """Called while a wait of this rank has been pending for a while (the dead-peer check):
+    tell the peers on this host what this rank is doing (:func:`astray`); refreshed at most
+    every 0.4 s, stale after ``FRESH_S``."""
+    now = time.time()
+    if now - _published[0] < 0.4:
+        return
+    _published[0] = now
+    step, done, lockstep = _step
+    try:
+        with open(_wait_path(os.getpid()), "w") as fh:
+            fh.write(f"{now:.3f} {step} {done} {int(lockstep)}")
+    except OSError:
+        pass
+
+
+def _blocked(pid: int) -> tuple[int, int, bool] | None:
+    """(step, done, lockstep) of a peer that has been waiting within the last ``FRESH_S``."""
+    try:
+        with open(_wait_path(pid)) as fh:
+            when, step, done, lockstep = fh.read().split()
+        if time.time() - float(when) > FRESH_S:
+            return None
+        return int(step), int(done), lockstep == "1"
+    except (OSError, ValueError):
+        return None
+
+
+def astray(pid: int) -> bool:
+    """Whether a peer that this rank waits for in a lockstep step is itself blocked in a
+    collective outside that step: it stopped stepping (ran out of data) and the two wait for
+    each other until the timeout."""
+    step, _, lockstep = _step
+    if not (step and lockstep):
+        return False
+    peer = _blocked(pid)
+    return peer is not None and peer[2] and peer[0] != step
+
+
+def forget() -> None:
+    """Remove this rank's wait record (at exit)."""
+    try:
+        os.unlink(_wait_path(os.getpid()))
+    except OSError:
+        pass
+
+
+def astray_message(what: str, rank: int, who: list[str], pids: list[int]) -> str:
+    """Why a wait of rank ``rank`` in a step cannot complete: ranks ``who`` wait elsewhere."""
+    step = _step[0]
+    states = [_blocked(pid) for pid in pids]
+    done = sorted({s[1] for s in states if s is not None and s[0] == 0})
+    where = (f"ran out of data after {', '.join(map(str, done))} step(s): it waits in a "
+             "collective outside any step" if done else "is in another step")
+    return (f"{', '.join(who)} {where} while rank {rank} waits for it in step {step} "
+            f"({what}); the two would wait for each other until the timeout. When the ranks "
+            "have different numbers of batches, step inside `with trainer.join():` (a rank "
+            "that runs out answers the others' steps until every rank is done)")
+
+
 def at_exit_message(what: str, rank: int, who: list[str]) -> str:
     """Why a wait of rank ``rank`` cannot complete: ranks ``who`` have ended their program."""
     names = ", ".join(who)
-    step = _step[0]
+    step, done = _step[0], _step[1]
     if step:
-        return (f"{names} ran out of data after {step - 1} step(s): it ended its program (exit "
+        return (f"{names} ran out of data after {done} step(s): it ended its program (exit "
                 f"status 0) while rank {rank} waits for it in step {step} ({what}). When the "
                 "ranks have different numbers of batches, step inside `with trainer.join():` "
                 "(a rank that runs out answers the others' steps until every rank is done)")

@@ -66,6 +66,7 @@ def _finalize_at_exit() -> None:
         return
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
+        exits.forget()
         rank = world.Get_rank()
         status, how = exits.exit_status()
         if status != 0:
@@ -351,20 +352,26 @@ class MpiGroup(ProcessGroup):
 
     def gone(self, peers):
         """Peers on this host whose process has exited, or (except at the end of the job)
-        whose program has ended and that wait at exit (comm/exits.py)."""
+        whose program has ended and that wait at exit, or that wait outside the step this
+        rank waits in (comm/exits.py). Called for a wait that has been pending a while."""
+        if not self.at_exit:
+            exits.publish_blocked()
         ranks = range(self.size) if peers is None else peers
         pids = self._job.local_pids
         return [r for r in ranks if self._world_ranks[r] in pids and (
             not alive(pids[self._world_ranks[r]])
-            or not self.at_exit and exits.at_exit(pids[self._world_ranks[r]]))]
+            or not self.at_exit and (exits.at_exit(pids[self._world_ranks[r]])
+                                     or exits.astray(pids[self._world_ranks[r]])))]
 
     def gone_message(self, what, dead):
-        ended = [r for r in dead if alive(self._job.local_pids[self._world_ranks[r]])]
-        if not ended:
+        pids = [self._job.local_pids[self._world_ranks[r]] for r in dead]
+        if not all(alive(pid) for pid in pids):
             return super().gone_message(what, dead)
-        who = [f"rank {self._world_ranks[r]} (pid {self._job.local_pids[self._world_ranks[r]]})"
-               for r in ended]
-        return exits.at_exit_message(describe(what), self._world_ranks[self.rank], who)
+        who = [f"rank {self._world_ranks[r]} (pid {pid})" for r, pid in zip(dead, pids)]
+        ended = [w for w, pid in zip(who, pids) if exits.at_exit(pid)]
+        if ended:
+            return exits.at_exit_message(describe(what), self._world_ranks[self.rank], ended)
+        return exits.astray_message(describe(what), self._world_ranks[self.rank], who, pids)
 
     def pid_of(self, world_rank):
         return self._job.local_pids.get(world_rank)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ngdist.comm import ProcessGroup, exits
+from ngdist.comm import ProcessGroup
 from ngdist.errors import OptionError
 from ngdist.ir.domain import GRAD_SCALE
 from ngdist.runtime.executor import StepTimes
@@ -41,6 +41,13 @@ Trainer = Any
 logger = logging.getLogger(__name__)
 
 WHAT = "trainer.join(): the count of the ranks still stepping"
+
+
+def lockstep(trainer: Trainer) -> bool:
+    """Whether every rank takes every step of ``trainer`` together: its comm is AllReduce
+    only (not push-sum's gossip, not parameter servers)."""
+    return trainer.role == "worker" and trainer.ps is None and all(
+        node.op_type == "AllReduce" for node in trainer.executor.comm_nodes.values())
 
 
 def unsupported(trainer: Trainer) -> str | None:
@@ -138,14 +145,12 @@ class Join:
         self._set_scale(0.0)
         feeds = dict(self.data if self.data is not None else self._zero_batch())
         feeds.update(trainer.values)
-        exits.note_step(trainer.steps_done + 1)
-        try:
-            outputs = trainer.executor.run(feeds, StepTimes())
-        finally:
-            exits.note_step(0)
+        trainer._note_step(trainer.steps_done + 1)
+        outputs = trainer.executor.run(feeds, StepTimes())
         for name, out in trainer.meta.binding.items():
             trainer.values[name] = outputs[out]
         trainer.steps_done += 1
+        trainer._note_step(0)
         self.shadow_steps += 1
         if trainer.checkpoint_every and trainer.steps_done % trainer.checkpoint_every == 0:
             trainer.checkpoint()

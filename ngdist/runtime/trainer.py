@@ -37,7 +37,7 @@ from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes,
 from ngdist.runtime.feeds import BatchFeeds
 from ngdist.runtime.hyper import Hypers
 from ngdist.runtime.inference import Inference
-from ngdist.runtime.join import Join
+from ngdist.runtime.join import Join, lockstep
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import micro_batch_size
 from ngdist.runtime.cuda import CudaOptions
@@ -325,13 +325,12 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         t0 = time.perf_counter()
         if timeline is not None:
             timeline.record("feed", "feed batch", start, t0, {"samples": samples})
-        if self.group.size > 1:  # what a peer's failure names (comm/exits.py)
-            exits.note_step(self.steps_done + 1)
+        self._note_step(self.steps_done + 1)
         outputs = self.executor.run(feeds, times)
-        exits.note_step(0)
         for name, out in self.meta.binding.items():
             self.values[name] = outputs[out]
         self.steps_done += 1
+        self._note_step(0)
         loss = float(outputs[self.meta.loss].numpy()) if fetch_stats else math.nan
         if timeline is not None:
             self._record_step(start, samples, sent0, loss if fetch_stats else None)
@@ -352,6 +351,14 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         return stats
 
     _joining: Join | None = None  # the open ``join()`` block
+    _lockstep: bool | None = None  # every rank takes every step (known at the first step)
+
+    def _note_step(self, step: int) -> None:
+        """What a peer's failure names (comm/exits.py): the step this rank is in, 0 after."""
+        if self.group.size > 1:
+            if self._lockstep is None:
+                self._lockstep = lockstep(self)
+            exits.note_step(step, self.steps_done, self._lockstep)
 
     def join(self) -> Join:
         """``with trainer.join():`` around the loop over this rank's batches when the ranks

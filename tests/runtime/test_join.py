@@ -44,6 +44,8 @@ else:
         trainer.step({"x": x, "y": y})
     with open(f"ended{rank}", "w") as fh:
         fh.write(repr(time.time()))
+    if mode == "evaluate":  # a collective outside any step: the others still step
+        trainer.evaluate({"x": data[rank][0][0], "y": data[rank][0][1]})
 """
 
 
@@ -98,21 +100,26 @@ def test_join_trains_on_the_union_of_uneven_data(ranks, tmp_path):
 
 
 @pytest.mark.mpi
-def test_without_join_a_rank_that_runs_out_fails_the_job_naming_it(tmp_path):
+@pytest.mark.parametrize("then", ["plain", "evaluate"])
+def test_without_join_a_rank_that_runs_out_fails_the_job_naming_it(tmp_path, then):
+    """The rank that runs out ends its program, or goes on to evaluate (a collective outside
+    any step): either way the job fails within seconds, not at the 60 s timeout."""
     path = tmp_path / "uneven.py"
     path.write_text(textwrap.dedent(SCRIPT))
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-m", "ngdist", "run", "-n", "2", "--",
-                           sys.executable, str(path), "plain"], capture_output=True, text=True,
+                           sys.executable, str(path), then], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=120)
     after = time.time() - float((tmp_path / "ended1").read_text())
     assert after < 10, (after, proc.stderr)
     assert not (tmp_path / "ended0").exists()
     assert proc.returncode == 1, proc.stderr
     assert "ngdist: rank 0 failed (MPI_Abort(1))" in proc.stderr
+    where = {"plain": "it ended its program (exit status 0)",
+             "evaluate": "it waits in a collective outside any step"}[then]
     assert ("CommError: rank 1 (pid " in proc.stderr
-            and ") ran out of data after 7 step(s): it ended its program (exit status 0) while "
-                "rank 0 waits for it in step 8 (ngdist.AllReduce" in proc.stderr), proc.stderr
+            and f") ran out of data after 7 step(s): {where} while rank 0 waits for it in step "
+                "8 (ngdist.AllReduce" in proc.stderr), proc.stderr
     assert "When the ranks have different numbers of batches, step inside `with " \
            "trainer.join():`" in proc.stderr
 
