@@ -10,7 +10,7 @@ regenerated from it.
 
     python benchmarks/model_sweep.py [--source torchvision timm transformers]
         [--only NAME ...] [--json FILE] [--merge FILE ...] [--failed] [--skip-done]
-        [--limit N] [--timeout 600] [--jobs 1] [--all-constructors] [--list] [--no-docs]
+        [--limit N] [--timeout 300] [--jobs 1] [--all-constructors] [--list] [--no-docs]
         [--report]
 
 ``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``) or
@@ -73,11 +73,22 @@ def find_case(name: str, family: str) -> Any:
                           lambda: zoo_sweep_hf._build(task, model_type))
 
 
-def run_one(name: str, family: str, timeout: float) -> dict[str, Any]:
-    """``name`` checked in a subprocess; a timeout or a crash is a failed row."""
+def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | None = None
+            ) -> dict[str, Any]:
+    """``name`` checked in a subprocess limited to ``cpu_seconds`` of CPU time (the machine's
+    load does not count against a model), and to ``wall_seconds`` (default 5x that) of wall
+    time (a hang blocks without using CPU); a limit reached or a crash is a failed row."""
+    import resource
+    import signal
+
     row: dict[str, Any] = {"name": name, "family": family, "status": "fail",
                            "source": {"tv": "torchvision", "timm": "timm"}.get(
                                name.split("/")[0], "transformers")}
+
+    def limit_cpu() -> None:
+        resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
+
+    wall = wall_seconds or 5 * cpu_seconds
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--family", family,
@@ -85,12 +96,15 @@ def run_one(name: str, family: str, timeout: float) -> dict[str, Any]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                                  cwd=tmp)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=wall, env=env,
+                                  cwd=tmp, preexec_fn=limit_cpu)
         except subprocess.TimeoutExpired:
-            return {**row, "stage": "timeout", "error": f"no result within {timeout:.0f} s"}
+            return {**row, "stage": "timeout",
+                    "error": f"no result within {wall:.0f} s of wall time"}
         if result.exists():
             return json.loads(result.read_text())
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+            return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
         tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-400:]
         return {**row, "stage": "crash", "error": f"exit {proc.returncode}: {tail}"}
 
@@ -100,8 +114,12 @@ def _one(args: argparse.Namespace) -> None:
 
     from sweep_check import check
 
+    import resource
+
     logging.basicConfig(level=logging.WARNING)
     row = check(find_case(args.one, args.family))
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    row["cpu_s"] = use.ru_utime + use.ru_stime
     Path(args.result).write_text(json.dumps(row, default=float))
 
 
@@ -182,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="fold these results files into --json first")
     p.add_argument("--report", action="store_true",
                    help="only regenerate the docs table from --json")
-    p.add_argument("--timeout", type=float, default=600, help="seconds a model")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="CPU seconds a model (wall time: 5x that)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--all-constructors", action="store_true",
                    help="every torchvision constructor, not the smallest of each family")
