@@ -1,5 +1,6 @@
 """Indexing: Gather (embedding lookup), GatherElements, GatherND, Slice, Compress,
-ScatterElements and ScatterND (reduction none or add). Indices, starts, ends, axes and steps get no gradient.
+ScatterElements and ScatterND (reduction none or add). Indices, starts, ends, axes and steps
+get no gradient.
 
 Gather and GatherElements scatter-add the gradient back (repeated indices accumulate; negative
 indices count from the end). Slice scatters the gradient into zeros at the positions that a

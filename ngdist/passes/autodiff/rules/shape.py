@@ -1,6 +1,6 @@
 """Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad, Tile,
-Trilu, DepthToSpace, SpaceToDepth, ReverseSequence, CenterCropPad (the data inputs only; shape, axes, pads, repeats, k and
-split-size inputs get no gradient)."""
+Trilu, DepthToSpace, SpaceToDepth, ReverseSequence, CenterCropPad (the data inputs only;
+shape, axes, pads, repeats, k, lengths and split-size inputs get no gradient)."""
 from __future__ import annotations
 
 import numpy as np
