@@ -25,7 +25,8 @@ in a step can say "rank 1 ran out of data after 7 steps" and point to ``trainer.
 A rank that runs out of data may also go on to another collective (an evaluation, a barrier)
 instead of ending: then it and the ranks still stepping wait for each other. A rank whose wait
 has been pending for a while (the dead-peer check) writes a wait record,
-``/dev/shm/ngdist-wait-PID`` (when, its step, its steps done, lockstep), refreshed every 0.4 s;
+``/dev/shm/ngdist-wait-PID`` (when, its step, its steps done, lockstep; mapped by its rank, so
+the launcher's sweep of left-over files spares it), refreshed every 0.4 s;
 a rank waiting in a step of a lockstep trainer (allreduce: every rank takes every step) that
 finds a peer's fresh record outside that step counts the peer as gone (:func:`astray`), and
 the job fails within seconds with a message naming it. Ranks between two waits have no fresh
@@ -34,6 +35,7 @@ record, so a rank that is merely slow (loading data, saving) is never counted.
 from __future__ import annotations
 
 import builtins
+import mmap
 import os
 import sys
 import threading
@@ -51,6 +53,8 @@ _exit_code: list[Any] = []  # the SystemExit code the interpreter read on its wa
 # this rank's multi-rank trainer: the step it is in (0: none), the steps done, lockstep
 _step: list[Any] = [0, 0, False]
 _published = [0.0]  # when this rank last wrote its wait record
+_record: list[mmap.mmap] = []  # the wait record, mapped (once written)
+RECORD_BYTES = 64
 WAIT_DIR = "/dev/shm"  # wait records ngdist-wait-PID (the launcher sweeps ngdist-* files)
 FRESH_S = 1.5  # a wait record older than this is of a wait that has completed
 _CODE = SystemExit.__dict__["code"]  # the built-in exception's own member
@@ -178,21 +182,29 @@ def publish_blocked() -> None:
         return
     _published[0] = now
     step, done, lockstep = _step
+    record = f"{now:.3f} {step} {done} {int(lockstep)}".encode().ljust(RECORD_BYTES)
     try:
-        with open(_wait_path(os.getpid()), "w") as fh:
-            fh.write(f"{now:.3f} {step} {done} {int(lockstep)}")
-    except OSError:
+        if not _record:  # mapped for as long as this process lives: the launcher's sweep of
+            # /dev/shm (comm/leftovers.py) leaves a live rank's record alone
+            fd = os.open(_wait_path(os.getpid()), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, RECORD_BYTES)
+                _record.append(mmap.mmap(fd, RECORD_BYTES))
+            finally:
+                os.close(fd)
+        _record[0][:RECORD_BYTES] = record[:RECORD_BYTES]
+    except (OSError, ValueError):
         pass
 
 
 def _blocked(pid: int) -> tuple[int, int, bool] | None:
     """(step, done, lockstep) of a peer that has been waiting within the last ``FRESH_S``."""
     try:
-        with open(_wait_path(pid)) as fh:
+        with open(_wait_path(pid), "rb") as fh:
             when, step, done, lockstep = fh.read().split()
         if time.time() - float(when) > FRESH_S:
             return None
-        return int(step), int(done), lockstep == "1"
+        return int(step), int(done), lockstep == b"1"
     except (OSError, ValueError):
         return None
 
