@@ -7,6 +7,7 @@
   onnxruntime for several batch sizes; the ones that do not change become initializers.
   A Reshape whose target varies with the batch gets a constant target with ``0`` or ``-1`` on
   the one axis that varies, so that shape inference sees through ``x.view(batch, ...)``.
+  Shapes that depend on data (NonZero's count) are never folded.
 * ``unbiased_running_var``: PyTorch's BatchNorm updates its running variance with the
   unbiased batch variance, ONNX's BatchNormalization with the biased one.
 """
@@ -29,22 +30,50 @@ BATCH_SIZES = (3, 4, 7)  # different parities and residues: a batch-dependent va
 PROBE_MAX_BYTES = 256 << 20  # probe inputs larger than this (all inputs of one probe) are not made
 
 
-def _shape_only_values(model: onnx.ModelProto) -> list[str]:
-    """Values computed from shapes and constants only (never from weights or data)."""
+# ops whose output shapes depend on their inputs' values, not only on their shapes
+_DATA_SHAPED_OPS = {"NonZero", "Compress", "Unique", "NonMaxSuppression", "Loop", "Scan", "If",
+                    "StringSplit", "RegexFullMatch"}
+# inputs (by position) that give another op's output shape
+_SHAPE_INPUTS = {"Reshape": (1,), "Expand": (1,), "ConstantOfShape": (0,), "Range": (0, 1, 2),
+                 "Slice": (1, 2, 3, 4), "Tile": (1,), "Pad": (1, 3), "Resize": (1, 2, 3),
+                 "TopK": (1,), "OneHot": (1,), "Squeeze": (1,), "Unsqueeze": (1,),
+                 "Split": (1,), "CenterCropPad": (1,), "Upsample": (1,), "ReduceSum": (1,),
+                 "ReduceMean": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "ReduceProd": (1,),
+                 "ReduceL1": (1,), "ReduceL2": (1,), "ReduceLogSum": (1,),
+                 "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,)}
+
+
+def _shape_only_values(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
+    """Values computed from shapes and constants only (never from weights or data), in graph
+    order; and the values whose shapes depend on data (downstream of NonZero and the like, or
+    of a Reshape/Expand/... whose target is computed from data), whose Shape is no such value:
+    probing it at a few batch sizes could see the same extent by chance (no token routed to
+    one expert in every probe) and fold it."""
     g = model.graph
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
               onnx.TensorProto.BFLOAT16}
     derived = {t.name for t in g.initializer if t.data_type not in floats}
+    fixed = {t.name for t in g.initializer}  # what a shape input may be besides derived values
+    shaped: set[str] = set()
     order: list[str] = []
     for node in g.node:
+        outs = [o for o in node.output if o]
         if node.op_type == "Constant":
-            derived.update(node.output)
+            derived.update(outs)
             continue
-        if node.op_type in _SHAPE_SOURCES or (
-                node.input and all(not i or i in derived for i in node.input)):
-            derived.update(o for o in node.output if o)
-            order.extend(o for o in node.output if o)
-    return order
+        shape_inputs = [node.input[k] for k in _SHAPE_INPUTS.get(node.op_type, ())
+                        if k < len(node.input) and node.input[k]]
+        if node.op_type in _DATA_SHAPED_OPS or any(i in shaped for i in node.input) or \
+                any(i not in derived and i not in fixed for i in shape_inputs):
+            shaped.update(outs)
+        if node.op_type in _SHAPE_SOURCES:
+            if node.input[0] in shaped:
+                continue
+        elif not (node.input and all(not i or i in derived for i in node.input)):
+            continue
+        derived.update(outs)
+        order.extend(outs)
+    return order, shaped
 
 
 def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
@@ -65,10 +94,11 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     plus the number of Reshape targets made constant.
     """
     g = model.graph
-    candidates = _shape_only_values(model)
+    candidates, shaped = _shape_only_values(model)
     inits = {t.name for t in g.initializer}
     reshapes = [n for n in g.node if n.op_type == "Reshape" and n.domain in ("", "ai.onnx")
-                and len(n.input) > 1 and n.input[1] not in inits]
+                and len(n.input) > 1 and n.input[1] not in inits and n.input[0] not in shaped
+                and n.output[0] not in shaped]
     probes = [(f"{n.output[0]}/ngdist.probe_shape", f"{n.output[0]}/ngdist.probe_in_shape")
               for n in reshapes]
     if (not candidates and not reshapes) or len(feeds) < 2:

@@ -10,6 +10,9 @@ BatchNormalization altogether, so the module is exported twice with the TorchScr
 * in ``TrainingMode.EVAL`` for ``model.graph``, the deployable inference graph (running
   statistics, no dropout), exactly what ``module.eval()`` computes.
 
+A module the TorchScript exporter cannot export (an operator without a symbolic) is exported
+by the dynamo exporter instead, unless it keeps running statistics (torch_exporters.py).
+
 Both exports name their initializers after ``module.state_dict()``, which is how trained values
 are written back (``trainer.to_torch(module)``). Exporting runs the module's forward, which
 updates BatchNorm buffers in training mode: the frontend copies every parameter and buffer
@@ -37,9 +40,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import io
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
-from ngdist.frontends.torch_attention import sdpa_export
+from ngdist.frontends.torch_exporters import export_graph, export_training
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
@@ -91,6 +92,7 @@ class TorchExport:
     output_names: list[str]
     params: dict[str, str] = field(default_factory=dict)   # onnx name -> parameter name
     buffers: dict[str, str] = field(default_factory=dict)  # onnx name -> buffer name
+    exporter: str = "torchscript"  # the torch.onnx exporter that made both graphs
 
 
 # --------------------------------------------------------------------------- export
@@ -122,20 +124,6 @@ def _default_input_names(module: Any, n: int) -> list[str]:
     if len(names) < n or len(set(names)) < n:
         names = [f"input{i}" for i in range(n)]
     return names
-
-
-def _export_once(module: Any, args: tuple[Any, ...], mode: Any, input_names: list[str],
-                 output_names: list[str], opset: int) -> onnx.ModelProto:
-    torch = _torch()
-    dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
-    buf = io.BytesIO()
-    with warnings.catch_warnings(), sdpa_export(opset):
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(module, args, buf, dynamo=False, training=mode,
-                          do_constant_folding=False, opset_version=opset,
-                          input_names=input_names, output_names=output_names,
-                          dynamic_axes=dynamic, keep_initializers_as_inputs=False)
-    return onnx.load_from_string(buf.getvalue())
 
 
 def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> None:
@@ -237,9 +225,13 @@ def _check_not_hf_model(module: Any) -> None:
 
 
 def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
-           output_names: Sequence[str] | None = None, opset: int = OPSET) -> TorchExport:
-    """Exports ``module`` in training and eval mode; its parameters and buffers are untouched."""
-    torch = _torch()
+           output_names: Sequence[str] | None = None, opset: int = OPSET,
+           exporter: str = "torchscript") -> TorchExport:
+    """Exports ``module`` in training and eval mode; its parameters and buffers are untouched.
+
+    ``exporter``: the torch.onnx exporter tried first (``torchscript`` or ``dynamo``); where it
+    fails the other one is tried (frontends/torch_exporters.py).
+    """
     if not is_module(module):
         raise TypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
     if opset < 15:
@@ -255,19 +247,17 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     snapshot = _snapshot(module)
     try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
         # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
-        train = _export_once(module, args, torch.onnx.TrainingMode.TRAINING, in_names,
-                             out_names, opset)
+        used, train = export_training(module, args, in_names, out_names, opset, exporter)
         # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
         # running_var are both ones), so every tensor gets unique values while it runs
         marked = _mark_unique(module)
-        ev = _export_once(module, args, torch.onnx.TrainingMode.EVAL, in_names,
-                          out_names, opset)
+        ev = export_graph(used, module, args, False, in_names, out_names, opset)
     finally:
         _restore(module, snapshot)  # tracing in training mode moved BN statistics
         module.train(was_training)
     state = {k: v.cpu().numpy() for k, (_, v) in snapshot.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
-    result = TorchExport(train, ev, in_names, out_names)
+    result = TorchExport(train, ev, in_names, out_names, exporter=used)
     for model, values in ((train, state), (ev, marked)):
         _rename_initializers(model, values)
         for t in model.graph.initializer:  # the values before tracing touched them
@@ -278,9 +268,10 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
             (result.params if t.name in params else result.buffers)[t.name] = t.name
     feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in zip(in_names, args)})
     folded = [fold_static_shapes(model, feeds) for model in (train, ev)]
-    logger.info("exported %s: %d nodes (train), %d (eval), %d params, %d buffers, %s shape "
-                "values folded", type(module).__name__, len(train.graph.node),
-                len(ev.graph.node), len(result.params), len(result.buffers), folded)
+    logger.info("exported %s with the %s exporter: %d nodes (train), %d (eval), %d params, "
+                "%d buffers, %s shape values folded", type(module).__name__, used,
+                len(train.graph.node), len(ev.graph.node), len(result.params),
+                len(result.buffers), folded)
     return result
 
 
@@ -312,8 +303,10 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                    labels: str = "y", optimizer: Any = _UNSET,
                    input_names: Sequence[str] | None = None,
                    output_names: Sequence[str] | None = None,
-                   frozen: Sequence[str] | None = None) -> tuple[onnx.ModelProto, TorchExport]:
-    """The standard ONNX training model of ``module``: training-mode algorithm, eval graph."""
+                   frozen: Sequence[str] | None = None, exporter: str = "torchscript"
+                   ) -> tuple[onnx.ModelProto, TorchExport]:
+    """The standard ONNX training model of ``module``: training-mode algorithm, eval graph.
+    ``exporter``: the torch.onnx exporter tried first (see ``export``)."""
     from ngdist.frontends.onnx import build_training_model
 
     if optimizer is _UNSET or optimizer is None:
@@ -327,7 +320,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         trained = _optimizer_params(module, optimizer)
     check_embeddings(module, opt if optimizer is _UNSET or optimizer is None or
                      isinstance(optimizer, (str, *optim.OPTIMIZERS)) else optimizer)
-    exp = export(module, example_inputs, input_names=input_names, output_names=output_names)
+    exp = export(module, example_inputs, input_names=input_names, output_names=output_names,
+                 exporter=exporter)
     mark_padding_rows(module, exp.train)
     frozen_set = set(frozen or [])
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
@@ -389,8 +383,8 @@ def _write_optimizer_state(values: Mapping[str, np.ndarray], steps_done: int, mo
 
 def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entropy",
           labels: str = "y", optimizer: Any = _UNSET, input_names: Sequence[str] | None = None,
-          output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None
-          ) -> tuple[onnx.ModelProto, WriteBack]:
+          output_names: Sequence[str] | None = None, frozen: Sequence[str] | None = None,
+          exporter: str = "torchscript") -> tuple[onnx.ModelProto, WriteBack]:
     """Export ``module``: its training model and the write-back ``trainer.to_torch`` calls.
 
     ``to_torch(module=None, optimizer=...)`` writes the trained parameters and BatchNorm
@@ -398,7 +392,7 @@ def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entrop
     """
     model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names,
-                                output_names=output_names, frozen=frozen)
+                                output_names=output_names, frozen=frozen, exporter=exporter)
     tracked = {k: int(v) for k, v in module.state_dict().items()
                if k.endswith("num_batches_tracked")}
     native = optimizer is _UNSET or optimizer is None or \

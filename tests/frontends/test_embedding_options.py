@@ -1,10 +1,11 @@
 """``nn.Embedding``'s options through the PyTorch frontend, against torch in float64.
 
 ``padding_idx``: the lookup adds nothing to the padding row's gradient, so that row changes only
-through the optimizer's own terms, exactly as in torch: a zero padding row feeding a
-LayerNorm with eps 1e-12 (whose input gradient there is ~1e6) stays exactly zero through SGD
-with momentum and weight decay and through AdamW, a non-zero one decays as torch decays it, and
-a padding row tied to the output layer still gets that layer's gradient. ``sparse=True`` trains
+through the optimizer's own terms, exactly as in torch: a zero padding row feeding a LayerNorm
+with eps 1e-12 (whose input gradient there is ~1e6) stays exactly zero through SGD with
+momentum and weight decay, AdamW and Adam with L2 decay, a non-zero one decays as torch decays
+it, and a padding row tied to the output layer still gets that layer's gradient (also on 2
+ranks under mpiexec against torch on the combined batch). ``sparse=True`` trains
 as torch's sparse SGD does; ``max_norm``, ``scale_grad_by_freq``, sparse gradients with an
 optimizer torch refuses them for, and ``EmbeddingBag(padding_idx)`` are refused.
 """
@@ -77,6 +78,7 @@ OPTIMIZERS = {
     "sgd_momentum_decay": lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9,
                                                      weight_decay=0.01, nesterov=True),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.05),
+    "adam_l2": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.05),
 }
 
 
@@ -127,7 +129,7 @@ def test_zero_padding_row_stays_exactly_zero_and_parameters_match_torch(opt):
     _assert_parameters_match(module, ref, ref32)
 
 
-@pytest.mark.parametrize("opt", ["sgd_momentum_decay", "adamw"])
+@pytest.mark.parametrize("opt", ["sgd_momentum_decay", "adamw", "adam_l2"])
 def test_nonzero_padding_row_changes_only_by_weight_decay_as_in_torch(opt):
     module = Encoder()
     with torch.no_grad():

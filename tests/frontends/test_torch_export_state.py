@@ -10,6 +10,7 @@ import torch
 
 import ngdist
 from ngdist.zoo_vision import import_torchvision
+from step_probe import check_step_graph
 
 nn = torch.nn
 
@@ -55,6 +56,7 @@ def test_versioned_module_compiles_and_keeps_its_state():
     assert metadata[""]["version"] == 2
     trainer = ngdist.compile(module, torch.zeros(4, 6), loss=nn.CrossEntropyLoss(),
                              strategy="local")
+    check_step_graph(trainer.step_model)
     _assert_untouched(module, before, metadata)
     assert not module.training
     module.load_state_dict(module.state_dict())  # still loads: the metadata is there
@@ -74,6 +76,7 @@ def test_torchvision_mnasnet_compiles_and_its_state_is_untouched():
     trainer = ngdist.compile(module, torch.zeros(2, 3, 32, 32), loss=nn.CrossEntropyLoss(),
                              strategy="local", optimizer=torch.optim.SGD(module.parameters(),
                                                                          lr=0.01))
+    check_step_graph(trainer.step_model)
     _assert_untouched(module, before, metadata)
     assert module.training
     module.load_state_dict(module.state_dict())  # torchvision's own check passes

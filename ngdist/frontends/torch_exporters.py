@@ -1,0 +1,127 @@
+"""The two ``torch.onnx`` exporters behind the PyTorch frontend, and the fallback between them.
+
+The TorchScript exporter (``dynamo=False``) is tried first: it keeps training-mode
+BatchNormalization (batch statistics and the running-statistics update), which the dynamo
+exporter of torch 2.13 drops from a training-mode graph altogether (measured: a
+Linear-BatchNorm1d-Dropout-Linear module exports as Gemm, Dropout, Gemm). Where the TorchScript
+exporter fails (an operator without a symbolic, e.g. ``aten::histc`` in a mixture-of-experts
+router), the dynamo exporter (``torch.export``) is tried, and the other way round when the
+dynamo exporter is asked for first; the one used is logged. A module with running
+statistics is not handed to the dynamo exporter. When neither can export, one GraphError
+carries both exporters' messages.
+
+The dynamo export runs without onnxscript's graph optimizer (``optimize=False``): the optimizer
+merges initializers of equal value (two fresh LayerNorms' weights become one tensor) and folds
+computations on parameters into new constants, and either would leave parameters untrained.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import re
+import warnings
+from typing import Any
+
+import onnx
+
+from ngdist.errors import GraphError
+from ngdist.frontends.torch_attention import sdpa_export
+
+logger = logging.getLogger(__name__)
+
+EXPORTERS = ("torchscript", "dynamo")
+MESSAGE_CHARS = 400  # of each exporter's message in the combined error
+
+
+def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names: list[str],
+                 output_names: list[str], opset: int) -> onnx.ModelProto:
+    import torch
+
+    mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
+    dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), sdpa_export(opset):
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(module, args, buf, dynamo=False, training=mode,
+                          do_constant_folding=False, opset_version=opset,
+                          input_names=input_names, output_names=output_names,
+                          dynamic_axes=dynamic, keep_initializers_as_inputs=False)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def _running_statistics(module: Any) -> str | None:
+    """Why the dynamo exporter cannot take ``module`` (None: it can)."""
+    import torch
+
+    norms = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+    for name, sub in module.named_modules():
+        if isinstance(sub, norms) and sub.track_running_stats:
+            return (f"{type(sub).__name__} '{name}' keeps running statistics, which the dynamo "
+                    "exporter drops from a training-mode graph")
+    return None
+
+
+def _dynamo(module: Any, args: tuple[Any, ...], training: bool, input_names: list[str],
+            output_names: list[str], opset: int) -> onnx.ModelProto:
+    import torch
+
+    reason = _running_statistics(module)
+    if reason is not None:
+        raise GraphError(reason)
+    module.train(training)
+    batch = torch.export.Dim("batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=opset,
+                                    input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=tuple({0: batch} for _ in args),
+                                    optimize=False, verbose=False)
+    return program.model_proto
+
+
+_EXPORT = {"torchscript": _torchscript, "dynamo": _dynamo}
+
+
+def export_graph(exporter: str, module: Any, args: tuple[Any, ...], training: bool,
+                 input_names: list[str], output_names: list[str], opset: int
+                 ) -> onnx.ModelProto:
+    """``module`` in training or eval mode, by the named exporter."""
+    return _EXPORT[exporter](module, args, training, input_names, output_names, opset)
+
+
+def _summary(exc: BaseException) -> str:
+    """The root cause of an exporter's failure in a line or two (torch.export wraps it in a
+    TorchExportError whose own text is generic advice)."""
+    while exc.__cause__ is not None and str(exc.__cause__).strip():
+        exc = exc.__cause__
+    lines = [ln.strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines()]
+    text = " ".join(ln for ln in lines[:2] if ln)
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS - 3] + "..."
+
+
+def export_training(module: Any, args: tuple[Any, ...], input_names: list[str],
+                    output_names: list[str], opset: int, first: str = "torchscript"
+                    ) -> tuple[str, onnx.ModelProto]:
+    """(the exporter that worked, the training-mode graph): ``first``, then the other one."""
+    if first not in EXPORTERS:
+        raise ValueError(f"exporter must be one of {EXPORTERS}; got {first!r}")
+    order = [first, *(e for e in EXPORTERS if e != first)]
+    failures: list[str] = []
+    for exporter in order:
+        try:
+            model = export_graph(exporter, module, args, True, input_names, output_names, opset)
+        except Exception as exc:  # noqa: BLE001 - any exporter failure: try the other one
+            failures.append(f"the {exporter} exporter: {_summary(exc)}")
+            logger.info("the %s exporter could not export %s: %s", exporter,
+                        type(module).__name__, exc)
+            continue
+        if failures:
+            logger.warning("exported %s with the %s exporter (%s)", type(module).__name__,
+                           exporter, failures[0])
+        else:
+            logger.info("exported %s with the %s exporter", type(module).__name__, exporter)
+        return exporter, model
+    raise GraphError(f"torch.onnx.export cannot export {type(module).__name__}: "
+                     + "; ".join(failures) + ". Rewrite the unsupported operation or compile an "
+                     "ONNX file you exported yourself")

@@ -1,0 +1,188 @@
+"""The PyTorch frontend's exporter fallback.
+
+A mixture-of-experts layer with top-k routing (``torch.histc`` counts for the load-balancing
+loss, ``F.one_hot`` gates, ``index_add_`` to combine the experts' outputs) fails in the
+TorchScript exporter (``aten::histc``); the dynamo exporter exports it, the frontend says so,
+and one step's loss and gradients, and three SGD steps, equal torch's in float64 at several
+batch sizes (experts that get no token included). Asked for the dynamo exporter first, a
+module with BatchNorm goes to the TorchScript exporter (the dynamo exporter drops training-mode
+BatchNorm). When neither exporter can export, one GraphError carries both messages.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import ngdist
+from ngdist.errors import GraphError
+from ngdist.frontends import torch as tfront
+from ngdist.frontends.torch_exporters import export_graph
+from step_probe import check_step_graph, gradient_errors, max_rel_err, run_step
+
+nn = torch.nn
+F = nn.functional
+D, E, K, CLASSES = 8, 4, 2, 3
+TOL = 1e-4
+
+
+class MoE(nn.Module):
+    """Top-2 routing over 4 two-layer experts, a Switch-style load-balancing loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(D, 16), nn.GELU(), nn.Linear(16, D)) for _ in range(E))
+        self.out_norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x):
+        h = self.norm(x)
+        probs = self.router(h).softmax(-1)
+        w, idx = probs.topk(K, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        gate = (F.one_hot(idx, E).to(w.dtype) * w.unsqueeze(-1)).sum(1)  # [N, E]
+        out = torch.zeros_like(h)
+        for j, expert in enumerate(self.experts):
+            tokens = (gate[:, j] > 0).nonzero().squeeze(-1)
+            out.index_add_(0, tokens, expert(h[tokens]) * gate[tokens, j].unsqueeze(-1))
+        counts = torch.histc(idx.to(h.dtype), bins=E, min=0, max=E - 1)
+        balance = E * (counts / counts.sum() * probs.mean(0)).sum()
+        return self.head(self.out_norm(out + x)), balance
+
+
+class MoELoss(nn.Module):
+    """Cross-entropy plus 0.01 of the load-balancing loss: forward returns the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe = MoE()
+
+    def forward(self, x, y):
+        logits, balance = self.moe(x)
+        return F.cross_entropy(logits, y) + 0.01 * balance
+
+
+def _batch(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, D)).astype(np.float32), rng.integers(0, CLASSES, n)
+
+
+def _torch_grads(module: nn.Module, x, y):
+    ref = copy.deepcopy(module).double()
+    loss = ref(torch.from_numpy(x).double(), torch.from_numpy(y))
+    loss.backward()
+    return float(loss), {n: p.grad.numpy() for n, p in ref.named_parameters()}
+
+
+def _experts_used(module: MoELoss, x) -> set[int]:
+    with torch.no_grad():
+        probs = module.moe.router(module.moe.norm(torch.from_numpy(x))).softmax(-1)
+    return set(probs.topk(K, dim=-1)[1].flatten().tolist())
+
+
+EXAMPLE = (torch.zeros(4, D), torch.zeros(4, dtype=torch.long))
+
+
+def test_torchscript_exporter_cannot_export_the_moe_layer():
+    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="aten::histc"):
+        export_graph("torchscript", MoELoss(), EXAMPLE, True, ["x", "y"], ["loss"], 18)
+
+
+def test_moe_layer_is_exported_by_dynamo_and_its_gradients_match_torch(caplog):
+    module = MoELoss()
+    with caplog.at_level(logging.INFO, logger="ngdist.frontends"):
+        model, exp = tfront.training_model(module, EXAMPLE, loss=None)
+    assert exp.exporter == "dynamo"
+    assert ("ngdist.frontends.torch_exporters", logging.WARNING,
+            "exported MoELoss with the dynamo exporter (the torchscript exporter: "
+            "UnsupportedOperatorError: Exporting the operator 'aten::histc' to ONNX opset "
+            "version 18 is not supported)") in caplog.record_tuples
+    assert set(exp.params) == {n for n, _ in module.named_parameters()}
+    used = set()
+    for n, seed in ((6, 0), (3, 1), (1, 2), (16, 3)):
+        x, y = _batch(n, seed)
+        used.add(len(_experts_used(module, x)))
+        got = run_step(model, {"x": x, "y": y})
+        loss, grads = _torch_grads(module, x, y)
+        assert abs(float(got["loss"]) - loss) <= TOL * abs(loss), n
+        errors = gradient_errors(got, grads)
+        assert max(errors.values()) <= TOL, (n, errors)
+    assert min(used) < E and max(used) == E  # some batches leave experts without tokens
+
+
+def test_moe_layer_trains_three_sgd_steps_like_torch():
+    module = MoELoss()
+    ref = copy.deepcopy(module).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    trainer = ngdist.compile(module, EXAMPLE, loss=None, strategy="local",
+                             optimizer=torch.optim.SGD(module.parameters(), lr=0.1,
+                                                       momentum=0.9))
+    check_step_graph(trainer.step_model)
+    for n, seed in ((6, 4), (5, 5), (8, 6)):
+        x, y = _batch(n, seed)
+        trainer.step({"x": x, "y": y})
+        ref_opt.zero_grad()
+        ref(torch.from_numpy(x).double(), torch.from_numpy(y)).backward()
+        ref_opt.step()
+    trainer.to_torch()
+    for (name, mine), theirs in zip(module.named_parameters(), ref.parameters()):
+        assert max_rel_err(mine.detach().numpy(), theirs.detach().numpy()) <= TOL, name
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.head = nn.Linear(D, 6), nn.BatchNorm1d(6), nn.Linear(6, CLASSES)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.fc(x))))
+
+
+def test_dynamo_first_hands_a_batchnorm_module_to_the_torchscript_exporter(caplog):
+    with caplog.at_level(logging.INFO, logger="ngdist.frontends"):
+        exp = tfront.export(WithBatchNorm(), torch.zeros(4, D), exporter="dynamo")
+    assert exp.exporter == "torchscript"
+    assert ("ngdist.frontends.torch_exporters", logging.WARNING,
+            "exported WithBatchNorm with the torchscript exporter (the dynamo exporter: "
+            "GraphError: BatchNorm1d 'bn' keeps running statistics, which the dynamo exporter "
+            "drops from a training-mode graph)") in caplog.record_tuples
+    bn = [n for n in exp.train.graph.node if n.op_type == "BatchNormalization"]
+    assert len(bn) == 1 and {a.name: a.i for a in bn[0].attribute}["training_mode"] == 1
+
+
+class Unexportable(nn.Module):
+    """histc (no TorchScript symbolic) and a branch on a value (no torch.export guard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, CLASSES)
+
+    def forward(self, x):
+        counts = torch.histc(x, bins=CLASSES)
+        return self.fc(x) * counts[int(x.sum().item() > 0)]
+
+
+def test_when_both_exporters_fail_one_error_carries_both_messages():
+    with pytest.raises(GraphError) as info:
+        ngdist.compile(Unexportable(), torch.zeros(4, D), strategy="local")
+    assert str(info.value) == (
+        "torch.onnx.export cannot export Unexportable: the torchscript exporter: "
+        "UnsupportedOperatorError: Exporting the operator 'aten::histc' to ONNX opset version "
+        "18 is not supported; the dynamo exporter: GuardOnDataDependentSymNode: Could not "
+        "guard on data-dependent expression zuf0 > 0.0 (unhinted: zuf0 > 0.0).  (Size-like "
+        "symbols: none). Rewrite the unsupported operation or compile an ONNX file you "
+        "exported yourself")
+    assert info.value.__cause__ is None and info.value.__context__ is None
+
+
+def test_an_unknown_exporter_is_refused():
+    with pytest.raises(ValueError, match=r"exporter must be one of \('torchscript', "
+                                         r"'dynamo'\); got 'jit'"):
+        tfront.export(WithBatchNorm(), torch.zeros(4, D), exporter="jit")
