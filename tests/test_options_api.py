@@ -214,7 +214,8 @@ def test_kvstore_create_valid_options_still_work():
                        "BETA1/BETA2"),
     ("lbfgs:lr=0.1",
      "unknown optimizer 'lbfgs' in 'lbfgs:lr=0.1'; choose one of ['adadelta', 'adagrad', "
-     "'adam', 'adamax', 'adamw', 'nadam', 'radam', 'rmsprop', 'sgd', 'torch_adam']"),
+     "'adam', 'adamax', 'adamw', 'keras_adagrad', 'keras_adamax', 'keras_rmsprop', 'nadam', "
+     "'radam', 'rmsprop', 'sgd', 'torch_adam']"),
 ])
 def test_optimizer_spec_errors_name_the_valid_keys(spec, message):
     with pytest.raises(OptionError) as exc:

@@ -19,7 +19,10 @@ Losses: ``SparseCategoricalCrossentropy`` (``from_logits=True``, or ``False`` on
 output is a Softmax: the Softmax's input becomes the logits for training, the inference graph
 keeps the probabilities) and ``MeanSquaredError``. Optimizers: ``keras.optimizers.SGD``
 (momentum, Nesterov) and ``Adam`` map exactly onto ONNX Momentum and Adam (Keras' Adam, like
-ONNX's, adds epsilon after the bias correction is folded into the learning rate). Keras'
+ONNX's, adds epsilon after the bias correction is folded into the learning rate);
+``Adadelta`` is torch's formula, ``Nadam`` torch's NAdam with ``momentum_decay=1``, and
+``RMSprop``, ``Adagrad``, ``Adamax`` have formulas of their own (``ngdist.optim.KerasRMSprop``,
+``KerasAdagrad``, ``KerasAdamax``: epsilon where Keras puts it). Keras'
 decoupled ``weight_decay``, gradient clipping, EMA, AMSGrad and learning-rate schedules have
 no counterpart and are refused.
 """
@@ -308,8 +311,8 @@ def translate_loss(loss: Any, proto: onnx.ModelProto, output: str) -> tuple[str 
 
 
 def translate_optimizer(opt: Any) -> optim.Optimizer:
-    """``keras.optimizers.SGD`` / ``Adam`` / ``Adadelta`` / ``Nadam`` -> the ngdist optimizer
-    with the same update."""
+    """``keras.optimizers.SGD`` / ``Adam`` / ``Adadelta`` / ``Nadam`` / ``RMSprop`` /
+    ``Adagrad`` / ``Adamax`` -> the ngdist optimizer with the same update."""
     _, keras, _ = _tf()
     name = type(opt).__name__
     cfg = opt.get_config()
@@ -335,21 +338,21 @@ def translate_optimizer(opt: Any) -> optim.Optimizer:
     if isinstance(opt, keras.optimizers.Nadam):  # torch's NAdam with 0.96^t: momentum_decay 1
         return optim.NAdam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
                            eps=float(cfg["epsilon"]), momentum_decay=1.0)
-    if name in _OTHER_FORMULA:
-        raise GraphError(f"keras.optimizers.{name} {_OTHER_FORMULA[name]}, and ngdist.optim."
-                         f"{name} has torch's formula: use ngdist.optim.{name} knowingly, or "
-                         "keras.optimizers.SGD, Adam, Adadelta or Nadam")
+    # Keras' own formulas (epsilon placed otherwise than torch's)
+    if isinstance(opt, keras.optimizers.RMSprop):
+        return optim.KerasRMSprop(lr=float(lr), alpha=float(cfg["rho"]),
+                                  eps=float(cfg["epsilon"]), momentum=float(cfg["momentum"]),
+                                  centered=bool(cfg["centered"]))
+    if isinstance(opt, keras.optimizers.Adagrad):
+        return optim.KerasAdagrad(lr=float(lr), eps=float(cfg["epsilon"]),
+                                  initial_accumulator_value=float(
+                                      cfg["initial_accumulator_value"]))
+    if isinstance(opt, keras.optimizers.Adamax):
+        return optim.KerasAdamax(lr=float(lr), eps=float(cfg["epsilon"]),
+                                 betas=(float(cfg["beta_1"]), float(cfg["beta_2"])))
     raise GraphError(f"optimizer {name} has no ngdist counterpart; use keras.optimizers.SGD, "
-                     "Adam, Adadelta, Nadam or an ngdist.optim optimizer")
-
-
-# Keras optimizers whose update differs from torch's optimizer of the same name
-_OTHER_FORMULA = {
-    "RMSprop": "adds epsilon inside the square root (torch.optim.RMSprop outside) and folds "
-               "the learning rate into its momentum",
-    "Adagrad": "adds epsilon inside the square root (torch.optim.Adagrad outside)",
-    "Adamax": "adds epsilon to the infinity norm after the maximum (torch.optim.Adamax "
-              "before it)"}
+                     "Adam, Adadelta, Nadam, RMSprop, Adagrad, Adamax or an ngdist.optim "
+                     "optimizer")
 
 
 # --------------------------------------------------------------------------- training model

@@ -33,6 +33,7 @@ from ngdist.errors import OptionError
 from ngdist.optim.checks import Group, checked, checked_groups
 from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
+                                      KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
                                       FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
                                       TORCH_ADAM, TORCH_ADAMW, state_kinds)
 
@@ -311,14 +312,48 @@ class Adadelta(_Optimizer):
                 "norm_coefficient": float(self.weight_decay), "ngdist_rho": float(self.rho)}
 
 
+@dataclass(frozen=True)
+class KerasRMSprop(RMSprop):
+    """Keras' ``RMSprop`` (``alpha`` is its rho): epsilon inside the square root,
+    sqrt(sq + eps), and the learning rate inside the momentum buffer, m <- momentum m +
+    lr g / sqrt(sq + eps); x <- x - m."""
+
+    lr: float = 1e-3
+    alpha: float = 0.9
+    eps: float = 1e-7
+    formula = KERAS_RMSPROP
+
+
+@dataclass(frozen=True)
+class KerasAdagrad(Adagrad):
+    """Keras' ``Adagrad``: x <- x - lr g / sqrt(h + eps), the sums starting at 0.1."""
+
+    lr: float = 1e-3
+    eps: float = 1e-7
+    initial_accumulator_value: float = 0.1
+    formula = KERAS_ADAGRAD
+
+
+@dataclass(frozen=True)
+class KerasAdamax(Adamax):
+    """Keras' ``Adamax``: u <- max(b2 u, |g|); x <- x - lr / (1 - b1^t) m / (u + eps)."""
+
+    lr: float = 1e-3
+    eps: float = 1e-7
+    formula = KERAS_ADAMAX
+
+
 Optimizer = (SGD | Adam | Adagrad | TorchAdam | AdamW | Adamax | NAdam | RAdam | RMSprop |
-             Adadelta)
+             Adadelta | KerasRMSprop | KerasAdagrad | KerasAdamax)
 # every optimizer class, for isinstance checks
-OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta)
+OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta,
+              KerasRMSprop, KerasAdagrad, KerasAdamax)
 # the CLI's names (``from_spec``)
 KINDS = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam, "adamw": AdamW,
          "adamax": Adamax, "nadam": NAdam, "radam": RAdam, "rmsprop": RMSprop,
-         "adadelta": Adadelta}
+         "adadelta": Adadelta, "keras_rmsprop": KerasRMSprop, "keras_adagrad": KerasAdagrad,
+         "keras_adamax": KerasAdamax}
+
 
 def from_spec(spec: str | Optimizer) -> Optimizer:
     """``"sgd:lr=0.1,momentum=0.9"`` or ``"adam:lr=1e-3,betas=0.9/0.999"`` (the CLI form) ->

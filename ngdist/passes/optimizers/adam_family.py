@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext
-from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, NADAM, RADAM, TORCH_ADAM,
-                                             TORCH_ADAMW, Float64, Scalars, decimal, maximized,
-                                             scalar_like)
+from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMAX, NADAM,
+                                             RADAM, TORCH_ADAM, TORCH_ADAMW, Float64, Scalars,
+                                             decimal, maximized, scalar_like)
 
 Values = dict[str, ir.Value]
 
@@ -43,7 +43,7 @@ def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
         tpos = f.op("Greater", f.t, f.c(0.0))  # T <= 0: no bias correction
         out["step_size"] = f.op("Div", f.lr, f.op("Where", tpos, bc1, one))
         out["bc2_sqrt"] = f.op("Where", tpos, f.op("Sqrt", bc2), one)
-    elif formula == ADAMAX:
+    elif formula in (ADAMAX, KERAS_ADAMAX):
         out["clr"] = f.op("Div", f.lr, bc1)
     elif formula == NADAM:
         out.update(_nadam_scalars(f, b1, decimal(a.get("ngdist_momentum_decay", 4e-3)), bc2))
@@ -171,6 +171,19 @@ def _adamax(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir
     return [x_new, m_new, u_new]
 
 
+def _keras_adamax(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
+                  states: Sequence[ir.Value]) -> list[ir.Value]:
+    """Keras: m += (g - m)(1 - b1); u = max(b2 u, |g|); x -= lr / (1 - b1^t) * m / (u + eps)."""
+    m, u = states
+    b1, b2, eps, _ = _hyper(a)
+    x, g = p.prelude(formula, a, x, g)
+    m_new = p.lerp(m, g, 1 - b1)
+    u_new = p.op("Max", p.op("Mul", u, p.c(b2)), p.op("Abs", g))
+    x_new = p.op("Sub", x, p.op("Mul", p.op("Div", m_new, p.op("Add", u_new, p.c(eps))),
+                                p.scalar("clr")))
+    return [x_new, m_new, u_new]
+
+
 def _nadam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
            states: Sequence[ir.Value]) -> list[ir.Value]:
     """denom = sqrt(v / (1 - b2^t)) + eps; x += grad_coef g / denom + avg_coef m / denom."""
@@ -203,7 +216,7 @@ def _radam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.
 
 _ONE: dict[str, Callable[..., list[ir.Value]]] = {
     TORCH_ADAM: _torch_adam, TORCH_ADAMW: _torch_adam, ADAMAX: _adamax, NADAM: _nadam,
-    RADAM: _radam}
+    RADAM: _radam, KERAS_ADAMAX: _keras_adamax}
 
 
 def lower(ctx: GradContext, formula: str, a: Mapping[str, object], r: ir.Value, t: ir.Value,

@@ -25,8 +25,11 @@ FORMULA_ATTR = "ngdist_formula"
 TORCH_ADAM, TORCH_ADAMW = "torch_adam", "torch_adamw"
 RMSPROP, ADADELTA = "rmsprop", "adadelta"  # on an Adagrad node
 ADAMAX, NADAM, RADAM = "adamax", "nadam", "radam"  # on an Adam node
+# Keras' formulas where they differ from torch's (epsilon elsewhere)
+KERAS_RMSPROP, KERAS_ADAGRAD, KERAS_ADAMAX = "keras_rmsprop", "keras_adagrad", "keras_adamax"
 FORMULAS = {TORCH_ADAM: "Adam", TORCH_ADAMW: "Adam", ADAMAX: "Adam", NADAM: "Adam",
-            RADAM: "Adam", RMSPROP: "Adagrad", ADADELTA: "Adagrad"}  # formula -> its node
+            RADAM: "Adam", KERAS_ADAMAX: "Adam", RMSPROP: "Adagrad", ADADELTA: "Adagrad",
+            KERAS_RMSPROP: "Adagrad", KERAS_ADAGRAD: "Adagrad"}  # formula -> its node
 # with the PyTorch Adam formula, AMSGrad (1): a third state per parameter, the running max of v
 AMSGRAD_ATTR = "ngdist_amsgrad"
 MAXIMIZE_ATTR = "ngdist_maximize"  # 1: the update ascends (the gradient is negated first)
@@ -54,6 +57,9 @@ STATE_KINDS: dict[tuple[str, str | None], Callable[[Mapping[str, object]], tuple
     ("Adam", RADAM): lambda a: ("radam_m", "radam_v"),
     ("Adagrad", RMSPROP): _rmsprop_kinds,
     ("Adagrad", ADADELTA): lambda a: ("adadelta_sq", "adadelta_acc"),
+    ("Adagrad", KERAS_RMSPROP): _rmsprop_kinds,
+    ("Adagrad", KERAS_ADAGRAD): lambda a: ("adagrad_h",),
+    ("Adam", KERAS_ADAMAX): lambda a: ("adamax_m", "adamax_u"),
 }
 
 

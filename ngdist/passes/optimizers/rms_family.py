@@ -1,10 +1,11 @@
-"""PyTorch's ``torch.optim.RMSprop`` and ``Adadelta`` on an ONNX ``Adagrad`` node
-(``ngdist_formula``), single-tensor path, formula for formula.
+"""PyTorch's ``torch.optim.RMSprop`` and ``Adadelta``, and Keras' ``RMSprop`` and ``Adagrad``
+(epsilon inside the square root), on an ONNX ``Adagrad`` node (``ngdist_formula``), formula
+for formula.
 
 Attributes: epsilon is eps, norm_coefficient the (L2) weight decay; RMSprop's smoothing
 constant is ``ngdist_alpha``, its momentum ``ngdist_momentum`` and ``ngdist_centered=1``
 subtracts the squared running mean of the gradient; Adadelta's decay is ``ngdist_rho``.
-R is the learning rate; T is not read.
+R is the learning rate; T is read by Keras' Adagrad only (ONNX's decay_factor, 0 from Keras).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from collections.abc import Mapping, Sequence
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext
-from ngdist.passes.optimizers.common import ADADELTA, RMSPROP, Scalars, decimal, maximized
+from ngdist.passes.optimizers.common import (ADADELTA, KERAS_ADAGRAD, KERAS_RMSPROP, RMSPROP,
+                                             Scalars, decimal, maximized)
 
 
 def _prelude(ctx: GradContext, k: Scalars, a: Mapping[str, object], x: ir.Value,
@@ -71,20 +73,61 @@ def _adadelta(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Valu
     return [ctx.op("Sub", x, ctx.op("Mul", delta, lr)), sq_new, acc_new]
 
 
-_ONE = {RMSPROP: _rmsprop, ADADELTA: _adadelta}
+def _keras_rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Value,
+                   x: ir.Value, g: ir.Value, states: Sequence[ir.Value]) -> list[ir.Value]:
+    """Keras: sq = rho sq + (1 - rho) g^2; centered: ga = rho ga + (1 - rho) g, den = sq - ga^2
+    + eps, else sq + eps; inc = lr g / sqrt(den); momentum: m = momentum m + inc, x -= m; else
+    x -= inc. New x, sq (, m) (, ga)."""
+    rho, eps = decimal(a.get("ngdist_alpha", 0.9)), decimal(a["epsilon"])
+    momentum = decimal(a.get("ngdist_momentum", 0.0))
+    sq, *rest = states
+    m = rest.pop(0) if momentum else None
+    ga = rest.pop(0) if a.get("ngdist_centered", 0) else None
+    g = _prelude(ctx, k, a, x, g)
+    sq_new = ctx.op("Add", ctx.op("Mul", sq, k.exact(rho, x)),
+                    ctx.op("Mul", ctx.op("Mul", g, g), k.exact(1 - rho, x)))
+    den = sq_new
+    if ga is not None:
+        ga = ctx.op("Add", ctx.op("Mul", ga, k.exact(rho, x)), ctx.op("Mul", g, k.exact(1 - rho, x)))
+        den = ctx.op("Sub", den, ctx.op("Mul", ga, ga))
+    step = ctx.op("Div", ctx.op("Mul", g, lr), ctx.op("Sqrt", ctx.op("Add", den, k.exact(eps, x))))
+    out = [sq_new]
+    if m is not None:
+        step = ctx.op("Add", ctx.op("Mul", m, k.exact(momentum, x)), step)
+        out.append(step)
+    if ga is not None:
+        out.append(ga)
+    return [ctx.op("Sub", x, step), *out]
+
+
+def _keras_adagrad(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Value,
+                   x: ir.Value, g: ir.Value, states: Sequence[ir.Value]) -> list[ir.Value]:
+    """Keras: h += g^2; x -= lr g / sqrt(h + eps) (lr already divided by 1 + T decay)."""
+    (h,) = states
+    g = _prelude(ctx, k, a, x, g)
+    h_new = ctx.op("Add", h, ctx.op("Mul", g, g))
+    den = ctx.op("Sqrt", ctx.op("Add", h_new, k.exact(decimal(a["epsilon"]), x)))
+    return [ctx.op("Sub", x, ctx.op("Div", ctx.op("Mul", g, lr), den)), h_new]
+
+
+_ONE = {RMSPROP: _rmsprop, ADADELTA: _adadelta, KERAS_RMSPROP: _keras_rmsprop,
+        KERAS_ADAGRAD: _keras_adagrad}
 
 
 def lower(ctx: GradContext, formula: str, a: Mapping[str, object], r: ir.Value, t: ir.Value,
           xs: Sequence[ir.Value], gs: Sequence[ir.Value], states: Sequence[Sequence[ir.Value]]
           ) -> tuple[list[ir.Value], list[list[ir.Value]]]:
     """New parameters and new states (one list per state kind) of an RMSprop/Adadelta node."""
-    del t  # neither formula reads the step count
     k = Scalars(ctx)
+    decay = decimal(a.get("decay_factor") or 0.0)
     new_x: list[ir.Value] = []
     new_s: list[list[ir.Value]] = [[] for _ in states]
     for i, (x, g) in enumerate(zip(xs, gs)):
-        x_new, *state_new = _ONE[formula](ctx, k, a, k.cast(r, x), x, g,
-                                          [kind[i] for kind in states])
+        lr = k.cast(r, x)
+        if decay:  # lr / (1 + T decay), as ONNX's Adagrad
+            lr = k.memo(("decayed_lr",), x, lambda: ctx.op("Div", lr, ctx.op(
+                "Add", k.exact(1.0, x), ctx.op("Mul", k.cast(t, x), k.exact(decay, x)))))
+        x_new, *state_new = _ONE[formula](ctx, k, a, lr, x, g, [kind[i] for kind in states])
         new_x.append(x_new)
         for j, value in enumerate(state_new):
             new_s[j].append(value)
