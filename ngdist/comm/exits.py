@@ -45,9 +45,11 @@ from typing import Any, NoReturn
 from ngdist.comm.rankwrap import SUPERVISED_ENV, marker
 
 AT_EXIT_NAME = "ngdist-at-exit"  # the main thread's name while its rank waits at the end
+JOIN_HINT = ("When the ranks have different numbers of batches, step inside "
+             "`with trainer.join():` (a rank that runs out answers the others' steps until "
+             "every rank is done)")
 
 _lock = threading.Lock()
-_original_exit = sys.exit
 _tracked = False
 _exit_code: list[Any] = []  # the SystemExit code the interpreter read on its way out
 # this rank's multi-rank trainer: the step it is in (0: none), the steps done, lockstep
@@ -165,10 +167,6 @@ def note_step(step: int, done: int = 0, lockstep: bool = False) -> None:
     _step[:] = [step, done, lockstep]
 
 
-def current_step() -> int:
-    return _step[0]
-
-
 def _wait_path(pid: int) -> str:
     return os.path.join(WAIT_DIR, f"ngdist-wait-{pid}")
 
@@ -236,9 +234,7 @@ def astray_message(what: str, rank: int, who: list[str], pids: list[int]) -> str
     where = (f"ran out of data after {', '.join(map(str, done))} step(s): it waits in a "
              "collective outside any step" if done else "is in another step")
     return (f"{', '.join(who)} {where} while rank {rank} waits for it in step {step} "
-            f"({what}); the two would wait for each other until the timeout. When the ranks "
-            "have different numbers of batches, step inside `with trainer.join():` (a rank "
-            "that runs out answers the others' steps until every rank is done)")
+            f"({what}); the two would wait for each other until the timeout. {JOIN_HINT}")
 
 
 def at_exit_message(what: str, rank: int, who: list[str]) -> str:
@@ -247,9 +243,8 @@ def at_exit_message(what: str, rank: int, who: list[str]) -> str:
     step, done = _step[0], _step[1]
     if step:
         return (f"{names} ran out of data after {done} step(s): it ended its program (exit "
-                f"status 0) while rank {rank} waits for it in step {step} ({what}). When the "
-                "ranks have different numbers of batches, step inside `with trainer.join():` "
-                "(a rank that runs out answers the others' steps until every rank is done)")
+                f"status 0) while rank {rank} waits for it in step {step} ({what}). "
+                + JOIN_HINT)
     return (f"{names} ended its program (exit status 0: it returned or called sys.exit(0)) "
             f"while rank {rank} waits for it in {what}; every rank must make the same "
             "collective calls in the same order (look at that rank's program and output for "
