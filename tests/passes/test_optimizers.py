@@ -206,8 +206,9 @@ def test_schedules_are_hugging_faces_and_torchs_factors():
     with pytest.raises(ngdist.errors.OptionError, match=r"lr schedule 'warmup_linear:warmup=5' "
                                                         r"needs \['total'\]"):
         schedules.from_spec("warmup_linear:warmup=5")
-    with pytest.raises(ngdist.errors.OptionError, match=r"unknown lr schedule 'cosine' in 'cosine'; "
-                                                        r"choose one of \['step_decay', "):
+    with pytest.raises(ngdist.errors.OptionError,
+                       match=r"unknown lr schedule 'cosine' in 'cosine'; "
+                             r"choose one of \['step_decay', "):
         schedules.from_spec("cosine")
     with pytest.raises(ngdist.errors.OptionError, match=r"warmup_linear\(warmup=1.5\): warmup "
                                                         r"takes a whole number of steps"):

@@ -118,13 +118,14 @@ def node_attrs(node: ir.Node) -> dict[str, object]:
     schema = defs.get_schema(node.op_type, 1, PREVIEW_TRAINING)
     out: dict[str, object] = {k: a.value for k, a in node.attributes.items()
                               if k.startswith("ngdist_")}
+    required = sorted(n for n, s in schema.attributes.items() if s.required)
     for name, a in schema.attributes.items():
         value = attr(node, name, onnx_default(a))
         kinds, what = _ATTR_KINDS.get(a.type, ((object,), ""))
         if value is None and a.required:
             raise GraphError(f"optimizer node {node.name!r} ({node.op_type}) lacks its required "
                              f"attribute {name!r}; ai.onnx.preview.training.{node.op_type} "
-                             f"needs {sorted(n for n, s in schema.attributes.items() if s.required)}")
+                             f"needs {required}")
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
             raise GraphError(f"optimizer node {node.name!r} ({node.op_type}): attribute "
                              f"{name!r} is {value!r}, not {what}")

@@ -88,7 +88,8 @@ def _keras_rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir
                     ctx.op("Mul", ctx.op("Mul", g, g), k.exact(1 - rho, x)))
     den = sq_new
     if ga is not None:
-        ga = ctx.op("Add", ctx.op("Mul", ga, k.exact(rho, x)), ctx.op("Mul", g, k.exact(1 - rho, x)))
+        ga = ctx.op("Add", ctx.op("Mul", ga, k.exact(rho, x)),
+                    ctx.op("Mul", g, k.exact(1 - rho, x)))
         den = ctx.op("Sub", den, ctx.op("Mul", ga, ga))
     step = ctx.op("Div", ctx.op("Mul", g, lr), ctx.op("Sqrt", ctx.op("Add", den, k.exact(eps, x))))
     out = [sq_new]
