@@ -11,9 +11,9 @@
 * ``scale_grad_by_freq``: each row's gradient divided by its count in the mini-batch; on N ranks
   one process's count is not the global batch's; refused.
 * ``sparse=True``: torch's SGD without weight decay computes what it computes for a dense
-  gradient, so it is accepted there; every other optimizer is refused as torch refuses it
-  (Adam, AdamW: "does not support sparse gradients"; SGD with weight decay: "add(sparse,
-  dense) is not supported").
+  gradient, so it is accepted there; every other optimizer is refused, most as torch refuses
+  them (Adam, AdamW, RMSprop, ...: "does not support sparse gradients"; SGD with weight
+  decay: "add(sparse, dense) is not supported").
 """
 from __future__ import annotations
 
@@ -34,8 +34,13 @@ def _embeddings(module: Any) -> list[tuple[str, Any]]:
             if isinstance(sub, kinds)]
 
 
+# torch optimizers whose step raises on a sparse gradient (torch 2.13)
+_TORCH_REFUSES_SPARSE = {"Adam", "AdamW", "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam",
+                         "ASGD", "Rprop"}
+
+
 def _sparse_ok(optimizer: Any) -> str | None:
-    """None when an optimizer steps a sparse gradient as a dense one, else torch's refusal."""
+    """None when an optimizer steps a sparse gradient as a dense one, else why not."""
     import torch
 
     if isinstance(optimizer, torch.optim.SGD):
@@ -45,9 +50,11 @@ def _sparse_ok(optimizer: Any) -> str | None:
     if isinstance(optimizer, optim.SGD):
         return "ngdist.optim.SGD with weight_decay has no sparse counterpart in torch" \
             if optimizer.weight_decay else None
-    name = f"torch.optim.{type(optimizer).__name__}" if type(optimizer).__module__.startswith(
-        "torch.optim") else type(optimizer).__name__
-    return f"{name} does not support sparse gradients in torch"
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Optimizer) and name in _TORCH_REFUSES_SPARSE:
+        return f"torch.optim.{name} does not support sparse gradients (torch raises at its " \
+            "first step)"
+    return f"ngdist takes sparse gradients only with SGD without weight decay, not {name}"
 
 
 def check_embeddings(module: Any, optimizer: Any) -> None:

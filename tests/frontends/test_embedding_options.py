@@ -22,6 +22,7 @@ import torch
 import ngdist
 from ngdist.errors import GraphError
 from ngdist.frontends import torch as tfront
+from ngdist.frontends.torch_embedding import _TORCH_REFUSES_SPARSE
 from step_probe import check_step_graph, gradient_errors, max_rel_err, run_step, torch_step
 
 nn = torch.nn
@@ -204,11 +205,16 @@ REFUSALS = {
         "scale_grad_by_freq=False"),
     "sparse_adam": (Encoder.__new__, lambda ps: torch.optim.Adam(ps, lr=0.01),
                     "Embedding 'emb' has sparse=True and torch.optim.Adam does not support "
-                    "sparse gradients in torch; use sparse=False (ngdist's gradients are dense)"),
+                    "sparse gradients (torch raises at its first step); use sparse=False "
+                    "(ngdist's gradients are dense)"),
     "sparse_adamw": (Encoder.__new__, lambda ps: torch.optim.AdamW(ps, lr=0.01),
                      "Embedding 'emb' has sparse=True and torch.optim.AdamW does not support "
-                     "sparse gradients in torch; use sparse=False (ngdist's gradients are "
-                     "dense)"),
+                     "sparse gradients (torch raises at its first step); use sparse=False "
+                     "(ngdist's gradients are dense)"),
+    "sparse_adagrad": (Encoder.__new__, lambda ps: torch.optim.Adagrad(ps, lr=0.01),
+                       "Embedding 'emb' has sparse=True and ngdist takes sparse gradients only "
+                       "with SGD without weight decay, not Adagrad; use sparse=False (ngdist's "
+                       "gradients are dense)"),
     "sparse_sgd_weight_decay": (
         Encoder.__new__, lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01),
         "Embedding 'emb' has sparse=True and torch.optim.SGD with weight_decay fails on a "
@@ -228,13 +234,16 @@ def test_unsupported_embedding_options_are_refused(case):
     assert _refusal(module, optimizer) == message
 
 
-def test_torch_refuses_what_ngdist_refuses_for_sparse_gradients():
-    """The refusals above mirror torch: its own step fails on these sparse gradients."""
-    for make, text in ((lambda ps: torch.optim.Adam(ps), "does not support sparse gradients"),
-                       (lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.01),
-                        "add(sparse, dense) is not supported")):
+def test_torch_refuses_what_ngdist_says_torch_refuses_for_sparse_gradients():
+    """The refusals above that name torch mirror it: its own step fails on these sparse
+    gradients (Adagrad, which torch accepts, is refused in ngdist's own words)."""
+    cases = [(getattr(torch.optim, name), {"lr": 0.1}, "does not support sparse gradients")
+             for name in sorted(_TORCH_REFUSES_SPARSE)]
+    cases.append((torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.01},
+                  "add(sparse, dense) is not supported"))
+    for cls, kwargs, text in cases:
         emb = nn.Embedding(V, D, sparse=True)
-        opt = make(emb.parameters())
+        opt = cls(emb.parameters(), **kwargs)
         emb(torch.tensor([1, 2])).sum().backward()
         with pytest.raises(RuntimeError, match=re.escape(text)):
             opt.step()
