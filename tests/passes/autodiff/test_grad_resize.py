@@ -100,3 +100,16 @@ def test_reference_resize_is_onnxruntimes(case) -> None:
     ref = Runner(_model(case, np.float64, ["y"]), reference=True)({"x": x})[0]
     ort32 = Runner(_model(case, np.float32, ["y"]), ort_only=True)({"x": x.astype(np.float32)})[0]
     np.testing.assert_allclose(ort32, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cid, block", [("Resize-nearest-asymmetric-floor", True),
+                                        ("Resize-nearest-round-prefer-floor-1.5", False),
+                                        ("Resize-linear-half-pixel-x2", False)])
+def test_nearest_integer_upsampling_sums_blocks_without_a_product(cid: str, block: bool) -> None:
+    """Nearest upsampling by a whole factor repeats each input: its gradient sums blocks
+    (Reshape, ReduceSum), cheaper than the per-axis product other modes take."""
+    case = next(c for c in CASES if c.id == cid)
+    lowered = grad_model(case, np.float32, weights_for(case))
+    ops = [n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")]
+    assert ("MatMul" not in ops) == block
+    assert ("ReduceSum" in ops) == block

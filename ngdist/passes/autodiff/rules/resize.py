@@ -3,7 +3,8 @@
 Resize is linear in X and separable: each resized axis is a matrix A (output x input
 positions) applied along it, for every mode ONNX defines. The rule builds A for each axis
 from ONNX's reference Resize on the identity (so its semantics are the op's own, not a
-re-derivation) and applies A^T to the gradient with one MatMul per axis. That needs the
+re-derivation) and applies A^T to the gradient with one MatMul per axis (a block sum where A
+repeats each input a whole number of times: nearest upsampling). That needs the
 sizes of the resized axes and the scales (or output sizes) as constants; a Resize whose
 sizes are known only at run time is refused, naming its mode.
 """
@@ -97,6 +98,15 @@ def resize(ctx, node, gys):
     rank = len(dims(node.inputs[0], "Resize input"))
     for axis, spec in _plan(ctx, node):
         mat = axis_matrix(node, **spec)  # [n, out]
+        n, out = mat.shape
+        if out % n == 0 and np.array_equal(mat, np.kron(np.eye(n), np.ones((1, out // n)))):
+            # each input repeated out/n times in a row (nearest, integer scale): sum the
+            # blocks, O(out) where the product costs O(n out)
+            view = ctx.op("Concat", ctx.op("Shape", g, start=0, end=axis),
+                          ctx.ints([n, out // n]), ctx.op("Shape", g, start=axis + 1), axis=0)
+            g = ctx.op("ReduceSum", ctx.op("Reshape", g, view), ctx.ints([axis + 1]),
+                       keepdims=0)
+            continue
         if axis == rank - 2:  # M @ g [..., out, w]
             g = ctx.op("MatMul", ctx.const(mat, like=g), g)
             continue
