@@ -25,6 +25,7 @@ DEPENDENCIES: tuple[tuple[str, str], ...] = (
 )
 CONV_ALGO_SEARCH = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 ARENA_EXTEND = ("kNextPowerOfTwo", "kSameAsRequested")
+COMMS = ("host", "nccl")
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class CudaOptions:
     (bytes): the device memory arena; ``user_compute_stream``: the address of a
     ``cudaStream_t`` the sessions run on (with ``overlap_streams``, the runtime's own).
     ``overlap_streams``: segments run on one compute stream without synchronising at the end
-    of each run, ordered against the comm stream by events (off until measured on a GPU)."""
+    of each run, ordered against the comm stream by events (off until measured on a GPU).
+    ``comm``: how device buffers are communicated: ``host`` (staged through host memory) or
+    ``nccl`` (comm/nccl.py; host where cupy or NCCL is missing, with a warning)."""
 
     use_tf32: bool | None = None
     cudnn_conv_algo_search: str | None = None
@@ -45,8 +48,11 @@ class CudaOptions:
     gpu_mem_limit: int | None = None
     user_compute_stream: int | None = None
     overlap_streams: bool = False
+    comm: str = "host"
 
     def __post_init__(self) -> None:
+        if self.comm not in COMMS:
+            raise OptionError(f"CudaOptions comm={self.comm!r}: choose one of {list(COMMS)}")
         for name, allowed in (("cudnn_conv_algo_search", CONV_ALGO_SEARCH),
                               ("arena_extend_strategy", ARENA_EXTEND)):
             value = getattr(self, name)
@@ -70,7 +76,7 @@ class CudaOptions:
         out = {"device_id": str(device_id)}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name == "overlap_streams":
+            if value is None or f.name in ("overlap_streams", "comm"):
                 continue
             out[f.name] = str(int(value)) if isinstance(value, bool) else str(value)
             if f.name == "user_compute_stream":

@@ -40,6 +40,7 @@ from ngdist.runtime.inference import Inference
 from ngdist.runtime.join import Join, lockstep
 from ngdist.runtime.metrics import DEFAULT_EVERY, MetricsLog
 from ngdist.runtime.microbatch import micro_batch_size
+from ngdist.comm.nccl import device_group
 from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.sessions import Placement, placement_for
 from ngdist.runtime.state import StateAccess
@@ -99,6 +100,10 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
         self.placement = device if isinstance(device, Placement) else \
             placement_for(device, self.group.local_rank, cuda)
+        if self.placement.device == "cuda":  # device buffers: NCCL, or staged (comm/nccl.py)
+            opts = self.placement.cuda
+            self.group = device_group(self.group, opts.comm, self.placement.device_id,
+                                      opts.overlap_streams)
         inference, step = split_training_model(model) if step is None else (model, step)
         self.inference = inference
         self.step_model = step

@@ -49,6 +49,7 @@ def test_provider_options_map_one_to_one():
     ({"user_compute_stream": True},
      "CudaOptions user_compute_stream=True: a positive whole number (a cudaStream_t address)"),
     ({"use_tf32": 0}, "CudaOptions use_tf32=0: True or False"),
+    ({"comm": "gloo"}, "CudaOptions comm='gloo': choose one of ['host', 'nccl']"),
 ])
 def test_bad_provider_options(kwargs, message):
     with pytest.raises(OptionError) as info:
