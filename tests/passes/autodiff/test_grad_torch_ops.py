@@ -221,8 +221,8 @@ def test_dynamo_exports_match_torch_autograd_float64(name: str) -> None:
     x = rng.standard_normal(shape).astype(np.float32)
     y = rng.integers(0, CLASSES, shape[0]).astype(np.int64)
     forward = torch.onnx.export(
-        module, (torch.from_numpy(x[:2]),), dynamo=True, opset_version=23, optimize=False, verbose=False,
-        input_names=["x"], output_names=["output"],
+        module, (torch.from_numpy(x[:2]),), dynamo=True, opset_version=23, optimize=False,
+        verbose=False, input_names=["x"], output_names=["output"],
         dynamic_shapes=({0: torch.export.Dim("batch")},)).model_proto
     ops = {n.op_type for n in forward.graph.node}
     if name in ("group_norm", "rms_norm"):
