@@ -299,8 +299,9 @@ def test_elementwise_constants_have_the_rank_of_the_tensor(cid: str) -> None:
 
 # ----------------------------------------------------------------------------- reuse
 
-REUSE = ["BatchNorm-train-4d", "LayerNorm-last", "LayerNorm-float32-stats", "Dropout-train", "Dropout-train-mask-output", "Gelu",
-         "Sigmoid", "Tanh", "Softmax-axis1", "Exp", "Sqrt", "Erf"]
+REUSE = ["BatchNorm-train-4d", "LayerNorm-last", "LayerNorm-float32-stats", "Dropout-train",
+         "Dropout-train-mask-output", "Gelu", "Sigmoid", "Tanh", "Softmax-axis1", "Exp", "Sqrt",
+         "Erf"]
 
 
 @pytest.mark.parametrize("cid", REUSE)

@@ -3,8 +3,9 @@
 Each tiny module uses one op family that ngdist's torch frontend exports to an op with a
 newer rule (Einsum, InstanceNormalization for nn.GroupNorm / nn.InstanceNorm2d, Resize for
 F.interpolate, ReduceL2 for F.normalize, CumSum, ScatterElements, TopK, Trilu, Tile,
-DepthToSpace, the activations, LSTM, GRU and RNN); it is compiled into a training model, differentiated by
-ngdist's autodiff pass and run once in onnxruntime (float32). Loss and every parameter
+DepthToSpace, Col2Im for F.fold, the activations, LSTM, GRU and RNN); it is compiled into a
+training model, differentiated by ngdist's autodiff pass and run once in onnxruntime
+(float32). Loss and every parameter
 gradient must match torch autograd in float64 (max error <= 1e-4 of the largest entry), and
 the step graph must pass onnx.checker's full check with unique node names.
 """
