@@ -48,6 +48,7 @@ class CommRunner:
         self.placement = placement
         self.kernels: dict[int, KernelSpec] = dict(plan.kernels)
         self.device_module = device_module(placement)
+        self._comm_input = dict(plan.comm_input)  # (read for every segment output)
         # value name -> {id of an array its kernel asked for: (the array, an OrtValue over it)}
         self._kernel_values: dict[str, dict[int, tuple[Any, ort.OrtValue]]] = {}
         self.timeline: Any = None
@@ -56,7 +57,7 @@ class CommRunner:
         """The memory a comm kernel asked value ``name`` to be written into for its next
         call, as an OrtValue made once per array (a kernel may hand out two in turn; a third
         array replaces them); None when it asked for nothing."""
-        spot = self.plan.comm_input.get(name)
+        spot = self._comm_input.get(name)
         if spot is None:
             return None
         index, i = spot

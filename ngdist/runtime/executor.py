@@ -98,7 +98,10 @@ class Executor:
             for node in self.plan.comm_nodes.values() for name in node.inputs
             if name in self.plan.constants}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ngdist-comm") if overlap else None
+        # the plan's facts the loop reads at every item, as plain containers
+        self._items = self.plan.items
         self._in_batch = self.plan.in_batch
+        self._free_after = dict(self.plan.free_after)
         self._labels = {s.index: (ends(s), {"segment": s.index, "nodes": len(s.nodes)})
                         for s in self.plan.segments}
 
@@ -153,13 +156,14 @@ class Executor:
         times = times or StepTimes()
         env = {**self.comm_constants, **feeds}
         pending = _Pending(env, times, self.timeline)
-        for item in self.plan.items:
+        free_after, in_batch = self._free_after, self._in_batch
+        for item in self._items:
             if isinstance(item, Segment):
                 pending.resolve(item.inputs)
                 self._segment(item, env, times)
-            elif item.index not in self._in_batch:  # (else its batch has run it)
+            elif item.index not in in_batch:  # (else its batch has run it)
                 self._comm(item, env, pending, times)
-            for name in self.plan.free_after.get(item.index, ()):
+            for name in free_after.get(item.index, ()):
                 if name not in pending.futures:
                     env.pop(name, None)
         pending.resolve(list(pending.futures))
