@@ -17,17 +17,22 @@ from ngdist.comm.group import ProcessGroup, ReduceOp, Work, array_module
 
 
 def host_copy(x: Any) -> np.ndarray:
-    """A contiguous, writable host copy of array ``x`` (device or host)."""
-    asnumpy = getattr(array_module(x), "asnumpy", None)
-    return np.array(asnumpy(x) if asnumpy is not None else x, order="C", copy=True)
+    """A contiguous, writable host copy of array ``x`` (device or host; a cupy array's own
+    ``get``, else its module's ``asnumpy``)."""
+    if isinstance(x, np.ndarray):
+        return np.array(x, order="C", copy=True)
+    get = getattr(x, "get", None)
+    return np.ascontiguousarray(get() if get is not None else array_module(x).asnumpy(x))
 
 
 def copy_back(dst: Any, host: np.ndarray) -> None:
     """``dst[...] = host`` across memories (``dst``'s array module makes the device copy)."""
     if isinstance(dst, np.ndarray):
         np.copyto(dst, host.reshape(dst.shape))
-        return
-    dst[...] = array_module(dst).asarray(host).reshape(dst.shape)
+    elif hasattr(dst, "set"):  # cupy: one host-to-device copy into the array
+        dst.set(np.ascontiguousarray(host.reshape(dst.shape)))
+    else:
+        dst[...] = array_module(dst).asarray(host).reshape(dst.shape)
 
 
 class StagedWork(Work):
