@@ -196,14 +196,36 @@ class RMSNormed(nn.Module):
         return self.b(self.norm(self.a(x)))
 
 
-# the dynamo exporter at opset 23: nn.GroupNorm becomes GroupNormalization-21 and nn.RMSNorm
-# RMSNormalization-23
+class SDPA(nn.Module):
+    """Causal grouped-query attention, then attention with a trained additive bias (T5's
+    relative positions are such a float mask): F.scaled_dot_product_attention."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(d, d), nn.Linear(d, d)
+        self.bias = nn.Parameter(torch.randn(2, 5, 5) * 0.5)
+        self.out = nn.Linear(d, CLASSES)
+
+    def forward(self, x):  # x [N, 5, 8]: 4 query heads, 2 key/value heads of size 2
+        n = x.shape[0]
+        q = self.q(x).view(n, 5, 4, 2).transpose(1, 2)
+        k, v = self.kv(x).view(n, 5, 2, 4).transpose(1, 2).chunk(2, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        qq, kk = q[:, :2], a[:, 2:]
+        b = F.scaled_dot_product_attention(qq, kk, kk, attn_mask=self.bias)
+        return self.out(torch.cat([a, b], 1).transpose(1, 2).reshape(n, 5, -1)[..., :8]
+                        .mean(1))
+
+
+# the dynamo exporter at opset 23: nn.GroupNorm becomes GroupNormalization-21, nn.RMSNorm
+# RMSNormalization-23 and F.scaled_dot_product_attention Attention-23
 DYNAMO = {
     "group_norm": (lambda: Norms("group"), (8, 3, 5, 5)),
     "rms_norm": (RMSNormed, (8, 6)),
     "interpolate_bicubic": (lambda: Interpolate("bicubic", False, 2), (8, 3, 4, 4)),
     "cumsum_scatter_topk_tril": (Scan, (8, 6)),
     "lstm_gru": (Recurrent, (8, 5, 4)),
+    "attention": (SDPA, (8, 5, 8)),
 }
 
 
@@ -226,8 +248,8 @@ def test_dynamo_exports_match_torch_autograd_float64(name: str) -> None:
         verbose=False, input_names=["x"], output_names=["output"],
         dynamic_shapes=({0: torch.export.Dim("batch")},)).model_proto
     ops = {n.op_type for n in forward.graph.node}
-    if name in ("group_norm", "rms_norm"):
-        assert {"GroupNormalization", "RMSNormalization"} & ops
+    if name in ("group_norm", "rms_norm", "attention"):
+        assert {"GroupNormalization", "RMSNormalization", "Attention"} & ops
     names = [n for n, _ in module.named_parameters()]
     model = build_training_model(forward, params=names)
     _, step = split_training_model(model)

@@ -1,6 +1,7 @@
 """Gradient rules, one module per op family; importing this package registers them all."""
 from ngdist.passes.autodiff.rules import (  # noqa: F401
     activation,
+    attention,
     conv,
     cumulative,
     einsum,
@@ -16,6 +17,7 @@ from ngdist.passes.autodiff.rules import (  # noqa: F401
     reduce,
     resize,
     select,
+    sequence,
     shape,
     trig,
 )
