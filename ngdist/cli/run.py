@@ -129,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
         raise NgdistError("nothing to run: give a command after --, e.g. "
                           "`ngdist run -n 2 -- python train.py`")
     env = dict(os.environ)
-    n = args.n
-    if n is None:
-        slurm = slurm_allocation(env) if not (args.hostfile or args.hosts) else None
-        n = slurm.tasks if slurm is not None else DEFAULT_RANKS
+    n = rank_count(args, env)
     if args.timeout is not None:
         env["NGDIST_TIMEOUT"] = str(args.timeout)
     if args.servers:
@@ -144,6 +141,15 @@ def run(args: argparse.Namespace) -> int:
     timeline_env(args.timeline, env)
     command = own_interpreter(command, env)
     return launch(command, n, args, hostfile=args.hostfile, hosts=args.hosts, env=env)
+
+
+def rank_count(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """``-n``, else the task count of the Slurm allocation ``env`` is in (without --hostfile
+    or --hosts), else ``DEFAULT_RANKS``."""
+    if args.n is not None:
+        return int(args.n)
+    slurm = slurm_allocation(env) if not (args.hostfile or args.hosts) else None
+    return slurm.tasks if slurm is not None else DEFAULT_RANKS
 
 
 PYTHON_NAMES = ("python", "python3")

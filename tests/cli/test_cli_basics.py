@@ -117,8 +117,10 @@ def test_debug_reraises_ngdist_errors_in_process(tmp_path, monkeypatch):
 
 def test_run_and_train_launch_the_same_number_of_ranks_by_default():
     from ngdist.cli import build_parser
+    from ngdist.cli.run import rank_count
 
     parser = build_parser()
     run = parser.parse_args(["run", "--", "python", "train.py"])
     train = parser.parse_args(["train", "mlp.onnx", "--data", "d.npz"])
-    assert run.n == train.n == 1
+    assert rank_count(run, {}) == train.n == 1  # outside a Slurm allocation
+    assert rank_count(run, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "8"}) == 8
