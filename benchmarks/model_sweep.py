@@ -143,10 +143,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{s['cases']} models, {s['built']} built, {s['passed']} passed "
              f"(**{s['pass_pct']:.1f}%** of those built); median step ratio ngdist / eager "
              f"torch over the passing models: **{_fmt(s['median_ratio'], '.2f')}**.", "",
-             "Errors: worst tensor, relative, from torch float64 (gradients; state after 3 "
-             "AdamW steps); torch f32: torch's own worst float32 error of the gradients "
-             "(above 1e-5 the model is ill-conditioned in float32 and a tensor's bound is "
-             "10x torch's error of it).", "",
+             "Errors: worst tensor, relative, from torch float64 (the gradients; the state "
+             "after each AdamW step, from the state ngdist reached); torch f32: torch's own "
+             "worst float32 error of the gradients (a tensor's bound is 1e-4 or 10x torch's "
+             "float32 error of that tensor, whichever is larger).", "",
              "| family | model | result | failing stage: cause | grad err | torch f32 | "
              "AdamW err | ngdist / torch |", "|---|---|---|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r["name"]):
