@@ -1,5 +1,6 @@
 """``ngdist.launch(fn, n=4, args=(...))``: run a function on ``n`` ranks from plain Python or a
-notebook (Horovod's ``horovod.run``, accelerate's ``notebook_launcher``).
+notebook (Horovod's ``horovod.run``, accelerate's ``notebook_launcher``); inside a Slurm
+allocation through ``srun``, as ``ngdist run`` (comm/launch.py).
 
 The caller pickles ``(fn, args, kwargs)`` into a fresh folder, starts ``n`` ranks of this
 Python under the supervisor of ``ngdist run`` (comm/supervisor.py: a failed rank stops the
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ngdist.comm.launch import slurm_allocation, slurm_env
 from ngdist.comm.supervisor import JobResult, supervise
 from ngdist.errors import LaunchError
 
@@ -62,6 +64,8 @@ def launch(fn: Callable[..., Any], n: int = 2, args: Sequence[Any] = (),
     try:
         (folder / "payload.pkl").write_bytes(dumps((fn, tuple(args), dict(kwargs or {}))))
         ranks_env = dict(os.environ if env is None else env)
+        if slurm_allocation(ranks_env) is not None:  # as ngdist run: through srun
+            ranks_env = slurm_env(ranks_env)
         if timeout is not None:
             ranks_env["NGDIST_TIMEOUT"] = str(timeout)
         result = supervise([sys.executable, "-c", RANK_MAIN, str(folder)], n, env=ranks_env,

@@ -237,3 +237,13 @@ def test_the_notebook_example_returns_each_ranks_loss(project):
     assert proc.returncode == 0, proc.stderr
     losses = eval(proc.stdout.strip().splitlines()[-1])
     assert len(losses) == 2 and all(0 < loss < 2.4 for loss in losses), proc.stdout
+
+
+def test_launch_inside_an_allocation_runs_the_ranks_through_srun(project, slurm):
+    code = ("import os, ngdist\n"
+            "def where():\n"
+            "    return ngdist.rank(), os.environ.get('SLURM_STEP_ID')\n"
+            "print('RESULT', ngdist.launch(where, n=2))\n")
+    proc = run(["salloc", "-n", "2", sys.executable, "-c", code], project, env_with_venv(slurm))
+    assert proc.returncode == 0, proc.stderr
+    assert "RESULT [(0, '0'), (1, '0')]" in proc.stdout.splitlines(), proc.stdout
