@@ -8,6 +8,7 @@ optimizer node (``Momentum`` / ``Adam`` / ``Adagrad``). Parameters keep their in
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ngdist import optim
-from ngdist.errors import GraphError
+from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
 from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
@@ -109,8 +110,10 @@ def _loss_nodes(kind: str | None, output: onnx.ValueInfoProto, labels: str
     if kind is None:
         return [], [], output.name
     if kind not in LOSSES:
-        raise ValueError(f"unknown loss {kind!r}; choose one of {sorted(LOSSES)} or None "
-                         "(the model's first output is already the loss)")
+        close = difflib.get_close_matches(kind, LOSSES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise OptionError(f"unknown loss {kind!r}; {hint}choose one of {sorted(LOSSES)} or "
+                          "None (the model's first output is already the loss)")
     kind = LOSSES[kind]
     dims = output.type.tensor_type.shape.dim
     batch = dims[0].dim_param or dims[0].dim_value if dims else "batch"
@@ -130,15 +133,23 @@ def _loss_nodes(kind: str | None, output: onnx.ValueInfoProto, labels: str
     return nodes, [lab], "ngdist.loss"
 
 
-def _refuse_softmax_output(graph: onnx.GraphProto, output: str, loss: str) -> None:
-    """A cross-entropy loss applies its own softmax: an output that already is a Softmax or
-    LogSoftmax (through Identity nodes) would be normalised twice and train something else."""
+def softmax_output(graph: onnx.GraphProto, output: str) -> onnx.NodeProto | None:
+    """The Softmax or LogSoftmax node that computes ``output`` (through Identity nodes)."""
     producers = {o: n for n in graph.node for o in n.output}
     node = producers.get(output)
     while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
         node = producers.get(node.input[0])
     if node is None or node.op_type not in ("Softmax", "LogSoftmax") or \
             node.domain not in ("", "ai.onnx"):
+        return None
+    return node
+
+
+def _refuse_softmax_output(graph: onnx.GraphProto, output: str, loss: str) -> None:
+    """A cross-entropy loss applies its own softmax: an output that already is a Softmax or
+    LogSoftmax (through Identity nodes) would be normalised twice and train something else."""
+    node = softmax_output(graph, output)
+    if node is None:
         return
     raise GraphError(f"the model's output {output!r} is already a {node.op_type} (node "
                      f"{node.name!r}), and loss={loss!r} applies a softmax itself, so training "

@@ -26,6 +26,9 @@ running-variance output by n / (n - 1) so that running statistics match PyTorch'
 ``scale_grad_by_freq`` and sparse gradients torch's optimizer refuses are refused
 (``frontends/torch_embedding.py``).
 
+A torch loss module or function given as ``loss=`` is exported with the model, so any loss
+torch can export trains with torch's formula (``frontends/torch_loss.py``).
+
 Optimizers follow PyTorch's formulas exactly (``docs/ARCHITECTURE.md``, "Optimizer formulas"):
 ``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) maps onto ONNX Momentum
 (beta = 1 - dampening); ``torch.optim.Adam`` and ``torch.optim.AdamW`` become
@@ -54,6 +57,7 @@ from ngdist.errors import GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
 from ngdist.frontends.torch_exporters import export_graph, export_training
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
+from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
 from ngdist.ir.writeback import WriteBack
@@ -136,7 +140,7 @@ def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -
     taken = {t.name for t in g.initializer if t.name in state}
     renames: dict[str, str] = {}
     for t in g.initializer:
-        if t.name in state:
+        if t.name in state or torch_loss.is_loss_initializer(t.name):
             continue
         arr = numpy_helper.to_array(t)
         if arr.dtype.kind != "f":
@@ -226,11 +230,13 @@ def _check_not_hf_model(module: Any) -> None:
 
 def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | None = None,
            output_names: Sequence[str] | None = None, opset: int = OPSET,
-           exporter: str = "torchscript") -> TorchExport:
+           exporter: str = "torchscript", loss: Any = None, labels: str = "y") -> TorchExport:
     """Exports ``module`` in training and eval mode; its parameters and buffers are untouched.
 
     ``exporter``: the torch.onnx exporter tried first (``torchscript`` or ``dynamo``); where it
-    fails the other one is tried (frontends/torch_exporters.py).
+    fails the other one is tried (frontends/torch_exporters.py). ``loss``: a torch loss
+    exported with the training graph, whose one output is then the loss of the model's output
+    and the input ``labels`` (frontends/torch_loss.py).
     """
     if not is_module(module):
         raise TypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
@@ -245,9 +251,16 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     out_names = list(output_names) if output_names else ["output"]
     was_training = module.training
     snapshot = _snapshot(module)
+    feed_values = dict(zip(in_names, args))
     try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
         # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
-        used, train = export_training(module, args, in_names, out_names, opset, exporter)
+        if loss is None:
+            used, train = export_training(module, args, in_names, out_names, opset, exporter)
+        else:
+            torch_loss.check_labels_name(labels, in_names, out_names)
+            used, train, feed_values[labels] = torch_loss.export_with_loss(
+                module, loss, args, in_names, labels, opset, exporter)
+            _restore(module, snapshot)  # the example labels ran the forward once more
         # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
         # running_var are both ones), so every tensor gets unique values while it runs
         marked = _mark_unique(module)
@@ -266,7 +279,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
-    feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in zip(in_names, args)})
+    feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in feed_values.items()})
     folded = [fold_static_shapes(model, feeds) for model in (train, ev)]
     logger.info("exported %s with the %s exporter: %d nodes (train), %d (eval), %d params, "
                 "%d buffers, %s shape values folded", type(module).__name__, used,
@@ -278,23 +291,9 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
 # --------------------------------------------------------------------------- translation
 
 def translate_loss(loss: Any) -> str | None:
-    """torch loss module / ngdist loss name / None -> ngdist loss name."""
-    if loss is None or isinstance(loss, str):
-        return loss
-    torch = _torch()
-    nn = torch.nn
-    if isinstance(loss, nn.CrossEntropyLoss):
-        if loss.weight is not None or loss.label_smoothing != 0.0 or loss.reduction != "mean":
-            raise GraphError("nn.CrossEntropyLoss is supported with reduction='mean', no class "
-                             "weights and label_smoothing=0")
-        return "softmax_cross_entropy"
-    if isinstance(loss, nn.MSELoss):
-        if loss.reduction != "mean":
-            raise GraphError("nn.MSELoss is supported with reduction='mean'")
-        return "mse"
-    raise GraphError(f"loss {type(loss).__name__} has no ngdist counterpart; use "
-                     "nn.CrossEntropyLoss, nn.MSELoss, 'softmax_cross_entropy', 'mse', or "
-                     "None (the module's output is the loss)")
+    """torch loss / ngdist loss name / None -> ngdist loss name; None also for a loss that is
+    exported with the model (frontends/torch_loss.py)."""
+    return torch_loss.builtin_name(loss)
 
 
 # --------------------------------------------------------------------------- training model
@@ -320,8 +319,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         trained = _optimizer_params(module, optimizer)
     check_embeddings(module, opt if optimizer is _UNSET or optimizer is None or
                      isinstance(optimizer, (str, *optim.OPTIMIZERS)) else optimizer)
-    exp = export(module, example_inputs, input_names=input_names, output_names=output_names,
-                 exporter=exporter)
+    exp = _export_with_loss(module, example_inputs, loss, labels, input_names, output_names,
+                            exporter)
     mark_padding_rows(module, exp.train)
     frozen_set = set(frozen or [])
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
@@ -329,11 +328,35 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
         opt = restrict_groups(opt, trained)
     if not trained:
         raise GraphError("no trainable parameter of the module appears in the exported graph")
-    model = build_training_model(exp.train, loss=translate_loss(loss), labels=labels,
-                                 optimizer=opt, params=trained, output=exp.output_names[0])
+    with_loss = exp.train.graph.output[0].name == torch_loss.LOSS_OUTPUT
+    model = build_training_model(exp.train, loss=None if with_loss else translate_loss(loss),
+                                 labels=labels, optimizer=opt, params=trained,
+                                 output=torch_loss.LOSS_OUTPUT if with_loss
+                                 else exp.output_names[0])
     unbiased_running_var(model)
     _use_eval_graph(model, exp.eval)
     return model, exp
+
+
+def _export_with_loss(module: Any, example_inputs: Any, loss: Any, labels: str,
+                      input_names: Sequence[str] | None, output_names: Sequence[str] | None,
+                      exporter: str) -> TorchExport:
+    """``export``, with the loss in the training graph where it has no built-in form or the
+    output is already a (log-)softmax that torch's cross-entropy normalises again."""
+    from ngdist.frontends.onnx import softmax_output
+
+    def run(with_loss: bool) -> TorchExport:
+        return export(module, example_inputs, input_names=input_names,
+                      output_names=output_names, exporter=exporter,
+                      loss=loss if with_loss else None, labels=labels)
+
+    if torch_loss.exported(loss):
+        return run(True)
+    exp = run(False)
+    if translate_loss(loss) == "softmax_cross_entropy" and not isinstance(loss, str) and \
+            softmax_output(exp.train.graph, exp.output_names[0]) is not None:
+        return run(True)
+    return exp
 
 
 def _use_eval_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
