@@ -12,8 +12,9 @@ the Work holds the buffers until that event completes and its ``wait`` polls the
 against the group's deadline and dead-peer watch (comm/group.py: the MPI waits' own). Past
 the deadline the communicator is aborted (``ncclCommAbort``), then the job, with the message
 MPI waits give. Nothing here synchronises the whole device. ``overlap=True`` makes ``wait``
-order the caller's current stream after the event instead of blocking the host (off until
-measured on a GPU).
+order the caller's stream (``compute_stream``, the sessions' own, or the current one) after
+the event instead of blocking the host (``CudaOptions.overlap_streams``; off until measured on
+a GPU).
 
 ``mean`` is ``ncclAvg`` where that is the sum divided by the group's size bit for bit
 (floats on a power-of-two number of ranks: NCCL scales each input by 1/n, which is exact
@@ -108,7 +109,7 @@ class NcclWork(Work):
     def wait(self, gentle: bool = False) -> None:
         group = self.group
         if group.overlap and self.keep is not None:  # the caller's stream waits, not the host
-            group.cupy.cuda.get_current_stream().wait_event(self.event)
+            group.caller_stream().wait_event(self.event)
             group.in_flight.append(self)
             return
         super().wait(gentle)
@@ -122,10 +123,12 @@ class NcclGroup(OverHost):
     backend = "nccl"
 
     def __init__(self, host: ProcessGroup, device_id: int | None = None, *,
-                 overlap: bool = False, modules: tuple[Any, Any] | None = None) -> None:
+                 overlap: bool = False, compute_stream: int | None = None,
+                 modules: tuple[Any, Any] | None = None) -> None:
         self.cupy, self.nccl = modules or nccl_modules()
         super().__init__(host)
         self.overlap = overlap
+        self.compute_stream = compute_stream  # the sessions' cudaStream_t, where they share one
         self.in_flight: list[NcclWork] = []  # overlapped Works whose buffers are still held
         self.aborted = False
         self.ending = False  # the job is being ended (abort): waits never return
@@ -134,6 +137,8 @@ class NcclGroup(OverHost):
         self.device_id = device_id
         self._use()
         self.stream = self.cupy.cuda.Stream(non_blocking=True)
+        self._compute = None if compute_stream is None else \
+            self.cupy.cuda.ExternalStream(compute_stream)
         uid = np.zeros(UNIQUE_ID_BYTES, np.int64)
         if self.rank == 0:
             uid[:] = self.nccl.get_unique_id()
@@ -142,6 +147,12 @@ class NcclGroup(OverHost):
                                                self.rank)
 
     # ------------------------------------------------------------------ plumbing
+    def caller_stream(self) -> Any:
+        """The stream the buffers are made and read on: the sessions' own where they share
+        one (``compute_stream``), else the calling thread's current stream."""
+        return self._compute if self._compute is not None else \
+            self.cupy.cuda.get_current_stream()
+
     def _use(self) -> None:
         """This group's device on the calling thread (NCCL calls run on any thread)."""
         self.cupy.cuda.Device(self.device_id).use()
@@ -164,7 +175,7 @@ class NcclGroup(OverHost):
         self.in_flight = [w for w in self.in_flight if not w.test()]
         cuda = self.cupy.cuda
         ready = cuda.Event(block=False, disable_timing=True)
-        ready.record(cuda.get_current_stream())
+        ready.record(self.caller_stream())
         self.stream.wait_event(ready)
         if grouped:
             self.nccl.groupStart()
@@ -284,7 +295,7 @@ class NcclGroup(OverHost):
 
     def _derived(self, host: ProcessGroup) -> NcclGroup:
         return NcclGroup(host, self.device_id, overlap=self.overlap,
-                         modules=(self.cupy, self.nccl))
+                         compute_stream=self.compute_stream, modules=(self.cupy, self.nccl))
 
     # ------------------------------------------------------------------ failures
     def abort_communicator(self) -> None:
@@ -310,10 +321,12 @@ class NcclGroup(OverHost):
 
 
 def device_group(host: ProcessGroup, comm: str, device_id: int,
-                 overlap: bool = False) -> ProcessGroup:
+                 compute_stream: int | None = None) -> ProcessGroup:
     """The group for device buffers: ``comm="nccl"`` an NcclGroup over ``host`` (the host
     group, which kernels stage through, where cupy or NCCL is missing: logged), ``"host"``
-    the host group itself (device buffers staged by the kernels, kernels/host_staged.py)."""
+    the host group itself (device buffers staged by the kernels, kernels/host_staged.py).
+    ``compute_stream``: the sessions' shared stream when they overlap with communication
+    (the Works then order that stream instead of blocking the host)."""
     if comm not in ("host", "nccl"):
         raise CommError(f"comm={comm!r}: choose 'host' (staged through host memory) or 'nccl'")
     if comm == "host" or host.size == 1:
@@ -323,4 +336,5 @@ def device_group(host: ProcessGroup, comm: str, device_id: int,
     except CommError as exc:
         logger.warning("%s; communicating through host memory instead", exc)
         return host
-    return NcclGroup(host, device_id, overlap=overlap, modules=modules)
+    return NcclGroup(host, device_id, overlap=compute_stream is not None,
+                     compute_stream=compute_stream, modules=modules)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ngdist.errors import OptionError
 
@@ -65,6 +66,10 @@ class CudaOptions:
                                       or value <= 0):
                 raise OptionError(f"CudaOptions {name}={value!r}: a positive whole number "
                                   f"({'bytes' if name == 'gpu_mem_limit' else 'a cudaStream_t address'})")
+        if self.overlap_streams and self.user_compute_stream is None:
+            raise OptionError("CudaOptions overlap_streams=True needs user_compute_stream, the "
+                              "cudaStream_t the sessions and NCCL share (e.g. "
+                              "cupy.cuda.Stream(non_blocking=True).ptr)")
         for name in ("use_tf32", "overlap_streams"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
@@ -102,3 +107,17 @@ def missing() -> str | None:
     for lib, how in absent:
         by_how.setdefault(how, []).append(lib)
     return "; ".join(f"{', '.join(libs)} ({how})" for how, libs in by_how.items())
+
+
+def run_options(device: str, options: CudaOptions) -> Any:
+    """The run options of a segment: None (onnxruntime synchronises its stream at the end of
+    each run: correct first) unless ``overlap_streams`` on ``cuda``, where the run returns
+    without that and the comm stream's events order the work
+    (``disable_synchronize_execution_providers``)."""
+    if device != "cuda" or not options.overlap_streams:
+        return None
+    import onnxruntime as ort
+
+    opts = ort.RunOptions()
+    opts.add_run_config_entry("disable_synchronize_execution_providers", "1")
+    return opts

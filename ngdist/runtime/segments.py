@@ -19,6 +19,7 @@ from ngdist.ir.model import IR_VERSION
 from ngdist.runtime.inplace_planner import ORT_TYPES, InPlacePlanner
 from ngdist.runtime.partition import Segment
 from ngdist.runtime.plan import StepPlan
+from ngdist.runtime.cuda import run_options
 from ngdist.runtime.sessions import Placement, make_session
 
 Env = MutableMapping[str, ort.OrtValue]
@@ -48,6 +49,7 @@ class SegmentRunner:
         self.sessions: dict[int, ort.InferenceSession] = {}
         self.bindings: dict[int, Any] = {}
         self._bound_inputs: dict[int, dict[str, ort.OrtValue]] = {}
+        self.run_options = run_options(placement.device, placement.cuda)
 
     def session(self, seg: Segment, env: Env) -> ort.InferenceSession:
         sess = self.sessions.get(seg.index)
@@ -91,7 +93,7 @@ class SegmentRunner:
                 bound_in[name] = value
         bound = self._bind_outputs(seg, env, binding)
         try:
-            self.sessions[seg.index].run_with_iobinding(binding)
+            self.sessions[seg.index].run_with_iobinding(binding, self.run_options)
         except Exception as exc:
             raise ExecutionError(f"while executing segment {seg.index} "
                                  f"({describe(seg)}): {exc}") from None

@@ -103,7 +103,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if self.placement.device == "cuda":  # device buffers: NCCL, or staged (comm/nccl.py)
             opts = self.placement.cuda
             self.group = device_group(self.group, opts.comm, self.placement.device_id,
-                                      opts.overlap_streams)
+                                      opts.user_compute_stream if opts.overlap_streams else None)
         inference, step = split_training_model(model) if step is None else (model, step)
         self.inference = inference
         self.step_model = step

@@ -173,6 +173,7 @@ multiply, divide, floor_divide = (_ufunc(np.multiply), _ufunc(np.divide),
                                   _ufunc(np.floor_divide))
 
 cuda = types.SimpleNamespace(Stream=Stream, Event=Event, Device=Device,
+                             ExternalStream=lambda ptr: Stream._by_ptr[ptr],
                              get_current_stream=get_current_stream,
                              runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
 cupy = types.SimpleNamespace(ndarray=ndarray, asarray=asarray, asnumpy=asnumpy, empty=empty,

@@ -271,6 +271,9 @@ groups = {
                                           fake_nccl.cupy),
     "nccl/fake-cupy": lambda: C.Ctx(NcclGroup(world.dup("nccl"), 0,
                                               modules=fake_nccl.MODULES), fake_nccl.cupy),
+    # waits order the caller's stream after the comm event instead of blocking the host
+    "nccl-overlap/fake-cupy": lambda: C.Ctx(NcclGroup(
+        world.dup("nccl-o"), 0, overlap=True, modules=fake_nccl.MODULES), fake_nccl.cupy),
 }
 for name, make in groups.items():
     t0 = time.perf_counter()
@@ -282,7 +285,8 @@ json.dump(out, open(f"contract_{world.rank}.json", "w"))
 world.barrier().wait()
 os._exit(0)  # (the fake's stream threads are daemons; nothing is pending)
 """
-GROUP_NAMES = ("mpi/numpy", "staged-mpi/numpy", "staged-mpi/fake-cupy", "nccl/fake-cupy")
+GROUP_NAMES = ("mpi/numpy", "staged-mpi/numpy", "staged-mpi/fake-cupy", "nccl/fake-cupy",
+               "nccl-overlap/fake-cupy")
 
 
 @pytest.fixture(scope="module")

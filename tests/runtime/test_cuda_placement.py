@@ -50,6 +50,9 @@ def test_provider_options_map_one_to_one():
      "CudaOptions user_compute_stream=True: a positive whole number (a cudaStream_t address)"),
     ({"use_tf32": 0}, "CudaOptions use_tf32=0: True or False"),
     ({"comm": "gloo"}, "CudaOptions comm='gloo': choose one of ['host', 'nccl']"),
+    ({"overlap_streams": True},
+     "CudaOptions overlap_streams=True needs user_compute_stream, the cudaStream_t the "
+     "sessions and NCCL share (e.g. cupy.cuda.Stream(non_blocking=True).ptr)"),
 ])
 def test_bad_provider_options(kwargs, message):
     with pytest.raises(OptionError) as info:
@@ -115,3 +118,11 @@ def test_the_check_names_the_provider_it_asked_for(monkeypatch):
     assert cuda.missing() == "libngdist-absent.so.1 (pip install x)"
     x = np.ones((1, 3), np.float32)
     np.testing.assert_array_equal(sess.run(["y"], {"x": x})[0], x * 2 + 1)
+
+
+def test_overlap_turns_off_the_end_of_run_synchronise_only_on_cuda():
+    assert cuda.run_options("cuda", CudaOptions()) is None  # correct first: onnxruntime syncs
+    assert cuda.run_options("cpu", CudaOptions(overlap_streams=True, user_compute_stream=7)) \
+        is None
+    opts = cuda.run_options("cuda", CudaOptions(overlap_streams=True, user_compute_stream=7))
+    assert opts.get_run_config_entry("disable_synchronize_execution_providers") == "1"
