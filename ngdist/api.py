@@ -17,6 +17,7 @@ from ngdist.ir.model import check_training_model, load_proto, split_training_mod
 from ngdist.ir.modelfile import refuse_external_data
 from ngdist.passes.options import TypedOptions, strategy_options as _strategy_options
 from ngdist.passes.pipeline import run_passes
+from ngdist.passes.step_options import StepOptions
 from ngdist.comm import LocalGroup, world_group, world_rank_size
 from ngdist.runtime import checkpoint
 from ngdist.runtime.cuda import CudaOptions
@@ -209,7 +210,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
             log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
-            cuda: CudaOptions | None = None, **strategy_options: Any) -> Trainer:
+            cuda: CudaOptions | None = None, clip_grad_norm: float | None = None,
+            clip_grad_value: float | None = None, **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
@@ -243,7 +245,12 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     ``compression="fp16"|"bf16"`` (allreduce): gradients cross the wire as 16-bit values,
     half the bytes (passes/compression.py); ``compression_error_feedback=True`` carries what
     the rounding lost into the next step.
+    ``clip_grad_norm=m``: the averaged gradients scaled to an L2 norm (over all parameters
+    together) of at most ``m``, torch's ``clip_grad_norm_``, the same on every rank; the norm
+    before clipping is ``StepStats.grad_norm`` and a metrics column. ``clip_grad_value=v``:
+    every gradient element clamped to ``[-v, v]`` (passes/clipping.py).
     """
+    gradients = StepOptions(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)
@@ -282,7 +289,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     # a local trainer communicates with nobody, also on one rank of a multi-rank job
     group = LocalGroup(runtime.timeout) if strategy == "local" else world_group(runtime.timeout)
     inference, step = split_training_model(proto)
-    step = run_passes(step, chosen)
+    step = run_passes(step, chosen, gradients=gradients)
     # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
     return Trainer(inference, step=step, group=group, write_back=write_back,
                    **runtime.as_kwargs())

@@ -35,6 +35,8 @@ PREVIEW_TRAINING = "ai.onnx.preview.training"
 # differentiation, so that summing the gradients over the ranks gives their mean with no
 # division pass over the buffers (passes/gradscale.py). Saved files hold 1.
 GRAD_SCALE = "ngdist.grad_scale"
+# The step output holding the gradients' L2 norm before clipping (passes/clipping.py).
+GRAD_NORM = "ngdist.grad_norm"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ngdist.ir.model import assemble_training_model, split_training_model
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
+from ngdist.passes.clipping import GradientClippingPass, check_strategy
 from ngdist.passes.compression import (COMPRESSED_ALGORITHMS, CompressionMarkingPass,
                                        GradientCompressionPass)
 from ngdist.passes.buffers import BufferAverageInsertionPass
@@ -41,6 +42,7 @@ from ngdist.passes.pushsum import PushSumPass
 from ngdist.passes.reproducible import ReproducibleMicroBatchPass
 from ngdist.passes.ps import PSPushPullPass
 from ngdist.passes.simple import CentralReducePass
+from ngdist.passes.step_options import StepOptions
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +120,14 @@ STRATEGIES: dict[str, PipelineFactory] = {"allreduce": _allreduce, "local": _loc
 
 
 def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
-               lower: bool = True, **options: object) -> ir.Model:
-    """Autodiff, the strategy's comm passes, then optimizer lowering (if ``lower``).
+               lower: bool = True, gradients: StepOptions | None = None,
+               **options: object) -> ir.Model:
+    """Autodiff, the strategy's comm passes, gradient clipping, then optimizer lowering (if
+    ``lower``).
 
     ``strategy`` is a name, whose options are then given as keywords (checked: an unknown one,
     or one of another strategy, is an OptionError), or a ``StrategyOptions`` instance.
+    ``gradients``: clipping (passes/clipping.py), whatever the strategy.
     """
     if isinstance(strategy, StrategyOptions):
         if options:
@@ -137,6 +142,9 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
     before = [p for p in chosen if isinstance(p, BEFORE_AUTODIFF)]  # act on the loss
     passes: list[ir.passes.PassBase] = [*before, AutodiffPass(),
                                         *(p for p in chosen if p not in before)]
+    if gradients is not None and gradients.clipping:
+        check_strategy(typed.strategy, gradients.clip_grad_norm)
+        passes.append(GradientClippingPass(gradients.clip_grad_norm, gradients.clip_grad_value))
     if lower:
         passes.append(OptimizerLoweringPass())
     manager = ir.passes.PassManager(passes, steps=1)

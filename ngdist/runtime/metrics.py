@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 CSV_NAME = "metrics.csv"
 PNG_NAME = "metrics.png"
 COLUMNS = ("step", "epoch", "split", "loss", "accuracy", "samples_per_s", "step_time_s",
-           "compute_s", "comm_s", "wait_s", "samples", "lr")
+           "compute_s", "comm_s", "wait_s", "samples", "lr", "grad_norm")
 # what each rank contributes per step; summed over the ranks
 FIELDS = ("loss", "samples", "step_time_s", "compute_s", "comm_s", "wait_s")
 DEFAULT_EVERY = 10
@@ -145,8 +145,10 @@ class MetricsLog:
     def record(self, step: int, epoch: int | None, stats: Any) -> None:
         """One step's ``StepStats`` of this rank; reduced and written every ``every`` steps."""
         lr = getattr(stats, "lr", None)  # the same on every rank: not reduced
+        norm = getattr(stats, "grad_norm", None)  # of the averaged gradients: the same too
         self.pending.append(np.array(
-            [step, -1 if epoch is None else epoch, np.nan if lr is None else lr, stats.loss,
+            [step, -1 if epoch is None else epoch, np.nan if lr is None else lr,
+             np.nan if norm is None else norm, stats.loss,
              stats.samples, stats.step_time, stats.compute_time, stats.comm_time,
              stats.wait_time], np.float64))
         if len(self.pending) >= self.every:
@@ -158,10 +160,10 @@ class MetricsLog:
             return
         table = np.stack(self.pending)
         self.pending = []
-        sums = np.ascontiguousarray(table[:, 3:])
+        sums = np.ascontiguousarray(table[:, 4:])
         self.group.allreduce(sums, "metrics: step statistics of the interval").wait()
         n = self.group.size
-        for (step, epoch, lr), row in zip(table[:, :3], sums):
+        for (step, epoch, lr, norm), row in zip(table[:, :4], sums):
             loss, samples, step_time, compute, comm, wait = row
             mean_time = step_time / n  # the ranks' mean step time
             self._write({
@@ -170,7 +172,8 @@ class MetricsLog:
                 "samples_per_s": samples / mean_time if mean_time > 0 else float("nan"),
                 "step_time_s": mean_time, "compute_s": compute / n, "comm_s": comm / n,
                 "wait_s": wait / n, "samples": int(samples),
-                "lr": None if np.isnan(lr) else lr})
+                "lr": None if np.isnan(lr) else lr,
+                "grad_norm": None if np.isnan(norm) else norm})
 
     def validation(self, step: int, epoch: int | None, result: Evaluation) -> None:
         """A validation result (already combined over the ranks), after the pending steps."""
@@ -190,7 +193,7 @@ class MetricsLog:
     def _add_scalars(self, row: dict[str, Any]) -> None:
         prefix = row["split"]
         names = ("loss", "accuracy") if prefix == "val" else \
-            ("loss", "samples_per_s", "compute_s", "comm_s", "wait_s", "lr")
+            ("loss", "samples_per_s", "compute_s", "comm_s", "wait_s", "lr", "grad_norm")
         self._events.scalars(row["step"], {f"{prefix}/{k}": row[k] for k in names
                                            if row.get(k) is not None})
 

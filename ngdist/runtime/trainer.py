@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 from ngdist.comm import ProcessGroup, exits, world_group
 from ngdist.errors import InputError, NgdistError
-from ngdist.ir.domain import GRAD_SCALE
+from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import checkpoint, ps_server
@@ -62,6 +62,7 @@ class StepStats:
     samples: int
     bytes_sent: int
     lr: float | None = None  # the step's learning rate (of group 0, the first group)
+    grad_norm: float | None = None  # with clip_grad_norm: the gradients' norm before clipping
 
     @property
     def samples_per_s(self) -> float:
@@ -350,7 +351,8 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if not fetch_stats:
             return None
         stats = StepStats(loss, time.perf_counter() - t0, times.compute, times.comm, times.wait,
-                          samples, self.group.bytes_sent - sent0, self._first_lr())
+                          samples, self.group.bytes_sent - sent0, self._first_lr(),
+                          float(outputs[GRAD_NORM].numpy()) if GRAD_NORM in outputs else None)
         if self.metrics is not None:
             self.metrics.record(self.steps_done, self.epoch, stats)
         return stats
