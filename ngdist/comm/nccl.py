@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ngdist.comm import watchdog
 from ngdist.comm.backoff import wait_until
 from ngdist.comm.group import ProcessGroup, ReduceOp, Work, describe, divide
 from ngdist.comm.staged import OverHost
@@ -82,6 +83,7 @@ class NcclWork(Work):
         super().__init__(group, what, peers)
         self.event = event
         self.keep: list[Any] | None = list(keep)
+        self.started = time.monotonic()
 
     def test(self) -> bool:
         if self.keep is None:
@@ -172,7 +174,7 @@ class NcclGroup(OverHost):
             raise CommError(f"{what}: this rank's NCCL communicator was aborted after an "
                             "earlier failure; the job cannot go on")
         self._use()
-        self.in_flight = [w for w in self.in_flight if not w.test()]
+        self._check_in_flight()
         cuda = self.cupy.cuda
         ready = cuda.Event(block=False, disable_timing=True)
         ready.record(self.caller_stream())
@@ -187,6 +189,16 @@ class NcclGroup(OverHost):
         done = cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
         return NcclWork(self, done, keep, what, peers)
+
+    def _check_in_flight(self) -> None:
+        """Overlapped Works still pending (their buffers held): one past the deadline ends
+        the job as a blocked wait would (the host never waited for it)."""
+        now = time.monotonic()
+        self.in_flight = [w for w in self.in_flight if not w.test()]
+        late = next((w for w in self.in_flight if now - w.started > self.timeout), None)
+        if late is not None:  # (the watchdog's own ending: message, abort)
+            watchdog._abort(late, "CommTimeoutError",
+                            self.timeout_message(late.what, late.peers))
 
     @staticmethod
     def _host(*bufs: Any) -> bool:

@@ -338,13 +338,20 @@ world = MpiGroup(60)
 host = world.dup("for the test")
 host.timeout = 30.0 if scenario == "dead" else 1.5  # (a dead peer is seen within 3 s)
 group = {"mpi": lambda: host, "staged": lambda: HostStagedGroup(host),
-         "nccl": lambda: NcclGroup(host, 0, modules=fake_nccl.MODULES)}[kind]()
-xp = fake_nccl.cupy if kind == "nccl" else np
+         "nccl": lambda: NcclGroup(host, 0, modules=fake_nccl.MODULES),
+         "nccl-overlap": lambda: NcclGroup(host, 0, overlap=True, modules=fake_nccl.MODULES),
+         }[kind]()
+xp = fake_nccl.cupy if kind.startswith("nccl") else np
 if world.rank == 1:
     if scenario != "dead":
         time.sleep(20)
     os._exit(0)
 buf = xp.asarray(np.ones(8, np.float32))
+if scenario == "overlap":  # the wait returns at once; the next call finds it past its deadline
+    group.allreduce(buf, "grad-sum").wait()
+    time.sleep(2.5)
+    group.allreduce(buf, "next")
+    time.sleep(30)
 caught = None
 try:
     group.allreduce(buf, "grad-sum").wait(gentle=scenario != "watchdog")
@@ -407,6 +414,18 @@ def test_watchdog_aborts_the_communicator_then_the_job(ranks, tmp_path):
                "1.5 s on rank 0 (waiting for ranks 0..1)" + HINT)
     assert message in out, out[-3000:]
     assert "fake NCCL: ncclCommAbort on rank 0" in out, out[-3000:]
+    assert out.index("fake NCCL: ncclCommAbort on rank 0") < out.index(message)
+
+
+@pytest.mark.mpi
+def test_an_overlapped_work_past_its_deadline_ends_the_job(ranks, tmp_path):
+    """With overlap the host never waits for the event; the next call sees the Work still
+    pending past the deadline and ends the job as the watchdog would."""
+    proc, out, rep = _fail(ranks, tmp_path, "overlap", "nccl-overlap")
+    assert proc.returncode != 0 and rep is None, out[-3000:]
+    message = ("ngdist: error on rank 0: CommTimeoutError: 'grad-sum' did not complete within "
+               "1.5 s on rank 0 (waiting for ranks 0..1)" + HINT)
+    assert message in out, out[-3000:]
     assert out.index("fake NCCL: ncclCommAbort on rank 0") < out.index(message)
 
 
