@@ -211,7 +211,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             checkpoint_keep: int = checkpoint.DEFAULT_KEEP,
             log_dir: str | os.PathLike | None = None, log_every: int = DEFAULT_EVERY,
             cuda: CudaOptions | None = None, clip_grad_norm: float | None = None,
-            clip_grad_value: float | None = None, **strategy_options: Any) -> Trainer:
+            clip_grad_value: float | None = None, accumulate: int = 1,
+            **strategy_options: Any) -> Trainer:
     """Build (if needed) and rewrite a training model, and return a Trainer for this rank.
 
     ``model``: a forward-only ONNX model (path or ModelProto), trained with ``loss`` against
@@ -249,8 +250,12 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     together) of at most ``m``, torch's ``clip_grad_norm_``, the same on every rank; the norm
     before clipping is ``StepStats.grad_norm`` and a metrics column. ``clip_grad_value=v``:
     every gradient element clamped to ``[-v, v]`` (passes/clipping.py).
+    ``accumulate=k``: each ``trainer.step`` is a micro-step; the gradients of k micro-steps are
+    averaged locally and one AllReduce and update run on every k-th (``step(batch,
+    sync=False)`` chooses by hand; passes/accumulate.py, runtime/accumulate.py).
     """
-    gradients = StepOptions(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+    gradients = StepOptions(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value,
+                            accumulate=accumulate)
     if kvstore is not None:
         from ngdist.compat.kvstore import compile_options
         strategy, optimizer = compile_options(kvstore, strategy, optimizer, _UNSET)

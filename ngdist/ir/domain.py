@@ -37,6 +37,10 @@ PREVIEW_TRAINING = "ai.onnx.preview.training"
 GRAD_SCALE = "ngdist.grad_scale"
 # The step output holding the gradients' L2 norm before clipping (passes/clipping.py).
 GRAD_NORM = "ngdist.grad_norm"
+# Gradient accumulation (passes/accumulate.py): the key of the micro-step graph in the step
+# model's ``meta``, and the hyper-parameter 1 / (micro-steps of the window) the update reads.
+MICRO_STEP = "ngdist.micro_step"
+ACCUMULATE_SCALE = "ngdist.accumulate_scale"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from ngdist.errors import NgdistError
 from ngdist.ir.model import assemble_training_model, split_training_model
+from ngdist.passes import accumulate
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
@@ -127,7 +128,8 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
 
     ``strategy`` is a name, whose options are then given as keywords (checked: an unknown one,
     or one of another strategy, is an OptionError), or a ``StrategyOptions`` instance.
-    ``gradients``: clipping (passes/clipping.py), whatever the strategy.
+    ``gradients``: clipping (passes/clipping.py) and accumulation (passes/accumulate.py,
+    right after autodiff).
     """
     if isinstance(strategy, StrategyOptions):
         if options:
@@ -140,7 +142,12 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
         typed = strategy_options(strategy, options)
     chosen = STRATEGIES[typed.strategy](typed)
     before = [p for p in chosen if isinstance(p, BEFORE_AUTODIFF)]  # act on the loss
-    passes: list[ir.passes.PassBase] = [*before, AutodiffPass(),
+    after: list[ir.passes.PassBase] = []
+    if gradients is not None and gradients.accumulate > 1:
+        accumulate.check_strategy(typed.strategy, gradients.accumulate,
+                                  bool(getattr(typed, "reproducible_micro_batch", 0)))
+        after = [accumulate.GradientAccumulationPass(gradients.accumulate)]
+    passes: list[ir.passes.PassBase] = [*before, AutodiffPass(), *after,
                                         *(p for p in chosen if p not in before)]
     if gradients is not None and gradients.clipping:
         check_strategy(typed.strategy, gradients.clip_grad_norm)

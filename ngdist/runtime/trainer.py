@@ -29,7 +29,7 @@ from ngdist.errors import InputError, NgdistError
 from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
-from ngdist.runtime import checkpoint, ps_server
+from ngdist.runtime import accumulate, checkpoint, ps_server
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.step_executor import StepExecutor, make_executor
 from ngdist.data.digest import first_batch_checked
@@ -136,6 +136,8 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         self._start_state(proto, trace)
         self._start_metrics(log_dir, log_every)
         self._start_ps(ps_serve)
+        # accumulate=k: micro-steps between the updates (runtime/accumulate.py)
+        self._accumulation = accumulate.attach(self, step, threads, StepStats)
         logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
                     self.group.rank, self.group.size, self.group.backend,
                     self.executor.segment_count,
@@ -312,13 +314,22 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         return arr[sample_rows(arr.shape[0], n, *bounds)]
 
     # ------------------------------------------------------------------ training
-    def step(self, batch: Mapping[str, Any], fetch_stats: bool = True) -> StepStats | None:
+    def step(self, batch: Mapping[str, Any], fetch_stats: bool = True,
+             sync: bool | None = None) -> StepStats | None:
         """One training step on this rank's batch. ``fetch_stats=False`` returns None without
-        reading the loss back (nothing in a step waits on other ranks beyond its comm ops)."""
+        reading the loss back (nothing in a step waits on other ranks beyond its comm ops).
+        With ``accumulate=k`` a step is a micro-step and every k-th one updates; ``sync=False``
+        / ``True`` makes it a micro-step / an update (runtime/accumulate.py)."""
         if self.role == "server":
             raise NgdistError(f"rank {self.rank} is a dedicated parameter server: it has served "
                               "the workers' steps and takes none itself; iterate over "
                               "trainer.shard(...) (empty here) or skip step() on server ranks")
+        if self._accumulation is None:
+            accumulate.refuse_sync(sync)
+        elif self._accumulation.inner(sync):
+            return self._accumulation.micro_step(batch, fetch_stats)
+        else:
+            self._accumulation.before_update()
         self._follow_hypers()  # a torch optimizer's current learning rates (runtime/hyper.py)
         timeline = self.timeline
         start = time.perf_counter()
@@ -358,6 +369,7 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         return stats
 
     _joining: Join | None = None  # the open ``join()`` block
+    _accumulation: accumulate.Accumulation | None = None  # accumulate=k
     _lockstep: bool | None = None  # every rank takes every step (known at the first step)
 
     def _note_step(self, step: int) -> None:
@@ -393,6 +405,8 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         if self.ps is not None:
             self.ps.close()
         self.executor.close()
+        if self._accumulation is not None:
+            self._accumulation.close()
         if self.timeline is not None:
             self.timeline.close()
             self._attach_timeline(None)
