@@ -17,7 +17,8 @@ Supported: the allreduce strategy whose gradients are prescaled by ``ngdist.grad
 (every model built by autodiff), with plain AllReduce sums. Refused, with the reason: an
 AllReduce that takes a mean over every rank (an explicit backward pass, a counted loss),
 compression (a 16-bit zero is exact, but error feedback would send its residual),
-``reproducible_micro_batch`` (it sums a fixed number of micro-batches per rank), several
+``reproducible_micro_batch`` (it sums a fixed number of micro-batches per rank),
+``accumulate=k``, several
 devices per worker, parameter servers, push-sum, and ``log_dir`` metrics (their reductions
 follow the steps of each rank). On one rank the block does nothing.
 """
@@ -57,6 +58,9 @@ def unsupported(trainer: Trainer) -> str | None:
     if trainer.micro_batch:
         return ("reproducible_micro_batch sums a fixed number of micro-batches per rank, "
                 "which a rank without data cannot give")
+    if getattr(trainer, "_accumulation", None) is not None:
+        return ("accumulate=k: a rank that runs out mid-way would leave its micro-steps "
+                "unmatched")
     if type(trainer.executor).__name__ != "Executor":
         return "several devices per worker run replicas that each take a share of a batch"
     for node in trainer.executor.comm_nodes.values():
