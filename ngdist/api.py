@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import onnx
 
 from ngdist import optim
-from ngdist.errors import GraphError, OptionError
+from ngdist.errors import ArgumentTypeError, GraphError, OptionError
 from ngdist.frontends.onnx import build_training_model
 from ngdist.ir.model import check_training_model, load_proto, split_training_model
 from ngdist.ir.modelfile import refuse_external_data
@@ -65,9 +65,9 @@ def allreduce_mean(value: Any, timeout: float | None = None) -> Any:
     elif isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
         array = None
     else:
-        raise TypeError(f"{what} takes a number or a numpy array, not {type(value).__name__}")
+        raise ArgumentTypeError(f"{what} takes a number or a numpy array, not {type(value).__name__}")
     if array is not None and array.dtype.kind not in "biuf":
-        raise TypeError(f"{what} takes an array of real numbers, not of dtype {array.dtype}")
+        raise ArgumentTypeError(f"{what} takes an array of real numbers, not of dtype {array.dtype}")
     dtype = array.dtype if array is not None and array.dtype.kind == "f" else np.dtype(np.float64)
     group = world_group(timeout)
     if group.size == 1:

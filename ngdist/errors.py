@@ -22,6 +22,14 @@ class OptionError(NgdistError):
     """An option that does not exist, belongs to another strategy, or has a wrong type."""
 
 
+class ArgumentError(OptionError, ValueError):
+    """A public function got a value it cannot use (also a ValueError, for code catching it)."""
+
+
+class ArgumentTypeError(OptionError, TypeError):
+    """A public function got a value of the wrong type (also a TypeError)."""
+
+
 class InputError(NgdistError):
     """A batch given to ``Trainer.step`` does not fit the model."""
 

@@ -41,7 +41,7 @@ import onnx_ir as ir
 from onnx import defs, helper, version_converter
 from onnx.backend.base import Backend, BackendRep, Device, DeviceType, namedtupledict
 
-from ngdist.errors import GraphError, InputError
+from ngdist.errors import ArgumentError, ArgumentTypeError, GraphError, InputError
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION, StepMeta, load_proto, set_meta
 from ngdist.runtime.sessions import make_session
@@ -303,10 +303,10 @@ class NgdistBackend(Backend):
             return TrainingRep(model, **{k: v for k, v in kwargs.items()
                                          if k not in _IGNORED_KWARGS})
         if mode not in ("train", "inference"):
-            raise ValueError(f"mode must be 'train' or 'inference', not {mode!r}")
+            raise ArgumentError(f"mode must be 'train' or 'inference', not {mode!r}")
         unknown = set(kwargs) - _IGNORED_KWARGS - _SESSION_KWARGS
         if unknown:
-            raise TypeError(f"prepare() got unexpected options {sorted(unknown)} for an "
+            raise ArgumentTypeError(f"prepare() got unexpected options {sorted(unknown)} for an "
                             f"inference model; it takes {sorted(_SESSION_KWARGS)}")
         session = {k: v for k, v in kwargs.items() if k in _SESSION_KWARGS}
         if model.training_info:

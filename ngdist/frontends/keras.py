@@ -41,7 +41,7 @@ import onnx
 from onnx import numpy_helper
 
 from ngdist import optim
-from ngdist.errors import GraphError
+from ngdist.errors import ArgumentError, GraphError
 from ngdist.ir.writeback import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -109,14 +109,14 @@ def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -
         except (AttributeError, ValueError):
             inputs = None
         if not inputs:
-            raise ValueError("the Keras model has no defined inputs; pass example_inputs "
+            raise ArgumentError("the Keras model has no defined inputs; pass example_inputs "
                              "(one example batch)")
         shapes = [(None, *tuple(x.shape)[1:]) for x in inputs]
         dtypes = [tf.as_dtype(x.dtype) for x in inputs]
     if names is None:
         names = ["x"] if len(shapes) == 1 else [f"x{i}" for i in range(len(shapes))]
     if len(names) != len(shapes):
-        raise ValueError(f"{len(names)} input names for {len(shapes)} model inputs")
+        raise ArgumentError(f"{len(names)} input names for {len(shapes)} model inputs")
     return [tf.TensorSpec(s, d, name=n) for s, d, n in zip(shapes, dtypes, names)]
 
 
@@ -153,7 +153,7 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     """Converts ``model(x, training=False)`` and links every initializer to its variable."""
     tf, keras, tf2onnx = _tf()
     if opset > OPSET:
-        raise ValueError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
+        raise ArgumentError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
     trainable_bn = [layer.name for layer in _layers(model)
                     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
     if trainable_bn:

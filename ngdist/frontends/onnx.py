@@ -158,6 +158,21 @@ def _refuse_softmax_output(graph: onnx.GraphProto, output: str, loss: str) -> No
                      "an explicit loss graph whose first output is the loss")
 
 
+def _refuse_labels_name(graph: onnx.GraphProto, labels: str, init_names: set[str]) -> None:
+    """The labels input is a new name: not an input, initializer, output or node value."""
+    if labels in {o.name for o in graph.output}:
+        what = "output"
+    elif labels in {i.name for i in graph.input} | init_names:
+        what = "input"
+    elif labels in {o for n in graph.node for o in n.output}:
+        what = "value"
+    else:
+        return
+    raise GraphError(f"the labels input {labels!r} has the name of a model {what} "
+                     f"({labels!r}); pass labels= another name (ngdist rewrite/train: --labels), "
+                     "e.g. labels='labels'")
+
+
 def batchnorm_statistics(graph: onnx.GraphProto
                          ) -> tuple[dict[str, tuple[int, int]], list[str]]:
     """Running mean/variance initializers of BatchNormalization nodes: for training mode,
@@ -253,8 +268,8 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
         _refuse_softmax_output(g, out_name, loss)
     init_names = {t.name for t in g.initializer}
     data_inputs = [copy.deepcopy(i) for i in g.input if i.name not in init_names]
-    if loss is not None and labels in {i.name for i in g.input} | init_names:
-        raise GraphError(f"labels name {labels!r} is already a name in the model; pass labels=")
+    if loss is not None:
+        _refuse_labels_name(g, labels, init_names)
     loss_nodes, label_inputs, loss_name = _loss_nodes(loss, outputs[out_name], labels)
 
     inits = {t.name: t for t in g.initializer}

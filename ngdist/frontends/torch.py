@@ -53,7 +53,7 @@ import onnx
 from onnx import numpy_helper
 
 from ngdist import optim
-from ngdist.errors import GraphError
+from ngdist.errors import ArgumentError, ArgumentTypeError, GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
 from ngdist.frontends.torch_exporters import export_graph, export_training
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
@@ -109,11 +109,11 @@ def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
         if isinstance(x, np.ndarray):
             x = torch.from_numpy(x)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"example_inputs must be tensors or numpy arrays; got "
+            raise ArgumentTypeError(f"example_inputs must be tensors or numpy arrays; got "
                             f"{type(x).__name__}")
         out.append(x)
     if not out:
-        raise ValueError("example_inputs is empty: pass one example batch for the module's "
+        raise ArgumentError("example_inputs is empty: pass one example batch for the module's "
                          "forward (e.g. torch.zeros(2, 1, 8, 8))")
     return tuple(out)
 
@@ -239,15 +239,15 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     and the input ``labels`` (frontends/torch_loss.py).
     """
     if not is_module(module):
-        raise TypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
+        raise ArgumentTypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
     if opset < 15:
-        raise ValueError("opset must be >= 15 (training-mode BatchNormalization)")
+        raise ArgumentError("opset must be >= 15 (training-mode BatchNormalization)")
     _check_batchnorm(module)
     _check_not_hf_model(module)
     args = _as_tuple(example_inputs)
     in_names = list(input_names) if input_names else _default_input_names(module, len(args))
     if len(in_names) != len(args):
-        raise ValueError(f"{len(in_names)} input names for {len(args)} example inputs")
+        raise ArgumentError(f"{len(in_names)} input names for {len(args)} example inputs")
     out_names = list(output_names) if output_names else ["output"]
     was_training = module.training
     snapshot = _snapshot(module)

@@ -24,7 +24,7 @@ from typing import Any
 
 import onnx
 
-from ngdist.errors import GraphError
+from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends.torch_attention import sdpa_export
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def export_training(module: Any, args: tuple[Any, ...], input_names: list[str],
                     ) -> tuple[str, onnx.ModelProto]:
     """(the exporter that worked, the training-mode graph): ``first``, then the other one."""
     if first not in EXPORTERS:
-        raise ValueError(f"exporter must be one of {EXPORTERS}; got {first!r}")
+        raise ArgumentError(f"exporter must be one of {EXPORTERS}; got {first!r}")
     order = [first, *(e for e in EXPORTERS if e != first)]
     failures: list[str] = []
     for exporter in order:

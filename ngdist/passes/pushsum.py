@@ -6,7 +6,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from ngdist.errors import GraphError
+from ngdist.errors import ArgumentError, GraphError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import StepMeta, ensure_opset, get_meta, set_meta
 from ngdist.passes.analysis import comm_nodes
@@ -43,12 +43,12 @@ class PushSumPass(ir.passes.InPlacePass):
                  overlap: bool = False, synch_freq: int = 0) -> None:
         super().__init__()
         if graph not in GRAPHS:
-            raise ValueError(f"unknown gossip graph {graph!r} for pushsum; choose one of "
+            raise ArgumentError(f"unknown gossip graph {graph!r} for pushsum; choose one of "
                              f"{list(GRAPHS)}")
         if int(peers_per_itr) < 1:
-            raise ValueError(f"peers_per_itr must be at least 1, got {peers_per_itr}")
+            raise ArgumentError(f"peers_per_itr must be at least 1, got {peers_per_itr}")
         if int(synch_freq) < 0:
-            raise ValueError(f"synch_freq must be >= 0, got {synch_freq}")
+            raise ArgumentError(f"synch_freq must be >= 0, got {synch_freq}")
         self.graph = graph
         self.peers_per_itr = int(peers_per_itr)
         self.overlap = bool(overlap)
