@@ -13,11 +13,17 @@ zero-initialised accumulator ``ngdist.acc/<param>`` (a state, saved and checkpoi
   gradients, i.e. of one step on their concatenation when the loss is a mean over equal
   micro-batches. Clipping (passes/clipping.py) clips that mean.
 
-The optimizer's step count ``ngdist.step`` moves once per update. Refused: a loss whose mean
-is over counted tokens on several ranks (each micro-step would divide by its own count, not
-the window's), reproducible mode (it already cuts the batch into micro-batches: give it the
-whole batch), and the ``ps`` and ``pushsum`` strategies, whose per-step exchanges
-(shard pushes and pulls, the gossip of parameters) are not built around accumulators yet.
+A loss that is a mean over counted tokens (ignore_index, class weights, a mask;
+passes/losscount.py) is, on every micro-step, that micro-step's global batch's mean: the
+micro-step graph keeps the one-scalar AllReduce of the count (its only communication), and the
+update is that of the mean of the micro-steps' losses, what torch computes with ``loss / k``
+on each combined micro-batch (Hugging Face's accumulation); with the same count in every
+micro-step, one step on the concatenation.
+
+The optimizer's step count ``ngdist.step`` moves once per update. Refused: reproducible mode
+(it already cuts the batch into micro-batches: give it the whole batch), and the ``ps`` and
+``pushsum`` strategies, whose per-step exchanges (shard pushes and pulls, the gossip of
+parameters) are not built around accumulators yet.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from ngdist.ir.domain import ACCUMULATE_SCALE as SCALE, MICRO_STEP
 from ngdist.ir.model import get_meta, set_meta
 from ngdist.passes.allreduce import insert_after_producer, reroute
 from ngdist.passes.analysis import GradPair, find_grad_pairs
-from ngdist.passes.losscount import MARK
+from ngdist.passes.losscount import MARK, GlobalCountPass
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,8 @@ def _micro_step(model: ir.Model) -> ir.Model:
     meta.binding = binding
     set_meta(micro, meta)
     RemoveUnusedNodesPass()(micro)
+    if any(n.metadata_props.get(MARK) for n in graph):  # each micro-step: the global count
+        GlobalCountPass()(micro)
     return micro
 
 
@@ -114,13 +122,6 @@ class GradientAccumulationPass(ir.passes.InPlacePass):
         if self.k == 1:
             return ir.passes.PassResult(model, False)
         graph = model.graph
-        counted = [n.name for n in graph if n.metadata_props.get(MARK)]
-        if counted:
-            raise OptionError(f"accumulate={self.k} with a loss that is a mean over counted "
-                              f"tokens ({counted[0]!r}: ignore_index, class weights or a mask) "
-                              "on several ranks: every micro-step would divide by its own "
-                              "count rather than the window's; write the loss as a sum divided "
-                              "by a fixed number, or leave accumulate out")
         model.meta[MICRO_STEP] = _micro_step(model)
         meta = get_meta(model)
         pairs = find_grad_pairs(model)

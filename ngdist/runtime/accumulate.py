@@ -3,7 +3,8 @@
 With ``accumulate=k`` every ``trainer.step(batch)`` is a micro-step: the first k-1 of a window
 run the micro-step graph (forward, backward, ``acc += g``: no communication, no update, no bytes
 sent), the k-th runs the step graph, which averages ``acc + g`` over the window, communicates
-once and updates. ``trainer.step(batch, sync=False)`` makes a step a micro-step and
+once and updates (a mean over counted tokens still reduces its one-scalar count on every
+micro-step: passes/accumulate.py). ``trainer.step(batch, sync=False)`` makes a step a micro-step and
 ``sync=True`` an update whatever the count (DDP's ``no_sync``): the update averages over the
 micro-steps since the last one. ``trainer.steps_done`` counts updates; a micro-step's stats
 carry its own loss, ``bytes_sent`` 0 and ``lr`` None.

@@ -1,7 +1,8 @@
 """Gradient accumulation (passes/accumulate.py, runtime/accumulate.py): k micro-steps update as
 one step on the concatenation of their batches (torch float64, within 1e-6), on one process and
 on 2 ranks (allreduce and simple); the inner micro-steps send nothing and a window sends what
-one step sends; ``sync=False`` by hand; the refusals."""
+one step sends; a mean over counted labels is each micro-step's global mean (torch's
+``loss / k``); ``sync=False`` by hand; the refusals."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,16 +30,21 @@ def micro_batch(window: int, i: int, ranks: int) -> dict[str, np.ndarray]:
     return {"input": rng.standard_normal((n, 6)), "y": rng.integers(0, 4, n)}
 
 
-def make_trainer(strategy: str, accumulate: int = K, **kw):
+def make_trainer(strategy: str, accumulate: int = K, loss=None, **kw):
     module = make_model()
     return ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
-                          loss=nn.CrossEntropyLoss(), strategy=strategy, accumulate=accumulate,
+                          loss=loss or nn.CrossEntropyLoss(), strategy=strategy,
+                          accumulate=accumulate,
                           optimizer=torch.optim.Adam(module.parameters(), lr=0.01),
                           clip_grad_norm=0.5, **kw)
 
 
-def torch_run(ranks: int) -> dict[str, np.ndarray]:
-    """One torch step per window on the concatenation of its k global micro-batches."""
+COUNTED = nn.CrossEntropyLoss(ignore_index=1)  # the micro-batches count 3 to 10 labels
+
+
+def torch_run(ranks: int, counted: bool = False) -> dict[str, np.ndarray]:
+    """One torch step per window on the concatenation of its k global micro-batches (counted:
+    the mean of the micro-batches' losses, torch's ``loss / k``)."""
     ref = make_model()
     opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     for w in range(WINDOWS):
@@ -46,7 +52,9 @@ def torch_run(ranks: int) -> dict[str, np.ndarray]:
         x = torch.from_numpy(np.concatenate([p["input"] for p in parts]))
         y = torch.from_numpy(np.concatenate([p["y"] for p in parts]))
         opt.zero_grad()
-        nn.functional.cross_entropy(ref(x), y).backward()
+        loss = sum(COUNTED(ref(torch.from_numpy(p["input"])), torch.from_numpy(p["y"]))
+                   for p in parts) / K if counted else nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
         nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
         opt.step()
     return {k: v.detach().numpy() for k, v in ref.state_dict().items()}
@@ -108,6 +116,12 @@ for strategy in ("allreduce", "simple"):
     trainer.close()
     np.savez(f"{strategy}.{trainer.rank}.npz", sent=np.array(sent), one_step=one_step,
              **trainer.parameters())
+trainer = T.make_trainer("allreduce", loss=T.COUNTED)
+for w in range(T.WINDOWS):
+    for i in range(T.K):
+        (mine,) = trainer.shard([T.micro_batch(w, i, trainer.size)])
+        trainer.step(mine)
+np.savez(f"counted.{trainer.rank}.npz", **trainer.parameters())
 """
 
 
@@ -124,6 +138,14 @@ def test_two_ranks_send_once_per_window_and_match_torch(ranks, tmp_path):
             sent = g["sent"].reshape(WINDOWS, K)
             assert (sent[:, :-1] == 0).all(), strategy
             assert (sent[:, -1] == g["one_step"]).all() and g["one_step"] > 0, strategy
+    got = [dict(np.load(tmp_path / f"counted.{r}.npz")) for r in range(2)]
+    expected = torch_run(2, counted=True)
+    for k in expected:
+        assert got[1][k].tobytes() == got[0][k].tobytes(), k
+    _close(got[0], expected)
+    counts = [(micro_batch(w, i, 2)["y"][r * MICRO:(r + 1) * MICRO] != 1).sum()
+              for w in range(WINDOWS) for i in range(K) for r in range(2)]
+    assert len(set(counts)) > 2  # the ranks' and micro-steps' counts differ
 
 
 @pytest.mark.parametrize("strategy, options, message", [
@@ -137,15 +159,6 @@ def test_accumulation_is_refused_where_it_cannot_run(strategy, options, message)
     with pytest.raises(OptionError, match=message):
         ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64), strategy=strategy,
                        loss=nn.CrossEntropyLoss(), accumulate=K, **options,
-                       optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
-
-
-def test_a_counted_mean_is_refused():
-    module = make_model()
-    with pytest.raises(OptionError, match=r"accumulate=4 with a loss that is a mean over counted "
-                                          r"tokens"):
-        ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
-                       loss=nn.CrossEntropyLoss(ignore_index=1), accumulate=K,
                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
 
 
