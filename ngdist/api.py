@@ -23,6 +23,7 @@ from ngdist.runtime import checkpoint
 from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
+from ngdist.sharded import compile_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     which step (skip the batches before it).
     ``strategy_options``: the strategy's knobs (ngdist.passes.options): ``allreduce``:
     ``bucket_bytes``, ``all_reduce_alg``, ``reproducible_micro_batch``, ``compression``,
-    ``compression_error_feedback``; ``pushsum``:
+    ``compression_error_feedback``, ``shard`` ("optimizer": ZeRO-1, "gradients": ZeRO-2;
+    passes/shard.py; ``trainer.save`` is then collective); ``pushsum``:
     ``graph``, ``peers_per_itr``, ``overlap``, ``synch_freq``; ``ps``: ``grad_shard_bytes``,
     ``servers``; ``simple`` and ``local``: none. An unknown option, or one of another
     strategy, is an OptionError naming the valid ones. A ``local`` trainer communicates with
@@ -294,6 +296,9 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     # a local trainer communicates with nobody, also on one rank of a multi-rank job
     group = LocalGroup(runtime.timeout) if strategy == "local" else world_group(runtime.timeout)
     inference, step = split_training_model(proto)
+    if getattr(chosen, "shard", "none") != "none":  # ZeRO-1/2 (ngdist/sharded.py)
+        return compile_sharded(inference, step, chosen, group, gradients,  # type: ignore[arg-type]
+                               runtime.as_kwargs(), write_back)
     step = run_passes(step, chosen, gradients=gradients)
     # ps: the Trainer sets up the shard owners; a dedicated server serves until workers stop
     return Trainer(inference, step=step, group=group, write_back=write_back,

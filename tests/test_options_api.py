@@ -20,7 +20,7 @@ OPT = SGD(lr=0.1)
 RUNTIME = ", ".join(RuntimeOptions.names())  # timeout, intra_op_threads, overlap, ...
 PUSHSUM = "graph, overlap, peers_per_itr, synch_freq"
 ALLREDUCE = ("all_reduce_alg, bucket_bytes, compression, compression_error_feedback, "
-             "reproducible_micro_batch")
+             "reproducible_micro_batch, shard, shard_ranks")
 
 
 def _comm_attributes(trainer: ngdist.Trainer) -> list[tuple[str, dict[str, object]]]:

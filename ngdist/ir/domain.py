@@ -37,6 +37,11 @@ PREVIEW_TRAINING = "ai.onnx.preview.training"
 GRAD_SCALE = "ngdist.grad_scale"
 # The step output holding the gradients' L2 norm before clipping (passes/clipping.py).
 GRAD_NORM = "ngdist.grad_norm"
+# Sharded data parallelism (passes/shard.py): the int64 hyper-parameter the runtime sets to the
+# rank (which shard of each bucket it updates), and the step graph's metadata key holding the
+# layout of the flat optimizer-state shards (runtime/sharding.py).
+SHARD_RANK = "ngdist.shard_rank"
+SHARD_LAYOUT = "ngdist.shard_layout"
 # Gradient accumulation (passes/accumulate.py): the key of the micro-step graph in the step
 # model's ``meta``, and the hyper-parameter 1 / (micro-steps of the window) the update reads.
 MICRO_STEP = "ngdist.micro_step"

@@ -172,6 +172,10 @@ class StrategyOptions(TypedOptions):
     strategy: ClassVar[str] = ""
 
 
+# values of the allreduce strategy's ``shard`` option (passes/shard.py): none, ZeRO-1, ZeRO-2
+SHARD_LEVELS = ("none", "optimizer", "gradients")
+
+
 @dataclass(frozen=True)
 class AllReduceOptions(StrategyOptions):
     """``allreduce``: gradients averaged by (bucketed) AllReduce before the update."""
@@ -192,9 +196,18 @@ class AllReduceOptions(StrategyOptions):
     compression_error_feedback: bool = _knob(False, "with compression: keep what the cast to "
                                              "16 bits lost in a per-bucket residual and add "
                                              "it to the next step's gradients")
+    shard: str = _knob("none", "sharded data parallelism: none (default) | optimizer (ZeRO-1: "
+                       "each rank updates 1/N of every bucket with 1/N of the optimizer "
+                       "state) | gradients (ZeRO-2: and keeps 1/N of each gradient bucket)",
+                       metavar="{" + ",".join(SHARD_LEVELS) + "}")
+    shard_ranks: int = _knob(0, "with shard: the rank count the shards are sized for "
+                             "(ngdist.compile sets the job's)", metavar="N")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.shard not in SHARD_LEVELS:
+            raise OptionError(f"unknown shard {self.shard!r}; choose one of "
+                              f"{list(SHARD_LEVELS)}")
         if self.all_reduce_alg not in ALLREDUCE_ALGORITHMS:
             raise OptionError(f"unknown all_reduce_alg {self.all_reduce_alg!r}; choose one of "
                               f"{list(ALLREDUCE_ALGORITHMS)}")

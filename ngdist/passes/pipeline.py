@@ -7,6 +7,8 @@ the reproducible-mode pass (exact loss average, micro-batch size on the exact Al
 before bucketing.
 ``allreduce`` with ``compression="fp16"|"bf16"``: the same, then the compression pass (each
 AllReduce's input cast to 16 bits and its result back to float32).
+``allreduce`` with ``shard="optimizer"|"gradients"``: the same, then the sharding pass (each
+bucket ReduceScatter'ed, updated by shards, AllGather'ed; passes/shard.py).
 ``local``: autodiff -> optimizer lowering (one process, no communication).
 ``pushsum``, ``ps`` and ``simple``: their comm pass between autodiff and optimizer lowering.
 A loss that is a mean over counted tokens (ignore_index, class weights, a mask) is divided by
@@ -25,7 +27,7 @@ import onnx_ir as ir
 
 from ngdist.errors import NgdistError
 from ngdist.ir.model import assemble_training_model, split_training_model
-from ngdist.passes import accumulate
+from ngdist.passes import accumulate, shard
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
 from ngdist.passes.bucketing import BucketingPass
@@ -91,9 +93,10 @@ def _allreduce(o: AllReduceOptions) -> list[ir.passes.PassBase]:
     # AllReduce comes after bucketing and compression
     counted = [CountedLossPass(REPRODUCIBLE_COUNT if reproducible else None)]
     count = [] if reproducible else [GlobalCountPass()]
+    sharding = shard.passes(o)  # ZeRO-1/2 after bucketing (passes/shard.py)
     return [*counted, *prescale, AllReduceInsertionPass("mean", algorithm),
             BufferAverageInsertionPass(algorithm), *reproducible, *marking,
-            BucketingPass(o.bucket_bytes), *compression, *count]
+            BucketingPass(o.bucket_bytes), *compression, *count, *sharding]
 
 
 def _local(o: LocalOptions) -> list[ir.passes.PassBase]:
@@ -143,6 +146,7 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
     chosen = STRATEGIES[typed.strategy](typed)
     before = [p for p in chosen if isinstance(p, BEFORE_AUTODIFF)]  # act on the loss
     after: list[ir.passes.PassBase] = []
+    shard.check_gradients(typed, gradients)
     if gradients is not None and gradients.accumulate > 1:
         accumulate.check_strategy(typed.strategy, gradients.accumulate,
                                   bool(getattr(typed, "reproducible_micro_batch", 0)))
@@ -171,6 +175,7 @@ def rewrite(model: onnx.ModelProto, strategy: str | StrategyOptions = "allreduce
     """Training model -> training model with the strategy's comm ops, fully lowered.
 
     ``strategy`` and ``options`` as for :func:`run_passes`."""
+    shard.check_rewrite(options.get("shard", getattr(strategy, "shard", "none")))
     inference, step = split_training_model(model)
     step = run_passes(step, strategy, **options)
     return assemble_training_model(inference, step)

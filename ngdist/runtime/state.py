@@ -107,7 +107,10 @@ class StateAccess:
     def save(self, path: str | os.PathLike, all_ranks: bool = False) -> None:
         """Writes the trained model atomically; by default only rank 0 writes (ranks agree).
         Under ``ps``, call ``sync_state()`` on every worker first to include the live
-        optimizer state."""
+        optimizer state. Sharded (``shard=``): collective, call it on every rank; the file is
+        the standard model with the optimizer state gathered (runtime/sharding.py)."""
+        sharding = getattr(self, "sharding", None)  # ZeRO: gathered on every rank
+        full = sharding.full_model(self) if sharding is not None else None
         if self.rank == 0 or all_ranks:
             if self.steps_done != self._state_synced_at and self.role == "worker":
                 if ps_server.runtime(self) is not None:
@@ -116,7 +119,7 @@ class StateAccess:
                         "%d (it lives with the shard owners); call trainer.sync_state() on "
                         "every worker before save() to include it", path, self.steps_done,
                         self._state_synced_at)
-            save_proto(self.to_onnx(), path)
+            save_proto(full if full is not None else self.to_onnx(), path)
 
     def to_torch(self, module: Any = None, **kwargs: Any) -> Any:
         """Writes the trained parameters and buffers into the torch module this trainer was

@@ -28,7 +28,8 @@ def test_every_strategy_has_an_options_dataclass_with_its_knobs():
     assert set(STRATEGY_OPTIONS) == set(STRATEGIES)
     assert {s: c.names() for s, c in STRATEGY_OPTIONS.items()} == {
         "allreduce": ["all_reduce_alg", "bucket_bytes", "compression",
-                      "compression_error_feedback", "reproducible_micro_batch"],
+                      "compression_error_feedback", "reproducible_micro_batch", "shard",
+                      "shard_ranks"],
         "pushsum": ["graph", "overlap", "peers_per_itr", "synch_freq"],
         "ps": ["grad_shard_bytes", "servers"], "simple": [], "local": []}
     assert PushSumOptions() == PushSumOptions(graph="exponential", peers_per_itr=1,
@@ -47,7 +48,8 @@ def test_misspelt_option_suggests_the_closest_and_lists_the_valid_ones():
     assert str(exc.value) == (
         "unknown option 'reproducible_microbatch' for strategy 'allreduce'; did you mean "
         "'reproducible_micro_batch'? Valid options: all_reduce_alg, bucket_bytes, "
-        "compression, compression_error_feedback, reproducible_micro_batch")
+        "compression, compression_error_feedback, reproducible_micro_batch, shard, "
+        "shard_ranks")
     with pytest.raises(OptionError) as exc:
         strategy_options("ps", {"colour": "red"})
     assert str(exc.value) == ("unknown option 'colour' for strategy 'ps'. Valid options: "

@@ -1,0 +1,303 @@
+"""Sharded data parallelism (ZeRO stages 1 and 2) as a rewrite of the bucketed step graph."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from ngdist.errors import GraphError, OptionError
+from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING, SHARD_LAYOUT, SHARD_RANK
+from ngdist.ir.model import ensure_opset, get_meta, set_meta
+from ngdist.passes.autodiff.registry import GradContext, attr
+from ngdist.passes.bucketing import reduced_by
+from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
+                                      split_optimizer_inputs)
+
+if TYPE_CHECKING:
+    from ngdist.passes.step_options import StepOptions
+    from ngdist.passes.options import AllReduceOptions
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class _Member:
+    """One parameter of a shard group: where it sits in its optimizer node."""
+
+    index: int  # position among the node's parameters
+    order: int  # position in its bucket's flat buffer
+    x: ir.Value
+    g: ir.Value
+    states: list[ir.Value]
+
+
+@dataclass
+class _Group:
+    """The parameters of one optimizer node whose gradients share one bucket."""
+
+    bucket: ir.Node
+    members: list[_Member] = field(default_factory=list)
+
+
+class ShardingPass(ir.passes.InPlacePass):
+    """Rewrites each bucket's ``AllReduce`` and the update of its parameters as ZeRO does.
+
+    Runs after bucketing, before optimizer lowering. For every bucket of gradients (a flat
+    buffer of the bucketing pass, or a tensor reduced alone), with ``L`` elements and ``N``
+    ranks, ``S = ceil(L / N)``:
+
+        flat g (zero-padded to N*S) -> ReduceScatter -> g shard [S]
+        flat x (padded) -> Slice [r*S, r*S + S) -> x shard       (r: ``ngdist.shard_rank``)
+        optimizer node (x shard, g shard, state shards [S]) -> new x shard, new states
+        -> AllGather [N*S] -> Slice [0, L) -> Split -> Reshape -> each updated parameter
+
+    One optimizer node per bucket replaces the original node, with the same attributes (every
+    supported update is elementwise, so a slice of the flat buffer updates exactly as its
+    elements would in place; padding stays zero). The per-parameter state inputs give way to
+    one flat state per bucket and state kind (``<bucket>.<kind>``, ``S`` elements): each rank
+    holds 1/N of the optimizer state. ``ngdist.shard_rank`` is a hyper-parameter the runtime
+    sets to the rank, so every rank runs the same graph. The layout (which parameter and state
+    lies where in which flat state) goes to the graph's ``ngdist.shard_layout`` metadata,
+    for the runtime to scatter a full state at start-up and gather it for ``trainer.save``.
+
+    ``level="gradients"`` (ZeRO-2) builds the same graph: the padded bucket's only reader is
+    the ReduceScatter, so the executor drops it there (it frees every value after its last
+    use), and a rank keeps only the gradient shard from then on; ``"optimizer"`` (ZeRO-1) is
+    named for what it promises, and gets this for free.
+    """
+
+    def __init__(self, level: str, ranks: int) -> None:
+        super().__init__()
+        self.level, self.ranks = level, ranks
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        nodes = [n for n in graph if n.domain == PREVIEW_TRAINING and n.op_type in OPTIMIZER_OPS]
+        if not nodes:
+            raise OptionError("shard= needs the optimizer node of the step graph, which this "
+                              "model no longer has (a file written by ngdist rewrite or "
+                              "trainer.save is already lowered); compile the forward model "
+                              "with loss= and optimizer=")
+        meta = get_meta(model)
+        rank = _rank_input(graph, meta)
+        opset = model.opset_imports.get("", 18)
+        layout: list[dict[str, object]] = []
+        for node in nodes:
+            ctx = GradContext(graph, node, opset)
+            ctx.current = node
+            for i, group in enumerate(_groups(node)):
+                layout.append(self._rewrite(ctx, node, group, rank, meta, f"{node.name}/shard{i}"))
+            graph.remove(node, safe=True)
+        RemoveUnusedNodesPass()(model)  # the buckets' AllReduce, Split and Reshapes
+        ensure_opset(model, DOMAIN)
+        set_meta(model, meta)
+        graph.metadata_props[SHARD_LAYOUT] = json.dumps(
+            {"level": self.level, "ranks": self.ranks, "groups": layout})
+        logger.info("shard=%s: %d bucket(s) over %d ranks", self.level, len(layout), self.ranks)
+        return ir.passes.PassResult(model, True)
+
+    def _rewrite(self, ctx: GradContext, node: ir.Node, group: _Group, rank: ir.Value,
+                 meta: object, prefix: str) -> dict[str, object]:
+        members = sorted(group.members, key=lambda m: m.order)
+        counts = [_count(m.x) for m in members]
+        length = sum(counts)
+        size = -(-length // self.ranks)  # shard elements, the bucket padded to ranks * size
+        dtype = members[0].x.dtype
+        g_flat = _padded(ctx, [group.bucket.inputs[0]], length, size * self.ranks)
+        (g_shard,) = ctx.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
+                                  reduction="sum")
+        _typed(g_shard, [size], dtype)
+        g_shard.producer().name = f"ngdist/reducescatter/{prefix}"
+        start = ctx.op("Mul", rank, ctx.ints([size]))
+        x_full = _padded(ctx, [m.x for m in members], length, size * self.ranks)
+        x_shard = ctx.op("Slice", x_full, start, ctx.op("Add", start, ctx.ints([size])),
+                         ctx.ints([0]))
+        kinds = node_state_kinds(node)
+        names = {k: f"{prefix}.{k}" for k in kinds}
+        states = [_state_input(ctx.graph, names[k], size, members[0].states[j].dtype, meta)
+                  for j, k in enumerate(kinds)]
+        r, t = node.inputs[0], node.inputs[1]
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        outs = ctx.op_multi(node.op_type, r, t, x_shard, g_shard, *states,
+                            num_outputs=1 + len(kinds), domain=PREVIEW_TRAINING, **attrs)
+        for j, k in enumerate(kinds):
+            _typed(outs[1 + j], [size], states[j].dtype)
+            outs[1 + j].name = f"{names[k]}.new"
+            meta.binding[names[k]] = outs[1 + j].name  # type: ignore[attr-defined]
+            ctx.graph.outputs.append(outs[1 + j])
+        (gathered,) = ctx.op_multi("AllGather", outs[0], num_outputs=1, domain=DOMAIN)
+        _typed(gathered, [size * self.ranks], dtype)
+        gathered.producer().name = f"ngdist/allgather/{prefix}"
+        pieces = ctx.op_multi("Split", ctx.op("Slice", gathered, ctx.ints([0]),
+                                              ctx.ints([length]), ctx.ints([0])),
+                              ctx.ints(counts), num_outputs=len(members), axis=0)
+        n = len(split_optimizer_inputs(node)[2][0])
+        params = []
+        for m, piece, count in zip(members, pieces, counts):
+            new = ctx.op("Reshape", piece, ctx.ints(_dims(m.x)))
+            _take_over(node.outputs[m.index], new)
+            old_states = {}
+            for j, k in enumerate(kinds):
+                old = m.states[j]
+                old_states[k] = old.name
+                _drop_state(ctx.graph, old, node.outputs[n * (1 + j) + m.index], meta)
+            params.append({"param": m.x.name, "count": count, "shape": _dims(m.x),
+                           "states": old_states})
+        return {"states": names, "size": size, "length": length, "params": params}
+
+
+def _groups(node: ir.Node) -> list[_Group]:
+    """The node's parameters grouped by the bucket that reduces their gradients."""
+    _, _, groups = split_optimizer_inputs(node)
+    xs, gs, states = groups[0], groups[1], groups[2:]
+    by_bucket: dict[int, _Group] = {}
+    for i, (x, g) in enumerate(zip(xs, gs)):
+        bucket = reduced_by(g)
+        if bucket is None or bucket.op_type != "AllReduce" or len(bucket.inputs) != 1:
+            raise GraphError(f"shard=: the gradient of {x.name!r} is not reduced by a bucket's "
+                             "AllReduce of one input (all_reduce_alg='exact' keeps lists)")
+        if attr(bucket, "reduction", "mean") != "sum" or \
+                attr(bucket, "compression", "none") != "none":
+            raise GraphError(f"shard=: bucket {bucket.name!r} is not a plain sum of prescaled "
+                             "float gradients")
+        if x.shape is None or not x.shape.is_static():
+            raise GraphError(f"shard=: parameter {x.name!r} has no static shape")
+        group = by_bucket.setdefault(id(bucket), _Group(bucket))
+        group.members.append(_Member(i, _order(g), x, g, [s[i] for s in states]))
+    for group in by_bucket.values():
+        if len(group.members) != _bucket_size(group.bucket):
+            raise GraphError(f"shard=: bucket {group.bucket.name!r} holds values other than "
+                             f"the gradients of optimizer node {node.name!r} (buffer "
+                             "averages, or another node's); pass bucket_bytes=0 or leave "
+                             "shard= out")
+    return list(by_bucket.values())
+
+
+def _bucket_size(bucket: ir.Node) -> int:
+    """Tensors in a bucket: the Split's outputs of a flat bucket, else 1."""
+    uses = list(bucket.outputs[0].uses())
+    if len(uses) == 1 and uses[0].node.op_type == "Split":
+        return len(uses[0].node.outputs)
+    return 1
+
+
+def _order(g: ir.Value) -> int:
+    """Position of reduced gradient ``g`` in its flat bucket (0 for a bucket of one)."""
+    producer = g.producer()
+    if producer is not None and producer.op_type == "Reshape":
+        split_out = producer.inputs[0]
+        split = split_out.producer() if split_out is not None else None
+        if split is not None and split.op_type == "Split":
+            return list(split.outputs).index(split_out)
+    return 0
+
+
+def _padded(ctx: GradContext, values: Sequence[ir.Value], length: int, total: int
+            ) -> ir.Value:
+    """The values flattened, concatenated and padded with zeros to ``total`` elements."""
+    flat = ctx.ints([-1])
+    parts = [ctx.op("Reshape", v, flat) for v in values]
+    if total > length:
+        dtype = values[0].dtype
+        zeros = np.zeros(total - length, dtype.numpy() if dtype is not None else np.float32)
+        parts.append(ctx.op("Constant", value=ir.tensor(zeros)))
+    out = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=0)
+    _typed(out, [total], values[0].dtype)
+    return out
+
+
+def _rank_input(graph: ir.Graph, meta: object) -> ir.Value:
+    """The int64 hyper-parameter ``ngdist.shard_rank`` (0 in the graph; the runtime sets it)."""
+    if SHARD_RANK in graph.initializers:
+        return graph.initializers[SHARD_RANK]
+    value = ir.Value(name=SHARD_RANK, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
+                     const_value=ir.tensor(np.zeros(1, np.int64), name=SHARD_RANK))
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    meta.roles[SHARD_RANK] = "hyper"  # type: ignore[attr-defined]
+    return value
+
+
+def _state_input(graph: ir.Graph, name: str, size: int, dtype: ir.DataType | None,
+                 meta: object) -> ir.Value:
+    np_type = dtype.numpy() if dtype is not None else np.float32
+    value = ir.Value(name=name, shape=ir.Shape([size]), type=ir.TensorType(
+        dtype or ir.DataType.FLOAT), const_value=ir.tensor(np.zeros(size, np_type), name=name))
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    meta.roles[name] = "state"  # type: ignore[attr-defined]
+    return value
+
+
+def _drop_state(graph: ir.Graph, old: ir.Value, output: ir.Value, meta: object) -> None:
+    """A per-parameter state the flat state replaces: no input, no initializer, no binding."""
+    meta.roles.pop(old.name, None)  # type: ignore[attr-defined]
+    meta.binding.pop(old.name, None)  # type: ignore[attr-defined]
+    if output in graph.outputs:
+        graph.outputs.remove(output)
+    if old in graph.inputs:
+        graph.inputs.remove(old)
+    graph.initializers.pop(old.name, None)
+
+
+def _take_over(old: ir.Value, new: ir.Value) -> None:
+    name = old.name
+    new.shape, new.type = old.shape, old.type
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name = f"{name}.replaced"
+    new.name = name
+
+
+def _typed(value: ir.Value, dims: list[int], dtype: ir.DataType | None) -> None:
+    value.shape = ir.Shape(dims)
+    value.type = ir.TensorType(dtype) if dtype is not None else None
+
+
+def _dims(x: ir.Value) -> list[int]:
+    return [int(d) for d in x.shape.dims]  # type: ignore[union-attr]
+
+
+def _count(x: ir.Value) -> int:
+    return int(np.prod(_dims(x), dtype=np.int64))
+
+
+def passes(o: AllReduceOptions) -> list[ir.passes.PassBase]:
+    """The sharding pass of the allreduce strategy's options (none for ``shard="none"``);
+    an OptionError where shard= cannot run with the other options."""
+    if o.shard == "none":
+        return []
+    if o.reproducible_micro_batch:
+        raise OptionError(f"shard={o.shard!r} cannot be combined with reproducible_micro_batch "
+                          "(the exact AllReduce sums lists of micro-batch gradients; there is "
+                          "no exact ReduceScatter); leave one of the two out")
+    if o.compression != "none":
+        raise OptionError(f"shard={o.shard!r} cannot be combined with compression= yet (the "
+                          "ReduceScatter sums float32 buckets); leave one of the two out")
+    if o.shard_ranks < 1:
+        raise OptionError(f"shard={o.shard!r} needs the rank count to size the shards: "
+                          "ngdist.compile sets shard_ranks to the job's; pass shard_ranks=N")
+    return [ShardingPass(o.shard, o.shard_ranks)]
+
+
+def check_gradients(o: object, gradients: StepOptions | None) -> None:
+    """Clipping and accumulation read whole averaged gradients, which shard= never forms."""
+    level = getattr(o, "shard", "none")
+    if level == "none" or gradients is None:
+        return
+    if gradients.clipping or gradients.accumulate > 1:
+        raise OptionError(f"shard={level!r} cannot be combined with clip_grad_norm=, "
+                          "clip_grad_value= or accumulate= yet (they read the whole averaged "
+                          "gradients, and a rank holds only its shard); leave one of them out")
+
+
+def check_rewrite(level: object) -> None:
+    """A rewritten file cannot carry shards: their layout is set up by the trainer."""
+    if level not in (None, "none"):
+        raise OptionError(f"shard={level!r} is applied when training starts (ngdist.compile, "
+                          "ngdist train --shard), where the rank count is known and each rank "
+                          "takes its shard of the optimizer state; rewrite without --shard")

@@ -1,0 +1,210 @@
+"""Sharded data parallelism (passes/shard.py, runtime/sharding.py) under real mpiexec: ZeRO-1
+(``shard="optimizer"``) and ZeRO-2 (``shard="gradients"``) on the digits MLP equal plain
+allreduce after 20 steps (1e-5 with SGD and momentum, 1e-4 with AdamW) on 2 and 4 ranks, and
+torch float64 on 2; the ranks' parameters are the same bytes; each rank's optimizer state is
+1/N of allreduce's; the bytes a step sends; ZeRO-2's gradient bucket dropped after its
+ReduceScatter; ``trainer.save`` writes a standard model that resumes under plain allreduce on
+2 ranks and on one process; the refusals."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+from ngdist.errors import OptionError
+from ngdist.ir.model import load_proto
+
+BATCH, STEPS, SIZES = 16, 20, (64, 32, 10)  # samples per rank and step
+
+COMMON = r"""
+import json, sys
+import numpy as np
+import ngdist
+from ngdist import zoo
+from ngdist.data import load_digits
+
+x, y, _, _ = load_digits()
+OPTIMIZERS = {"sgd": lambda: ngdist.optim.SGD(lr=0.1, momentum=0.9),
+              "adamw": lambda: ngdist.optim.AdamW(lr=0.01, weight_decay=0.01)}
+
+
+def make(shard, opt, model=None):
+    return ngdist.compile(model or zoo.mlp((64, 32, 10), seed=0), loss="softmax_cross_entropy",
+                          labels="y", optimizer=OPTIMIZERS[opt](), shard=shard, timeout=60)
+
+
+def steps(t, first, count):
+    sent = set()
+    for i in range(first, first + count):
+        b = slice(16 * t.size * i, 16 * t.size * (i + 1))
+        (mine,) = t.shard([(x[b], y[b])])
+        sent.add(t.step({"x": mine[0], "y": mine[1]}).bytes_sent)
+    return sorted(sent)
+"""
+
+TRAIN = COMMON + r"""
+out, info = {}, {}
+for opt in ("sgd", "adamw"):
+    for shard in ("none", "optimizer", "gradients"):
+        t = make(shard, opt)
+        sent = steps(t, 0, 20)
+        for k, v in t.parameters().items():
+            out[f"{opt}.{shard}.{k}"] = v
+        g = t.step_model.graph
+        state = sum(int(np.prod(g.initializers[n].shape.dims, dtype=np.int64))
+                    for n in t.meta.names("state") if n != "ngdist.step")  # (shared count)
+        plan = t.executor.plan
+        freed = [sorted(set(plan.free_after.get(i.index, ())) & set(i.node.input))
+                 for i in plan.items if getattr(i, "node", None) is not None
+                 and i.node.op_type == "ReduceScatter"]
+        info[f"{opt}.{shard}"] = {"sent": sent, "state": state, "freed": freed}
+        t.close()
+np.savez(f"params{t.rank}.npz", **out)
+json.dump(info, open(f"info{t.rank}.json", "w"))
+"""
+
+
+def _digits(steps: int, first: int = 0, ranks: int = 2):
+    x, y, _, _ = load_digits()
+    n = BATCH * ranks
+    return [(x[n * i:n * (i + 1)], y[n * i:n * (i + 1)]) for i in range(first, first + steps)]
+
+
+def _torch_sgd(ranks: int) -> dict[str, np.ndarray]:
+    """The digits MLP in torch float64, 20 steps of SGD with momentum on the global batches."""
+    init = {t.name: onnx.numpy_helper.to_array(t) for t in zoo.mlp(SIZES, seed=0).graph.initializer}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10)).double()
+    names = {"0": "fc0", "2": "fc1"}
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            layer, kind = k.split(".")
+            p.copy_(torch.from_numpy(init[f"{names[layer]}.{kind}"].astype(np.float64)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _digits(STEPS, ranks=ranks):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(torch.from_numpy(x).double()),
+                                          torch.from_numpy(y).long()).backward()
+        opt.step()
+    return {f"{names[k.split('.')[0]]}.{k.split('.')[1]}": p.detach().numpy()
+            for k, p in model.named_parameters()}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_zero1_and_zero2_equal_allreduce(ranks, tmp_path, n):
+    ranks(n, TRAIN, timeout=220)
+    params = [dict(np.load(tmp_path / f"params{r}.npz")) for r in range(n)]
+    info = [json.loads((tmp_path / f"info{r}.json").read_text()) for r in range(n)]
+    for key, value in params[0].items():  # the gathered parameters: the same bytes on all ranks
+        for other in params[1:]:
+            assert other[key].tobytes() == value.tobytes(), key
+    names = [k.split(".", 2)[2] for k in params[0] if k.startswith("sgd.none.")]
+    for opt, tol in (("sgd", 1e-5), ("adamw", 1e-4)):
+        for shard in ("optimizer", "gradients"):
+            for k in names:
+                np.testing.assert_allclose(params[0][f"{opt}.{shard}.{k}"],
+                                           params[0][f"{opt}.none.{k}"], rtol=0, atol=tol,
+                                           err_msg=f"{opt} {shard} {k}")
+            plain, mine = info[0][f"{opt}.none"], info[0][f"{opt}.{shard}"]
+            count = sum(params[0][f"{opt}.none.{k}"].size for k in names)
+            kinds = 1 if opt == "sgd" else 2
+            assert plain["state"] == kinds * count
+            # one flat bucket of `count` elements, padded to a multiple of n, 1/n per rank
+            assert mine["state"] == kinds * -(-count // n), (opt, shard, mine["state"])
+            # the step sends the padded bucket (ReduceScatter) and this rank's shard of it
+            # (AllGather), where the AllReduce sends the bucket: equal up to the counting of
+            # the AllGather (comm/mpi.py counts each call's own buffer once)
+            padded = 4 * n * -(-count // n)
+            assert plain["sent"] == [4 * count]
+            assert mine["sent"] == [padded + padded // n], (opt, shard, mine["sent"])
+            # the padded gradient bucket is dropped right after its ReduceScatter
+            assert mine["freed"] and all(f for f in mine["freed"]), mine["freed"]
+    if n == 2:  # the independent oracle: torch float64 on the global batches
+        expected = _torch_sgd(n)
+        for k, v in expected.items():
+            np.testing.assert_allclose(params[0][f"sgd.optimizer.{k}"], v, rtol=0, atol=2e-5,
+                                       err_msg=k)
+
+
+RESUME = COMMON + r"""
+t = make("optimizer", "sgd")
+steps(t, 0, 10)
+t.save("sharded.onnx")
+steps(t, 10, 10)
+np.savez(f"sharded{t.rank}.npz", **t.parameters())
+t.close()
+plain = ngdist.compile("sharded.onnx", strategy="allreduce", timeout=60)
+steps(plain, 10, 10)
+np.savez(f"plain{plain.rank}.npz", **plain.parameters())
+"""
+
+
+@pytest.mark.mpi
+def test_save_gathers_a_standard_model_that_resumes_under_allreduce_and_one_rank(ranks,
+                                                                                  tmp_path):
+    ranks(2, RESUME, timeout=200)
+    sharded = dict(np.load(tmp_path / "sharded0.npz"))
+    plain = dict(np.load(tmp_path / "plain0.npz"))
+    model = load_proto(tmp_path / "sharded.onnx")
+    info = model.training_info[0]
+    state = {t.name: onnx.numpy_helper.to_array(t) for t in info.algorithm.initializer}
+    for k, v in sharded.items():  # full per-parameter momentum, gathered from both ranks
+        assert state[f"{k}.momentum"].shape == v.shape
+        assert np.count_nonzero(state[f"{k}.momentum"]) > v.size // 2, k
+        np.testing.assert_allclose(plain[k], v, rtol=0, atol=1e-5, err_msg=k)
+    assert not any(n.startswith("ngdist/") or n == "ngdist.shard_rank" for n in state)
+    one = ngdist.compile(str(tmp_path / "sharded.onnx"), strategy="allreduce")
+    for x, y in _digits(10, first=10):
+        one.step({"x": x, "y": y})
+    for k, v in one.parameters().items():
+        np.testing.assert_allclose(v, sharded[k], rtol=0, atol=1e-5, err_msg=k)
+
+
+def _mlp() -> onnx.ModelProto:
+    return zoo.mlp(SIZES, seed=0)
+
+
+def test_one_process_shards_like_allreduce():
+    """On one rank the shard is the whole padded bucket: the same parameters, bit for bit."""
+    got = {}
+    for shard in ("none", "gradients"):
+        t = ngdist.compile(_mlp(), loss="softmax_cross_entropy", labels="y", shard=shard,
+                           optimizer=ngdist.optim.AdamW(lr=0.01, weight_decay=0.01))
+        for x, y in _digits(3, ranks=1):
+            t.step({"x": x, "y": y})
+        got[shard] = t.parameters()
+    for k, v in got["none"].items():
+        assert got["gradients"][k].tobytes() == v.tobytes(), k
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"shard": "params"}, r"unknown shard 'params'; choose one of \['none', 'optimizer', "
+                          r"'gradients'\]"),
+    ({"shard": "optimizer", "compression": "fp16"}, r"cannot be combined with compression="),
+    ({"shard": "optimizer", "reproducible_micro_batch": 4},
+     r"cannot be combined with reproducible_micro_batch"),
+    ({"shard": "optimizer", "clip_grad_norm": 1.0}, r"cannot be combined with clip_grad_norm="),
+    ({"shard": "gradients", "accumulate": 2}, r"cannot be combined with clip_grad_norm=, "
+                                              r"clip_grad_value= or accumulate="),
+    ({"shard": "optimizer", "strategy": "pushsum"},
+     r"shard is an option of the allreduce strategy, not of 'pushsum'"),
+])
+def test_refusals(options, message):
+    with pytest.raises(OptionError, match=message):
+        ngdist.compile(_mlp(), loss="softmax_cross_entropy", labels="y",
+                       optimizer=ngdist.optim.SGD(lr=0.1), **options)
+
+
+def test_rewrite_refuses_shard():
+    from ngdist.passes.pipeline import rewrite
+    model = ngdist.to_training_model(_mlp(), loss="softmax_cross_entropy", labels="y",
+                                     optimizer=ngdist.optim.SGD(lr=0.1))
+    with pytest.raises(OptionError, match=r"shard='optimizer' is applied when training starts"):
+        rewrite(model, "allreduce", shard="optimizer")
