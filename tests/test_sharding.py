@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ngdist
+from conftest import ngdist_train
 from ngdist import zoo
 from ngdist.data import load_digits
 from ngdist.errors import OptionError
@@ -26,6 +27,7 @@ COMMON = r"""
 import json, sys
 import numpy as np
 import ngdist
+from conftest import ngdist_train
 from ngdist import zoo
 from ngdist.data import load_digits
 
@@ -208,3 +210,23 @@ def test_rewrite_refuses_shard():
                                      optimizer=ngdist.optim.SGD(lr=0.1))
     with pytest.raises(OptionError, match=r"shard='optimizer' is applied when training starts"):
         rewrite(model, "allreduce", shard="optimizer")
+
+
+def _train_cli(tmp_path, *args: str) -> dict[str, np.ndarray]:
+    proc = ngdist_train(tmp_path, "mlp.onnx", "--data", "digits.npz", "--optimizer",
+                        "sgd:lr=0.1,momentum=0.9", "--epochs", "1", "-n", "2", "--batch-size",
+                        "16", *args, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    model = load_proto(tmp_path / args[-1])
+    return {t.name: onnx.numpy_helper.to_array(t)
+            for t in [*model.graph.initializer, *model.training_info[0].algorithm.initializer]}
+
+
+@pytest.mark.mpi
+def test_ngdist_train_shard_saves_a_standard_model(train_files):
+    plain = _train_cli(train_files, "--save", "plain.onnx")
+    sharded = _train_cli(train_files, "--shard", "gradients", "--save", "sharded.onnx")
+    assert sorted(sharded) == sorted(plain)  # the same tensors: per-parameter momentum
+    for k, v in plain.items():
+        assert sharded[k].shape == v.shape, k
+        np.testing.assert_allclose(sharded[k], v, rtol=0, atol=1e-5, err_msg=k)
