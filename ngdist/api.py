@@ -110,7 +110,8 @@ def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any =
         return proto
     return build_training_model(
         proto, loss="softmax_cross_entropy" if loss is _UNSET else loss, labels=labels,
-        optimizer=optim.SGD(lr=0.01) if optimizer is _UNSET else optimizer,
+        optimizer=optim.default_optimizer("the ONNX model") if optimizer is _UNSET
+        else optimizer,
         params=params, frozen=frozen, output=output)
 
 

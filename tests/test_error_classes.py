@@ -105,3 +105,10 @@ def test_labels_named_like_the_model_output_are_refused():
                                          r"\('y'\); pass labels= another name \(ngdist "
                                          r"rewrite/train: --labels\)"):
         ngdist.to_training_model(model, optimizer=ngdist.optim.SGD(lr=0.1))
+
+
+def test_compile_without_an_optimizer_says_what_it_trains_with(caplog):
+    with caplog.at_level("WARNING", logger="ngdist.optim"):
+        ngdist.compile(zoo.mlp((4, 3)), strategy="local")
+    assert "the ONNX model: no optimizer given, training with ngdist.optim.SGD(lr=0.01); " \
+           "pass optimizer=" in caplog.text

@@ -309,8 +309,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     from ngdist.frontends.onnx import build_training_model
 
     if optimizer is _UNSET or optimizer is None:
-        opt, trained = optim.SGD(lr=0.01), [n for n, p in module.named_parameters()
-                                            if p.requires_grad]
+        opt = optim.default_optimizer(f"torch module {type(module).__name__}")
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]
     elif isinstance(optimizer, (str, *optim.OPTIMIZERS)):
         opt = optim.from_spec(optimizer)
         trained = [n for n, p in module.named_parameters() if p.requires_grad]

@@ -25,6 +25,7 @@ OptionError naming it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_
                                       KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
                                       FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
                                       TORCH_ADAM, TORCH_ADAMW, state_kinds)
+
+logger = logging.getLogger(__name__)
+
 
 class _Optimizer:
     """What every optimizer shares: checks, state kinds, groups (the fields are the class's)."""
@@ -369,6 +373,15 @@ def from_spec(spec: str | Optimizer) -> Optimizer:
                           f"{type(spec).__name__}")
     cls, kwargs = parse_spec(spec, "optimizer", KINDS, _ALIASES)
     return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+def default_optimizer(what: str) -> Optimizer:
+    """The optimizer a model compiled without one trains with, SGD(lr=0.01), said in a
+    warning (``what`` names the model)."""
+    logger.warning("%s: no optimizer given, training with ngdist.optim.SGD(lr=0.01); pass "
+                   "optimizer= (a torch optimizer, an ngdist.optim optimizer or a spec like "
+                   "'adamw:lr=1e-3')", what)
+    return SGD(lr=0.01)
 
 
 # other libraries' names for the same hyper-parameters, suggested when misused
