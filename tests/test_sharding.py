@@ -27,7 +27,6 @@ COMMON = r"""
 import json, sys
 import numpy as np
 import ngdist
-from conftest import ngdist_train
 from ngdist import zoo
 from ngdist.data import load_digits
 

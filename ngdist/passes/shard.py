@@ -37,6 +37,22 @@ class _Member:
 
 
 @dataclass
+class _Shard:
+    """One bucket's rewrite: its parameters in flat order, ``length`` elements padded to
+    ranks * ``size``, the ReduceScatter'ed gradient slice, the updated parameter slice and the
+    flat states by kind."""
+
+    prefix: str
+    members: list[_Member]
+    counts: list[int]
+    length: int
+    size: int
+    g_shard: ir.Value
+    x_new: ir.Value | None = None
+    states: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class _Group:
     """The parameters of one optimizer node whose gradients share one bucket."""
 
@@ -90,8 +106,11 @@ class ShardingPass(ir.passes.InPlacePass):
         for node in nodes:
             ctx = GradContext(graph, node, opset)
             ctx.current = node
-            for i, group in enumerate(_groups(node)):
-                layout.append(self._rewrite(ctx, node, group, rank, meta, f"{node.name}/shard{i}"))
+            shards = [self._scatter(ctx, group, f"{node.name}/shard{i}")
+                      for i, group in enumerate(_groups(node))]
+            for shard in shards:  # the updates together, then the gathers together
+                self._update(ctx, node, shard, rank, meta)
+            layout.extend(self._gather(ctx, node, shard, meta) for shard in shards)
             graph.remove(node, safe=True)
         RemoveUnusedNodesPass()(model)  # the buckets' AllReduce, Split and Reshapes
         ensure_opset(model, DOMAIN)
@@ -101,54 +120,71 @@ class ShardingPass(ir.passes.InPlacePass):
         logger.info("shard=%s: %d bucket(s) over %d ranks", self.level, len(layout), self.ranks)
         return ir.passes.PassResult(model, True)
 
-    def _rewrite(self, ctx: GradContext, node: ir.Node, group: _Group, rank: ir.Value,
-                 meta: object, prefix: str) -> dict[str, object]:
+    def _scatter(self, ctx: GradContext, group: _Group, prefix: str) -> _Shard:
+        """The bucket's flat gradient padded and ReduceScatter'ed where its AllReduce was (as
+        soon as its last gradient is ready, overlapping the rest of the backward pass)."""
         members = sorted(group.members, key=lambda m: m.order)
         counts = [_count(m.x) for m in members]
         length = sum(counts)
         size = -(-length // self.ranks)  # shard elements, the bucket padded to ranks * size
-        dtype = members[0].x.dtype
-        g_flat = _padded(ctx, [group.bucket.inputs[0]], length, size * self.ranks)
-        (g_shard,) = ctx.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
-                                  reduction="sum")
-        _typed(g_shard, [size], dtype)
+        at = GradContext(ctx.graph, group.bucket, ctx.opset, taken=ctx.taken)
+        at.current = ctx.current
+        g_flat = _padded(at, [group.bucket.inputs[0]], length, size * self.ranks)
+        (g_shard,) = at.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
+                                 reduction="sum")
+        _typed(g_shard, [size], members[0].x.dtype)
         g_shard.producer().name = f"ngdist/reducescatter/{prefix}"
+        return _Shard(prefix, members, counts, length, size, g_shard)
+
+    def _update(self, ctx: GradContext, node: ir.Node, shard: _Shard, rank: ir.Value,
+                meta: object) -> None:
+        """The optimizer node on this rank's slice of the flat parameters and flat states."""
+        size = shard.size
         start = ctx.op("Mul", rank, ctx.ints([size]))
-        x_full = _padded(ctx, [m.x for m in members], length, size * self.ranks)
+        x_full = _padded(ctx, [m.x for m in shard.members], shard.length, size * self.ranks)
         x_shard = ctx.op("Slice", x_full, start, ctx.op("Add", start, ctx.ints([size])),
                          ctx.ints([0]))
         kinds = node_state_kinds(node)
-        names = {k: f"{prefix}.{k}" for k in kinds}
-        states = [_state_input(ctx.graph, names[k], size, members[0].states[j].dtype, meta)
+        shard.states = {k: f"{shard.prefix}.{k}" for k in kinds}
+        states = [_state_input(ctx.graph, shard.states[k], size,
+                               shard.members[0].states[j].dtype, meta)
                   for j, k in enumerate(kinds)]
-        r, t = node.inputs[0], node.inputs[1]
         attrs = {k: a.value for k, a in node.attributes.items()}
-        outs = ctx.op_multi(node.op_type, r, t, x_shard, g_shard, *states,
-                            num_outputs=1 + len(kinds), domain=PREVIEW_TRAINING, **attrs)
+        outs = ctx.op_multi(node.op_type, node.inputs[0], node.inputs[1], x_shard,
+                            shard.g_shard, *states, num_outputs=1 + len(kinds),
+                            domain=PREVIEW_TRAINING, **attrs)
         for j, k in enumerate(kinds):
             _typed(outs[1 + j], [size], states[j].dtype)
-            outs[1 + j].name = f"{names[k]}.new"
-            meta.binding[names[k]] = outs[1 + j].name  # type: ignore[attr-defined]
+            outs[1 + j].name = f"{shard.states[k]}.new"
+            meta.binding[shard.states[k]] = outs[1 + j].name  # type: ignore[attr-defined]
             ctx.graph.outputs.append(outs[1 + j])
-        (gathered,) = ctx.op_multi("AllGather", outs[0], num_outputs=1, domain=DOMAIN)
-        _typed(gathered, [size * self.ranks], dtype)
-        gathered.producer().name = f"ngdist/allgather/{prefix}"
-        pieces = ctx.op_multi("Split", ctx.op("Slice", gathered, ctx.ints([0]),
-                                              ctx.ints([length]), ctx.ints([0])),
-                              ctx.ints(counts), num_outputs=len(members), axis=0)
+        shard.x_new = outs[0]
+
+    def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: object
+                ) -> dict[str, object]:
+        """AllGather of the updated slices, cut back into the parameters; the old states
+        dropped. Returns the group's layout."""
+        (gathered,) = ctx.op_multi("AllGather", shard.x_new, num_outputs=1, domain=DOMAIN)
+        _typed(gathered, [shard.size * self.ranks], shard.members[0].x.dtype)
+        gathered.producer().name = f"ngdist/allgather/{shard.prefix}"
+        if shard.size * self.ranks > shard.length:  # the padding cut off
+            gathered = ctx.op("Slice", gathered, ctx.ints([0]), ctx.ints([shard.length]),
+                              ctx.ints([0]))
+        pieces = [gathered] if len(shard.members) == 1 else ctx.op_multi(
+            "Split", gathered, ctx.ints(shard.counts), num_outputs=len(shard.members), axis=0)
         n = len(split_optimizer_inputs(node)[2][0])
         params = []
-        for m, piece, count in zip(members, pieces, counts):
-            new = ctx.op("Reshape", piece, ctx.ints(_dims(m.x)))
-            _take_over(node.outputs[m.index], new)
+        for m, piece, count in zip(shard.members, pieces, shard.counts):
+            _take_over(node.outputs[m.index], ctx.op("Reshape", piece, ctx.ints(_dims(m.x))))
             old_states = {}
-            for j, k in enumerate(kinds):
+            for j, k in enumerate(shard.states):
                 old = m.states[j]
                 old_states[k] = old.name
                 _drop_state(ctx.graph, old, node.outputs[n * (1 + j) + m.index], meta)
             params.append({"param": m.x.name, "count": count, "shape": _dims(m.x),
                            "states": old_states})
-        return {"states": names, "size": size, "length": length, "params": params}
+        return {"states": shard.states, "size": shard.size, "length": shard.length,
+                "params": params}
 
 
 def _groups(node: ir.Node) -> list[_Group]:
