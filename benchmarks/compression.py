@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -54,16 +53,9 @@ def worker(args: argparse.Namespace) -> None:
             rank = tr.rank
             feed = {"x": x[rank * args.batch:(rank + 1) * args.batch],
                     "y": y[rank * args.batch:(rank + 1) * args.batch]}
-            for _ in range(args.warmup):
-                tr.step(feed)
-            tr.group.barrier().wait()
-            sent = 0
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                sent += tr.step(feed).bytes_sent
-            elapsed = ranks.slowest(time.perf_counter() - t0)
+            steps_s, sent = ranks.timed_steps(tr, feed, args.warmup, args.steps)
             tr.close()
-            run = {"steps_s": args.steps / elapsed, "MB": sent / 1e6}
+            run = {"steps_s": steps_s, "MB": sent / 1e6}
             if name not in best or run["steps_s"] > best[name]["steps_s"]:
                 best[name] = run
     if ngdist.rank() == 0:
@@ -82,12 +74,7 @@ def show(best: dict[str, dict], title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
+    ranks.mlp_arguments(p)
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--netns", action="store_true", help="ranks in separate network namespaces")

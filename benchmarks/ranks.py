@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,30 @@ def slowest(value: float) -> float:
     buf = np.array([value]), np.empty(1)
     MPI.COMM_WORLD.Allreduce(buf[0], buf[1], op=MPI.MAX)
     return float(buf[1][0])
+
+
+def mlp_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that times an MLP 64-H-H-10 on ``--ranks`` ranks."""
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def timed_steps(trainer: Any, feed: dict[str, Any], warmup: int, steps: int
+                ) -> tuple[float, int]:
+    """``warmup`` steps, a barrier, then ``steps`` timed steps on ``feed`` (called on every
+    rank): (steps/s over the slowest rank's wall time, bytes this rank sent)."""
+    for _ in range(warmup):
+        trainer.step(feed)
+    trainer.group.barrier().wait()
+    sent = 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        sent += trainer.step(feed).bytes_sent
+    return steps / slowest(time.perf_counter() - t0), sent
 
 
 def launch(script: str, args: argparse.Namespace, extra_mpiexec: list[str] | None = None,
