@@ -259,7 +259,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         else:
             torch_loss.check_labels_name(labels, in_names, out_names)
             used, train, feed_values[labels] = torch_loss.export_with_loss(
-                module, loss, args, in_names, labels, opset, exporter)
+                module, loss, args, in_names, out_names[0], labels, opset, exporter)
             _restore(module, snapshot)  # the example labels ran the forward once more
         # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
         # running_var are both ones), so every tensor gets unique values while it runs

@@ -99,7 +99,7 @@ def _wrapper(module: Any, loss: Any, n_inputs: int) -> Any:
     import torch.nn as nn
 
     class WithLoss(nn.Module):
-        """forward(*inputs, labels) = loss(module(*inputs), labels)."""
+        """forward(*inputs, labels) = (loss(module(*inputs), labels), module(*inputs))."""
 
         forward = _forward(n_inputs)
 
@@ -115,7 +115,7 @@ def _wrapper(module: Any, loss: Any, n_inputs: int) -> Any:
             out = getattr(self, MODEL)(*inputs)
             if isinstance(out, (tuple, list)):
                 out = out[0]
-            return getattr(self, LOSS_FN)(out, labels)
+            return getattr(self, LOSS_FN)(out, labels), out
 
     wrapper = WithLoss()
     wrapper.train(module.training)
@@ -192,26 +192,44 @@ def example_labels(loss: Any, out: Any) -> Any:
                      "or 'sum')")
 
 
+def _value_name(name: str) -> str:
+    """A node value's name as the model's own export names it (``/ngdist_model/fc/Gemm_output_0``
+    -> ``/fc/Gemm_output_0``, which evaluate() finds in the eval graph); the loss's values get
+    ``/ngdist_loss/`` in front, apart from the model's."""
+    inner = f"/{MODEL}/"
+    if name.startswith(inner):
+        return name[len(inner) - 1:]
+    return f"/ngdist_loss{name}" if name.startswith("/") else name
+
+
 def _strip_prefix(model: onnx.ModelProto) -> None:
-    """The wrapper's state_dict names (``ngdist_model.fc.weight``) back to the model's."""
+    """The wrapper's state_dict names (``ngdist_model.fc.weight``) back to the model's, and its
+    node values named as the model's export names them (``_value_name``)."""
     prefix = f"{MODEL}."
     renames = {t.name: t.name[len(prefix):] for t in model.graph.initializer
                if t.name.startswith(prefix)}
+    renames.update((o, _value_name(o)) for n in model.graph.node for o in n.output
+                   if _value_name(o) != o)
     for t in model.graph.initializer:
         t.name = renames.get(t.name, t.name)
     for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
+        for values in (node.input, node.output):
+            for i, name in enumerate(values):
+                if name in renames:
+                    values[i] = renames[name]
+    for info in model.graph.value_info:
+        info.name = renames.get(info.name, info.name)
 
 
 def export_with_loss(module: Any, loss: Any, args: tuple[Any, ...], input_names: list[str],
-                     labels: str, opset: int, exporter: str) -> tuple[str, onnx.ModelProto, Any]:
+                     output_name: str, labels: str, opset: int, exporter: str
+                     ) -> tuple[str, onnx.ModelProto, Any]:
     """(the exporter used, the training graph computing the loss, the example labels): the
-    graph's inputs are ``input_names`` then ``labels``, its one output ``LOSS_OUTPUT``."""
+    graph's inputs are ``input_names`` then ``labels``, its outputs ``LOSS_OUTPUT`` and the
+    model's output named ``output_name``, as in the eval export (evaluate() reads it)."""
     from ngdist.frontends.torch_exporters import export_training
 
-    check_labels_name(labels, input_names, [LOSS_OUTPUT])
+    check_labels_name(labels, input_names, [LOSS_OUTPUT, output_name])
     out = _output(module, args)  # the caller restores the buffers this forward moved
     value = example_labels(loss, out)
     with _default_dtype(out.dtype):
@@ -219,8 +237,9 @@ def export_with_loss(module: Any, loss: Any, args: tuple[Any, ...], input_names:
     wrapper = _wrapper(module, _as_exported(loss), len(args))
     with _default_dtype(out.dtype):
         used, train = export_training(wrapper, (*args, value), [*input_names, labels],
-                                      [LOSS_OUTPUT], opset, exporter)
+                                      [LOSS_OUTPUT, output_name], opset, exporter)
     _strip_prefix(train)
+    _name_model_output(train, output_name)
     logger.info("exported the loss %s with the model (labels %s %s)", _name(loss),
                 value.dtype, tuple(value.shape))
     return used, train, value
@@ -251,6 +270,27 @@ def _output(module: Any, args: tuple[Any, ...]) -> Any:
     with torch.no_grad():
         out = module(*args)
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _name_model_output(model: onnx.ModelProto, name: str) -> None:
+    """The model's output value itself is named ``name``, as the loss reads it: the exporter
+    makes the graph output an Identity of a value named after its node."""
+    graph = model.graph
+    node = next((n for n in graph.node if name in n.output), None)
+    if node is None or node.op_type != "Identity":
+        return
+    source = node.input[0]
+    if source in {i.name for i in graph.input} | {t.name for t in graph.initializer}:
+        return
+    graph.node.remove(node)
+    for n in graph.node:
+        for values in (n.input, n.output):
+            for i, value in enumerate(values):
+                if value == source:
+                    values[i] = name
+    for info in graph.value_info:
+        if info.name == source:
+            info.name = name
 
 
 def _random_like(value: Any, output: Any) -> Any:

@@ -306,7 +306,8 @@ def eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
     divisor = node.inputs[1].producer() if node is not None and node.op_type == "Div" else None
     if divisor is not None and divisor.domain == "ngdist" and divisor.op_type == "AllReduce":
         node = node.inputs[0].producer()  # a sum over the global count (passes/losscount.py)
-    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss":
+    weighted = node is not None and len(node.inputs) > 2 and node.inputs[2] is not None
+    if node is not None and node.op_type == "SoftmaxCrossEntropyLoss" and not weighted:
         for labels, (scores, ignore, _) in label_checks.items():
             if scores == node.inputs[0].name:
                 return "softmax_cross_entropy", scores, labels, ignore
@@ -317,6 +318,7 @@ def eval_loss(step: ir.Model, loss: str, data_inputs: Mapping[str, Any],
         if sub is not None and sub.op_type == "Sub" and sub.inputs[1].name in data_inputs:
             return "mse", sub.inputs[0].name, sub.inputs[1].name, None
     what = f"a {node.op_type} node" if node is not None else "no node of the step graph"
+    what += " with class weights" if weighted else ""
     raise NgdistError(f"evaluate() computes the validation loss of softmax_cross_entropy and mse "
                       f"losses against a labels input; this model's loss '{loss}' comes from "
                       f"{what}: evaluate with trainer.predict() and your own metric instead")

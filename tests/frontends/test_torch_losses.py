@@ -180,3 +180,27 @@ def test_an_exported_counted_mean_uses_the_global_count_on_2_ranks(ranks, tmp_pa
             assert got[1][k].tobytes() == got[0][k].tobytes(), (name, k)
             np.testing.assert_allclose(got[0][k], v.detach().numpy(), rtol=0, atol=1e-9,
                                        err_msg=f"{name} {k}")
+
+
+def test_evaluate_computes_the_exported_loss_or_refuses():
+    """evaluate() knows unweighted cross-entropy (NLLLoss after log_softmax exports as one)
+    and mse: a weighted CrossEntropyLoss is refused rather than evaluated without its
+    weights."""
+    from ngdist.errors import NgdistError
+
+    d = data()
+    for log_softmax, loss in ((True, nn.NLLLoss()), (False, nn.CrossEntropyLoss(ignore_index=2))):
+        module = Net(log_softmax).double()
+        trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64), loss=loss,
+                                 optimizer=torch.optim.SGD(module.parameters(), lr=0.5),
+                                 strategy="local")
+        result = trainer.evaluate({"x": d["x"], "y": d["indices"]})
+        expected = loss(module(torch.from_numpy(d["x"])), torch.from_numpy(d["indices"]))
+        assert result.loss == pytest.approx(float(expected), rel=1e-9), loss
+    module = Net().double()
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(weight=WEIGHT), strategy="local",
+                             optimizer=torch.optim.SGD(module.parameters(), lr=0.5))
+    with pytest.raises(NgdistError, match=r"comes from a SoftmaxCrossEntropyLoss node with class "
+                                          r"weights: evaluate with trainer.predict\(\)"):
+        trainer.evaluate({"x": d["x"], "y": d["indices"]})
