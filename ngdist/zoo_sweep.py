@@ -70,9 +70,11 @@ def _no_dropout(module: Any) -> Any:
     for m in module.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             m.p = 0.0
-        for attr in ("drop_prob", "p") if type(m).__name__ in ("DropPath",
-                                                                "StochasticDepth") else ():
-            setattr(m, attr, 0.0)
+        kind = type(m).__name__
+        for attr in ("drop_prob", "p", "drop_rate"):
+            if ("DropPath" in kind or "StochasticDepth" in kind) and \
+                    isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
     return module.train()
 
 

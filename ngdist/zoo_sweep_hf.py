@@ -50,7 +50,7 @@ _SCALARS = {
                      "d_ff", "n_inner", "decoder_intermediate_size", "mlp_dim"), 2 * WIDTH),
     "head_dim": WIDTH // HEADS, "d_kv": WIDTH // HEADS, "vocab_size": VOCAB,
     "max_position_embeddings": 64, "n_positions": 64, "max_source_positions": 16,
-    "max_target_positions": 64, "image_size": 32, "patch_size": 8,
+    "max_target_positions": 64, "image_size": 64, "patch_size": 8,
     "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
     "num_mel_bins": 16, "use_cache": False,
     "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
@@ -80,8 +80,8 @@ def _shrink(cfg: Any) -> None:
             n = len(value)
             setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
                     [32 * 2 ** i for i in range(n)])  # GroupNorm's 32 groups divide them
-        elif isinstance(value, float) and any(key.endswith(z) for z in _ZERO):
-            setattr(cfg, key, 0.0)
+        elif any(key.endswith(z) for z in _ZERO) and isinstance(value, (float, list)):
+            setattr(cfg, key, [0.0] * len(value) if isinstance(value, list) else 0.0)
     if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
         layers = getattr(cfg, "num_hidden_layers", 2)
         cfg.layer_types = (cfg.layer_types * layers)[:layers]
@@ -109,9 +109,12 @@ def _model(task: str, model_type: str) -> Any:
 
 
 def _tokens(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (3..vocab-1) and an attention mask; the last sequence right-padded by 2."""
+    """Token ids (3..vocab-1) ending in the end-of-sequence token (2, as a tokenizer adds:
+    BART's classification head reads it) and an attention mask; the last sequence
+    right-padded by 2."""
     ids = rng.integers(3, vocab, (BATCH, LENGTH)).astype(np.int64)
     mask = np.ones_like(ids)
+    ids[:-1, -1], ids[-1, -3] = 2, 2
     ids[-1, -2:], mask[-1, -2:] = PAD, 0
     return ids, mask
 
