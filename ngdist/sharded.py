@@ -36,12 +36,12 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     meta = get_meta(step)
     full = {n: step.graph.initializers[n].const_value.numpy()
             for n in meta.names("state") if n in step.graph.initializers}
-    plain = run_passes(ir.from_proto(ir.to_proto(step)),
-                       dataclasses.replace(chosen, shard="none", shard_ranks=0),
-                       gradients=gradients)
+    # saved files hold the training model as given (before autodiff and comm), so they resume
+    # under any strategy, shard= and rank count
+    original = ir.from_proto(ir.to_proto(step))
     step = run_passes(step, chosen, gradients=gradients)
     trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     plan = layout(step)
     assert plan is not None
-    ShardedState(plan, plain).attach(trainer, full)
+    ShardedState(plan, original).attach(trainer, full)
     return trainer

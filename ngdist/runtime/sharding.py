@@ -38,7 +38,7 @@ class ShardedState:
     def __init__(self, plan: dict[str, Any], plain_step: ir.Model) -> None:
         self.plan = plan
         self.ranks = int(plan["ranks"])
-        self.plain_step = plain_step  # the unsharded step graph, for the saved model
+        self.plain_step = plain_step  # the training step as compiled from, for saved models
 
     def attach(self, trainer: Trainer, full: Mapping[str, np.ndarray]) -> None:
         """Sets the rank and this rank's shard of every flat state from ``full`` (the
@@ -82,7 +82,8 @@ class ShardedState:
         return out
 
     def full_model(self, trainer: Trainer) -> onnx.ModelProto:
-        """Collective: the standard (unsharded) training model with the current values."""
+        """Collective: the standard training model with the current values: the step as it
+        was compiled from (optimizer node, no comm), so it resumes under any strategy."""
         values = {n: v for n, v in trainer._deployable().items() if n != SHARD_RANK}
         values.update(self.gather(trainer))
         logger.info("sharded state gathered: %d state tensors", len(values))
