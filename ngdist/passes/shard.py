@@ -129,7 +129,8 @@ class ShardingPass(ir.passes.InPlacePass):
         size = -(-length // self.ranks)  # shard elements, the bucket padded to ranks * size
         at = GradContext(ctx.graph, group.bucket, ctx.opset, taken=ctx.taken)
         at.current = ctx.current
-        g_flat = _padded(at, [group.bucket.inputs[0]], length, size * self.ranks)
+        g_flat = _padded(at, _flat_gradients(group.bucket, members), length,
+                         size * self.ranks)
         (g_shard,) = at.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
                                  reduction="sum")
         _typed(g_shard, [size], members[0].x.dtype)
@@ -205,12 +206,6 @@ def _groups(node: ir.Node) -> list[_Group]:
             raise GraphError(f"shard=: parameter {x.name!r} has no static shape")
         group = by_bucket.setdefault(id(bucket), _Group(bucket))
         group.members.append(_Member(i, _order(g), x, g, [s[i] for s in states]))
-    for group in by_bucket.values():
-        if len(group.members) != _bucket_size(group.bucket):
-            raise GraphError(f"shard=: bucket {group.bucket.name!r} holds values other than "
-                             f"the gradients of optimizer node {node.name!r} (buffer "
-                             "averages, or another node's); pass bucket_bytes=0 or leave "
-                             "shard= out")
     return list(by_bucket.values())
 
 
@@ -220,6 +215,17 @@ def _bucket_size(bucket: ir.Node) -> int:
     if len(uses) == 1 and uses[0].node.op_type == "Split":
         return len(uses[0].node.outputs)
     return 1
+
+
+def _flat_gradients(bucket: ir.Node, members: list[_Member]) -> list[ir.Value]:
+    """What the members' ReduceScatter reads: the bucket's flat buffer where they are all of
+    it, else their own flattened gradients (a bucket shared with another optimizer node, e.g.
+    a parameter group, or with buffer averages, whose AllReduce then stays for the rest)."""
+    if len(members) == _bucket_size(bucket):
+        return [bucket.inputs[0]]
+    concat = bucket.inputs[0].producer()
+    assert concat is not None and concat.op_type == "Concat"
+    return [concat.inputs[m.order] for m in members]  # type: ignore[misc]
 
 
 def _order(g: ir.Value) -> int:
