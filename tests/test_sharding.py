@@ -192,6 +192,16 @@ for shard in ("none", "optimizer"):
         t.step({"input": mine[0], "y": mine[1]})
     np.savez(f"{shard}{t.rank}.npz", **t.parameters())
     t.close()
+for shard in ("none", "gradients"):  # BatchNorm: buffer averages in the gradients' bucket
+    model = T.batchnorm_model()
+    t = ngdist.compile(model, torch.zeros(2, 6), shard=shard, timeout=60,
+                       loss=torch.nn.CrossEntropyLoss(),
+                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x, y in T.grouped_batches(t.size):
+        (mine,) = t.shard([(x, y)])
+        sent = t.step({"input": mine[0].astype(np.float32), "y": mine[1]}).bytes_sent
+    np.savez(f"bn.{shard}{t.rank}.npz", sent=sent, **t.state_dict())
+    t.close()
 """
 
 
@@ -206,6 +216,12 @@ def grouped_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return m, opt
 
 
+def batchnorm_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 4))
+
+
 def grouped_batches(ranks: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(7)
     return [(rng.standard_normal((4 * ranks, 6)), rng.integers(0, 4, 4 * ranks))
@@ -213,7 +229,7 @@ def grouped_batches(ranks: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 @pytest.mark.mpi
-def test_parameter_groups_sharing_a_bucket_match_torch_float64(ranks, tmp_path):
+def test_parameter_groups_and_buffers_sharing_a_bucket(ranks, tmp_path):
     ranks(2, GROUPS, args=[str(Path(__file__).parent)], timeout=200)
     model, opt = grouped_model()
     for x, y in grouped_batches(2):
@@ -229,6 +245,15 @@ def test_parameter_groups_sharing_a_bucket_match_torch_float64(ranks, tmp_path):
         np.testing.assert_allclose(got[0][k], plain[k], rtol=0, atol=1e-12, err_msg=k)
         # (the learning rate is a float32 hyper-parameter: 1e-9 off torch's in 5 steps)
         np.testing.assert_allclose(got[0][k], v, rtol=0, atol=1e-8, err_msg=k)
+    # buffer averages that shared the gradients' bucket stay averaged, by an AllReduce of
+    # their own: the gradients are not also sent whole
+    plain, sharded = (dict(np.load(tmp_path / f"bn.{s}0.npz")) for s in ("none", "gradients"))
+    params = sum(p.numel() for p in batchnorm_model().parameters())  # float32, 2 ranks
+    assert int(sharded.pop("sent")) == int(plain.pop("sent")) + 4 * params // 2
+    for k, v in plain.items():
+        if k in sharded:
+            np.testing.assert_allclose(sharded[k], v, rtol=0, atol=1e-12, err_msg=k)
+    assert sharded["1.running_var"].tobytes() == plain["1.running_var"].tobytes()
 
 
 def _mlp() -> onnx.ModelProto:

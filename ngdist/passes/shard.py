@@ -103,15 +103,23 @@ class ShardingPass(ir.passes.InPlacePass):
         rank = _rank_input(graph, meta)
         opset = model.opset_imports.get("", 18)
         layout: list[dict[str, object]] = []
+        claimed: dict[int, tuple[ir.Node, set[int]]] = {}  # bucket -> positions now sharded
+        taken: set[str] | None = None
         for node in nodes:
-            ctx = GradContext(graph, node, opset)
-            ctx.current = node
+            ctx = GradContext(graph, node, opset, taken=taken)
+            taken, ctx.current = ctx.taken, node
+            groups = _groups(node)
+            for group in groups:
+                claimed.setdefault(id(group.bucket), (group.bucket, set()))[1].update(
+                    m.order for m in group.members)
             shards = [self._scatter(ctx, group, f"{node.name}/shard{i}")
-                      for i, group in enumerate(_groups(node))]
+                      for i, group in enumerate(groups)]
             for shard in shards:  # the updates together, then the gathers together
                 self._update(ctx, node, shard, rank, meta)
             layout.extend(self._gather(ctx, node, shard, meta) for shard in shards)
             graph.remove(node, safe=True)
+        for bucket, orders in claimed.values():
+            _keep_the_rest(GradContext(graph, bucket, opset, taken=taken), bucket, orders)
         RemoveUnusedNodesPass()(model)  # the buckets' AllReduce, Split and Reshapes
         ensure_opset(model, DOMAIN)
         set_meta(model, meta)
@@ -226,6 +234,34 @@ def _flat_gradients(bucket: ir.Node, members: list[_Member]) -> list[ir.Value]:
     concat = bucket.inputs[0].producer()
     assert concat is not None and concat.op_type == "Concat"
     return [concat.inputs[m.order] for m in members]  # type: ignore[misc]
+
+
+def _keep_the_rest(ctx: GradContext, bucket: ir.Node, orders: set[int]) -> None:
+    """A flat bucket whose other tensors (buffer averages) stay averaged: a new AllReduce of
+    those alone replaces it, so no sharded gradient is also sent whole."""
+    size = _bucket_size(bucket)
+    if len(orders) == size:
+        return  # wholly sharded: RemoveUnusedNodesPass drops it
+    concat = bucket.inputs[0].producer()
+    split = next(iter(bucket.outputs[0].uses())).node
+    keep = [i for i in range(size) if i not in orders]
+    flats = [concat.inputs[i] for i in keep]  # type: ignore[union-attr]
+    counts = [v.shape[0] if v.shape is not None else None for v in flats]
+    if any(not isinstance(c, int) for c in counts):
+        logger.warning("shard=: bucket %s keeps its sharded gradients too (sizes unknown)",
+                       bucket.name)
+        return
+    flat = flats[0] if len(flats) == 1 else ctx.op("Concat", *flats, axis=0)
+    attrs = {k: a.value for k, a in bucket.attributes.items()}
+    (reduced,) = ctx.op_multi("AllReduce", flat, num_outputs=1, domain=DOMAIN, **attrs)
+    _typed(reduced, [sum(counts)], bucket.outputs[0].dtype)  # type: ignore[arg-type]
+    reduced.producer().name = f"{bucket.name}/rest"  # type: ignore[union-attr]
+    pieces = [reduced] if len(keep) == 1 else ctx.op_multi(
+        "Split", reduced, ctx.ints(counts), num_outputs=len(keep), axis=0)  # type: ignore[arg-type]
+    for i, piece in zip(keep, pieces):
+        old = split.outputs[i]
+        piece.shape, piece.type = old.shape, old.type
+        old.replace_all_uses_with(piece, replace_graph_outputs=True)
 
 
 def _order(g: ir.Value) -> int:
