@@ -190,7 +190,10 @@ for shard in ("none", "optimizer"):
     for x, y in T.grouped_batches(t.size):
         (mine,) = t.shard([(x, y)])
         t.step({"input": mine[0], "y": mine[1]})
-    np.savez(f"{shard}{t.rank}.npz", **t.parameters())
+    t.to_torch()  # (collective when sharded: the moments gathered)
+    moments = {f"{i}.{k}": opt.state[p][k].numpy() for i, p in enumerate(model.parameters())
+               for k in ("exp_avg", "exp_avg_sq")}
+    np.savez(f"{shard}{t.rank}.npz", **t.parameters(), **moments)
     t.close()
 for shard in ("none", "gradients"):  # BatchNorm: buffer averages in the gradients' bucket
     model = T.batchnorm_model()
@@ -238,6 +241,8 @@ def test_parameter_groups_and_buffers_sharing_a_bucket(ranks, tmp_path):
                                           torch.from_numpy(y)).backward()
         opt.step()
     expected = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    expected.update({f"{i}.{k}": opt.state[p][k].numpy() for i, p in
+                     enumerate(model.parameters()) for k in ("exp_avg", "exp_avg_sq")})
     got = [dict(np.load(tmp_path / f"optimizer{r}.npz")) for r in range(2)]
     plain = dict(np.load(tmp_path / "none0.npz"))
     for k, v in expected.items():

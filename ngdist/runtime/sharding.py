@@ -81,6 +81,15 @@ class ShardedState:
                     offset += count
         return out
 
+    def full_state(self, trainer: Trainer) -> dict[str, np.ndarray]:
+        """Collective: ``trainer.state_dict()`` with per-parameter states for the flat
+        shards (what a write-back into a framework optimizer reads)."""
+        flat = {n for g in self.plan["groups"] for n in g["states"].values()}
+        state = {n: v for n, v in trainer.state_dict().items()
+                 if n not in flat and n != SHARD_RANK}
+        state.update(self.gather(trainer))
+        return state
+
     def full_model(self, trainer: Trainer) -> onnx.ModelProto:
         """Collective: the standard training model with the current values: the step as it
         was compiled from (optimizer node, no comm), so it resumes under any strategy."""

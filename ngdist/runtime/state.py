@@ -124,12 +124,15 @@ class StateAccess:
     def to_torch(self, module: Any = None, **kwargs: Any) -> Any:
         """Writes the trained parameters and buffers into the torch module this trainer was
         compiled from (or ``module``), and the optimizer state into a torch optimizer
-        (``optimizer=``, by default the one compiled with). Returns the module."""
+        (``optimizer=``, by default the one compiled with). Returns the module. Sharded
+        (``shard=``): collective, call it on every rank."""
         if self._write_back is None or self._write_back.framework != "torch":
             source = "a Keras model" if self._write_back else "an ONNX model"
             raise NgdistError(f"to_torch() needs a trainer compiled from a torch.nn.Module; "
                               f"this one was compiled from {source}")
-        return self._write_back(self.state_dict(), self.steps_done, module, **kwargs)
+        sharding = getattr(self, "sharding", None)  # ZeRO: gathered, collective
+        state = sharding.full_state(self) if sharding is not None else self.state_dict()
+        return self._write_back(state, self.steps_done, module, **kwargs)
 
     def to_keras(self, model: Any = None) -> Any:
         """Writes the trained weights into the Keras model this trainer was compiled from (or
