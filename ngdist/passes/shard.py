@@ -13,7 +13,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ngdist.errors import GraphError, OptionError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING, SHARD_LAYOUT, SHARD_RANK
-from ngdist.ir.model import ensure_opset, get_meta, set_meta
+from ngdist.ir.model import StepMeta, ensure_opset, get_meta, set_meta
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.bucketing import reduced_by
 from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
@@ -146,7 +146,7 @@ class ShardingPass(ir.passes.InPlacePass):
         return _Shard(prefix, members, counts, length, size, g_shard)
 
     def _update(self, ctx: GradContext, node: ir.Node, shard: _Shard, rank: ir.Value,
-                meta: object) -> None:
+                meta: StepMeta) -> None:
         """The optimizer node on this rank's slice of the flat parameters and flat states."""
         size = shard.size
         start = ctx.op("Mul", rank, ctx.ints([size]))
@@ -165,11 +165,11 @@ class ShardingPass(ir.passes.InPlacePass):
         for j, k in enumerate(kinds):
             _typed(outs[1 + j], [size], states[j].dtype)
             outs[1 + j].name = f"{shard.states[k]}.new"
-            meta.binding[shard.states[k]] = outs[1 + j].name  # type: ignore[attr-defined]
+            meta.binding[shard.states[k]] = outs[1 + j].name
             ctx.graph.outputs.append(outs[1 + j])
         shard.x_new = outs[0]
 
-    def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: object
+    def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: StepMeta
                 ) -> dict[str, object]:
         """AllGather of the updated slices, cut back into the parameters; the old states
         dropped. Returns the group's layout."""
@@ -289,7 +289,7 @@ def _padded(ctx: GradContext, values: Sequence[ir.Value], length: int, total: in
     return out
 
 
-def _rank_input(graph: ir.Graph, meta: object) -> ir.Value:
+def _rank_input(graph: ir.Graph, meta: StepMeta) -> ir.Value:
     """The int64 hyper-parameter ``ngdist.shard_rank`` (0 in the graph; the runtime sets it)."""
     if SHARD_RANK in graph.initializers:
         return graph.initializers[SHARD_RANK]
@@ -297,25 +297,25 @@ def _rank_input(graph: ir.Graph, meta: object) -> ir.Value:
                      const_value=ir.tensor(np.zeros(1, np.int64), name=SHARD_RANK))
     graph.inputs.append(value)
     graph.register_initializer(value)
-    meta.roles[SHARD_RANK] = "hyper"  # type: ignore[attr-defined]
+    meta.roles[SHARD_RANK] = "hyper"
     return value
 
 
 def _state_input(graph: ir.Graph, name: str, size: int, dtype: ir.DataType | None,
-                 meta: object) -> ir.Value:
+                 meta: StepMeta) -> ir.Value:
     np_type = dtype.numpy() if dtype is not None else np.float32
     value = ir.Value(name=name, shape=ir.Shape([size]), type=ir.TensorType(
         dtype or ir.DataType.FLOAT), const_value=ir.tensor(np.zeros(size, np_type), name=name))
     graph.inputs.append(value)
     graph.register_initializer(value)
-    meta.roles[name] = "state"  # type: ignore[attr-defined]
+    meta.roles[name] = "state"
     return value
 
 
-def _drop_state(graph: ir.Graph, old: ir.Value, output: ir.Value, meta: object) -> None:
+def _drop_state(graph: ir.Graph, old: ir.Value, output: ir.Value, meta: StepMeta) -> None:
     """A per-parameter state the flat state replaces: no input, no initializer, no binding."""
-    meta.roles.pop(old.name, None)  # type: ignore[attr-defined]
-    meta.binding.pop(old.name, None)  # type: ignore[attr-defined]
+    meta.roles.pop(old.name, None)
+    meta.binding.pop(old.name, None)
     if output in graph.outputs:
         graph.outputs.remove(output)
     if old in graph.inputs:
