@@ -14,7 +14,8 @@ data: k steps on every rank's i-th batch together, then the steps of the ranks w
 batches alone.
 
 Supported: the allreduce strategy whose gradients are prescaled by ``ngdist.grad_scale``
-(every model built by autodiff), with plain AllReduce sums. Refused, with the reason: an
+(every model built by autodiff), with plain AllReduce sums, also sharded (``shard=``: a rank
+without data adds zero to the ReduceScatter and still updates its shard). Refused, with the reason: an
 AllReduce that takes a mean over every rank (an explicit backward pass, a counted loss),
 compression (a 16-bit zero is exact, but error feedback would send its residual),
 ``reproducible_micro_batch`` (it sums a fixed number of micro-batches per rank),
@@ -65,6 +66,8 @@ def unsupported(trainer: Trainer) -> str | None:
         return "several devices per worker run replicas that each take a share of a batch"
     for node in trainer.executor.comm_nodes.values():
         attrs = node.attributes
+        if node.op_type in ("ReduceScatter", "AllGather"):  # shard=: a sum, then parameters
+            continue
         if node.op_type != "AllReduce":
             return f"the step communicates with ngdist.{node.op_type} (strategy allreduce only)"
         if attrs.get("compression", "none") != "none":
