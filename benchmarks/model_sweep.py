@@ -179,7 +179,7 @@ def merge(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     its rows: the file is read again under a lock before each write). Returns all rows."""
     import fcntl
 
-    with open(path.with_suffix(".lock"), "w") as lock:
+    with open(Path(tempfile.gettempdir()) / "ngdist_model_sweep.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = {r["name"]: r for r in json.loads(path.read_text())} if path.exists() else {}
         old.update({r["name"]: r for r in rows})
