@@ -8,7 +8,8 @@ of 16, MNIST's 938 of 64), on 2 ranks under mpiexec:
   plain torch's on the combined batches within 1e-5 (ngdist in float32: onnxruntime has no
   float64 Conv; torch in float64 from the same initial values);
 * as written (dropout on, float32), its test accuracy after 6 epochs is plain torch's within
-  1 point.
+  1 point: torch's mean over 4 runs whose dropout masks differ (one torch run's accuracy
+  varies by about a point with its masks: 96.1-97.2% measured).
 """
 from __future__ import annotations
 
@@ -93,8 +94,11 @@ def accuracy(model: nn.Module) -> float:
     return float((pred == y).mean())
 
 
-def torch_reference(dropout: bool, dtype: torch.dtype, steps: int | None, n_epochs: int):
+def torch_reference(dropout: bool, dtype: torch.dtype, steps: int | None, n_epochs: int,
+                    masks: int = 0):
+    """Plain torch on the combined batches; ``masks`` seeds the dropout masks."""
     model, optimizer, scheduler = make(dropout, dtype)
+    torch.manual_seed(100 + masks)
 
     def step(batch):
         model.train()
@@ -148,6 +152,7 @@ def test_the_mnist_example_trains_on_2_ranks_as_plain_torch(ranks, tmp_path):
         worst = max(worst, float(np.abs(got[0][k] - v.detach().numpy()).max()))
     assert worst < 1e-5, worst
     ngdist_accuracy = float(np.load(tmp_path / "accuracy.0.npz")["accuracy"])
-    torch_accuracy = accuracy(torch_reference(True, torch.float32, None, EPOCHS))
-    assert torch_accuracy > 0.9, torch_accuracy
+    torch_accuracy = float(np.mean([accuracy(torch_reference(True, torch.float32, None, EPOCHS,
+                                                             masks)) for masks in range(4)]))
+    assert torch_accuracy > 0.95, torch_accuracy
     assert abs(ngdist_accuracy - torch_accuracy) <= 0.01, (ngdist_accuracy, torch_accuracy)
