@@ -28,7 +28,8 @@ def world_group(timeout: float | None = None) -> ProcessGroup:
 
 def abort_world(message: str, code: int = 1) -> None:
     """Print ``message`` and end the whole job (MPI_Abort); for errors outside any Work."""
-    from ngdist.comm.mpi import _mpi, abort_job, launched_by_mpi
+    from ngdist.comm.abort import abort_job
+    from ngdist.comm.mpi import _mpi, launched_by_mpi
 
     if not launched_by_mpi():
         raise SystemExit(code)

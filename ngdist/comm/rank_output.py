@@ -38,7 +38,7 @@ MarkerCallback = Callable[[int, dict[str, int]], None]
 
 
 _MPI_ABORT = re.compile(r"application called MPI_Abort\(\S+, (-?\d+)\)")
-# what a rank prints right before it calls MPI_Abort (comm/mpi.py, abort_job)
+# what a rank prints right before it calls MPI_Abort (comm/abort.py, abort_job)
 ABORT_LINE = "ngdist: rank {rank} aborts the MPI job (MPI_Abort code {code})\n"
 _NGDIST_ABORT = re.compile(r"ngdist: rank \d+ aborts the MPI job \(MPI_Abort code (-?\d+)\)")
 
