@@ -45,23 +45,20 @@ import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ngdist.comm import leftovers, rankwrap
-from ngdist.comm.group import proc_stat
 from ngdist.comm.launch import mpiexec_cmd
+from ngdist.comm.procs import die_with_parent, handling, local_wrapper, processes, send_signal
 from ngdist.comm.rank_output import LABEL_PATTERN, OutputRouter
 
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -163,10 +160,10 @@ class Supervisor:
     def run(self) -> JobResult:
         logger.info("launching: %s", " ".join(self.cmd))
         shm_before = leftovers.snapshot()
-        with _handling(STOP_SIGNALS, self._received.append):
+        with handling(STOP_SIGNALS, self._received.append):
             proc = self._proc = subprocess.Popen(
                 self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
-                start_new_session=True, preexec_fn=_die_with_parent())
+                start_new_session=True, preexec_fn=die_with_parent())
             try:
                 self._supervise(proc)
             finally:
@@ -241,14 +238,14 @@ class Supervisor:
                 self._stopped += 1
         self._signals_at_stop = len(self._received)  # one more from now on: kill at once
         assert self._proc is not None
-        _signal(self._proc.pid, signal.SIGTERM)
+        send_signal(self._proc.pid, signal.SIGTERM)
 
     def _kill(self) -> None:
         assert self._proc is not None
         logger.info("killing what is left of the job")
         self._killing = True
         if self._proc.poll() is None:
-            self._killed += _signal(self._proc.pid, signal.SIGKILL)
+            self._killed += send_signal(self._proc.pid, signal.SIGKILL)
         self._killed += self._sweep()
 
     # ------------------------------------------------------------------ the ranks
@@ -257,7 +254,7 @@ class Supervisor:
             return
         if "pid" in fields:
             assert self._proc is not None
-            start = _local_wrapper(fields["pid"], self._proc.pid)
+            start = local_wrapper(fields["pid"], self._proc.pid)
             if start is not None:
                 self._local[fields["pid"]] = start
             return
@@ -281,9 +278,9 @@ class Supervisor:
         if not self._local:
             return 0
         killed = 0
-        for pid, pgrp, start in _processes():
+        for pid, pgrp, start in processes():
             if pgrp in self._local and start >= self._local[pgrp] and pid != os.getpid():
-                killed += _signal(pid, signal.SIGKILL)
+                killed += send_signal(pid, signal.SIGKILL)
         return killed
 
     def _status(self, launcher: int) -> int:
@@ -309,7 +306,7 @@ def supervise(command: Sequence[str], n: int, *, max_restarts: int = 0,
     result and the next attempt's rank count. ``options``: those of :class:`Supervisor`."""
     base = dict(os.environ if env is None else env)
     received: list[int] = []
-    with _handling(STOP_SIGNALS, received.append):
+    with handling(STOP_SIGNALS, received.append):
         attempt = 0
         while True:
             result = Supervisor(command, n, env={**base, RESTART_COUNT: str(attempt)},
@@ -338,76 +335,6 @@ def next_ranks(result: JobResult, min_ranks: int | None) -> int:
     if result.first_failed is not None:
         failed.add(result.first_failed)
     return max(min_ranks, n - len(failed))
-
-
-# ---------------------------------------------------------------------- processes and signals
-
-def _signal(pid: int, sig: int) -> int:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        return 0
-    return 1
-
-
-@contextmanager
-def _handling(signals: Sequence[int], record: Callable[[int], Any]) -> Iterator[None]:
-    """Record ``signals`` instead of dying of them (main thread only: elsewhere Python cannot
-    install handlers, and the caller keeps its own)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda s, _f: record(s)) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """mpiexec gets SIGTERM when the supervisor's thread dies (Linux). Only for a
-    single-threaded launcher: Python code between fork and exec is unsafe with threads."""
-    if not sys.platform.startswith("linux") or threading.active_count() > 1:
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
-    return setup
-
-
-def _local_wrapper(pid: int, mpiexec: int) -> int | None:
-    """The start time of ``pid`` if it is a rank wrapper of this job on this host (its parent,
-    the hydra proxy, is a child of our mpiexec), else None."""
-    fields = proc_stat(pid)
-    if fields is None:
-        return None
-    proxy = proc_stat(int(fields[1]))
-    if proxy is None or int(proxy[1]) != mpiexec:
-        return None
-    return int(fields[19])
-
-
-def _processes() -> Iterator[tuple[int, int, int]]:
-    """(pid, process group, start time) of every live process this host shows."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return
-    for name in names:
-        if name.isdigit():
-            fields = proc_stat(int(name))
-            if fields is not None and fields[0] not in ("Z", "X"):
-                yield int(name), int(fields[2]), int(fields[19])
 
 
 __all__ = ["JobResult", "RESTART_COUNT", "RankStatus", "STOP_SIGNALS", "Supervisor",

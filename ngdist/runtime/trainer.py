@@ -1,8 +1,9 @@
 """The Trainer: holds parameters and optimizer state as OrtValues and runs training steps.
 
 Here: start-up (executor, broadcast of rank 0's values, resuming from ``checkpoint_dir``),
-sharding global batches, the step, periodic checkpoints, the timeline and close(). The step's
-feeds are checked and placed by runtime/feeds.py; evaluate(), predict() and the inference model
+the step, periodic checkpoints, the timeline and close(). The step's
+feeds are checked and placed by runtime/feeds.py; global batches are cut into the ranks'
+shards by runtime/global_batches.py; evaluate(), predict() and the inference model
 come from runtime/inference.py; reading, loading, saving and writing back the state from
 runtime/state.py; the checkpoint files and the collective resume live in runtime/checkpoint.py.
 """
@@ -13,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,16 +26,16 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ngdist.comm import ProcessGroup, exits, world_group
-from ngdist.errors import InputError, NgdistError
+from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
 from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import accumulate, checkpoint, ps_server
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.step_executor import StepExecutor, make_executor
-from ngdist.data.digest import first_batch_checked
-from ngdist.runtime.batch_checks import batch_samples, label_checks, leaf_sizes, sample_rows
+from ngdist.runtime.batch_checks import label_checks
 from ngdist.runtime.feeds import BatchFeeds
+from ngdist.runtime.global_batches import GlobalBatches
 from ngdist.runtime.hyper import Hypers
 from ngdist.runtime.inference import Inference
 from ngdist.runtime.join import Join, lockstep
@@ -74,7 +75,7 @@ def _default_threads(group: ProcessGroup) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
 
 
-class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
+class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
     """Trains a rewritten training model on this rank; every rank runs the same program."""
 
     def __init__(self, model: onnx.ModelProto, *, step: ir.Model | None = None,
@@ -245,73 +246,6 @@ class Trainer(BatchFeeds, Inference, StateAccess, Hypers):
         file of the job); the file's path, or None when the timeline is off. ``close()`` and
         the end of the program write it too."""
         return self.timeline.write() if self.timeline is not None else None
-
-    # ------------------------------------------------------------------ data
-    def shard(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """This rank's contiguous slice of every global batch (dict, tuple or array); nothing
-        on a dedicated parameter-server rank. An array with k rows per sample (per-token rows)
-        gives the k rows of each of this rank's samples."""
-        if self.role == "server":
-            return
-        for batch in first_batch_checked(batches, self.stats_group):
-            t0 = time.perf_counter()
-            n = self._check_global_batch(batch)
-            mine = self._slice(batch, n, self._sample_bounds(n))
-            timeline = self.timeline
-            if timeline is not None:
-                timeline.record("feed", "shard batch", t0, time.perf_counter())
-            yield mine
-
-    def _check_global_batch(self, batch: Any) -> int:
-        """Every array of a global batch holds the same number of samples (or a whole number of
-        rows per sample), at least one per training rank; uneven shards are allowed and logged
-        once. The number of samples."""
-        sizes = leaf_sizes(batch)
-        if not sizes:
-            return 0
-        n, w = batch_samples(sizes, "the global batch"), self.num_workers
-        m = self.micro_batch
-        if m and n % m == 0:  # whole micro-batches to every rank
-            if n // m < w:
-                raise InputError(f"the global batch has {n // m} micro-batch(es) of {m} samples "
-                                 f"for {w} training ranks, so some rank's shard would be empty: "
-                                 f"the global batch must have at least as many micro-batches as "
-                                 f"ranks ({w * m} samples or more)")
-            uneven = (n // m) % w != 0
-        else:
-            if n < w:
-                raise InputError(f"the global batch has {n} sample(s) for {w} training ranks, so "
-                                 f"some rank's shard would be empty: the global batch must have "
-                                 f"at least as many samples as ranks ({w})")
-            uneven = n % w != 0
-        if uneven and not self._uneven_logged:
-            self._uneven_logged = True
-            logger.info("the global batch of %d samples does not divide evenly over %d ranks: "
-                        "shards differ by up to %d sample(s) (np.array_split), and the averaged "
-                        "gradient weighs a sample of a smaller shard slightly more (logged once)",
-                        n, w, m or 1)
-        return n
-
-    def _sample_bounds(self, n: int) -> tuple[int, int]:
-        """This rank's samples of a global batch of ``n``: whole micro-batches in reproducible
-        mode, else the ``np.array_split`` shard."""
-        w, r, m = self.num_workers, self.rank, self.micro_batch
-        if m and n % m == 0:
-            k = n // m
-            return m * (k * r // w), m * (k * (r + 1) // w)
-        q, extra = divmod(n, w)
-        return r * q + min(r, extra), (r + 1) * q + min(r + 1, extra)
-
-    def _slice(self, batch: Any, n: int, bounds: tuple[int, int]) -> Any:
-        if isinstance(batch, Mapping):
-            return {k: self._slice(v, n, bounds) for k, v in batch.items()}
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(self._slice(v, n, bounds) for v in batch)
-        arr = np.asarray(batch)
-        if not arr.ndim:
-            raise InputError(f"a global batch holds a scalar ({arr!r}); trainer.shard() splits "
-                             "arrays along axis 0: give every input one row per sample")
-        return arr[sample_rows(arr.shape[0], n, *bounds)]
 
     # ------------------------------------------------------------------ training
     def step(self, batch: Mapping[str, Any], fetch_stats: bool = True,

@@ -123,7 +123,7 @@ def test_global_batch_smaller_than_ranks(mlp, monkeypatch, caplog):
         "the global batch has 3 sample(s) for 4 training ranks, so some rank's shard would be "
         "empty: the global batch must have at least as many samples as ranks (4)")
     monkeypatch.setattr(mlp, "_uneven_logged", False)
-    with caplog.at_level(logging.INFO, logger="ngdist.runtime.trainer"):
+    with caplog.at_level(logging.INFO, logger="ngdist.runtime.global_batches"):
         shards = list(mlp.shard([{"x": _x(10), "y": np.arange(10)}] * 2 +
                                 [{"x": _x(8), "y": np.arange(8)}]))
     assert [len(s["y"]) for s in shards] == [3, 3, 2]  # rank 0 of 4
