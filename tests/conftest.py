@@ -13,6 +13,7 @@ import pytest
 from skip_policy import (pytest_addoption, pytest_collectreport,  # noqa: F401 - hooks
                          pytest_configure, pytest_runtest_logreport, pytest_sessionfinish,
                          pytest_terminal_summary, pytest_unconfigure)
+from zoo_tier import pytest_collection_modifyitems, pytest_generate_tests  # noqa: F401 - hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,21 +52,27 @@ def test_not_onnx_and_missing(cli, tmp_path):
 
 
 def test_op_without_gradient_rule(cli, tmp_path):
-    # Hardmax has no gradient rule; the error names the op type and the node
-    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    # Det has no gradient rule; the error names the op type and the node
+    w = numpy_helper.from_array(np.ones((4, 9), np.float32), "w")
+    v = numpy_helper.from_array(np.ones((4, 3), np.float32), "v")
+    shape = numpy_helper.from_array(np.array([-1, 3, 3], np.int64), "shape")
     g = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-         helper.make_node("Hardmax", ["h"], ["hm"], name="the_hardmax"),
-         helper.make_node("Mul", ["hm", "h"], ["logits"], name="mul")],
+         helper.make_node("Reshape", ["h", "shape"], ["m"], name="square"),
+         helper.make_node("Det", ["m"], ["d"], name="the_det"),
+         helper.make_node("Unsqueeze", ["d", "axis"], ["du"], name="col"),
+         helper.make_node("MatMul", ["x", "v"], ["h2"], name="mm2"),
+         helper.make_node("Mul", ["du", "h2"], ["logits"], name="mul")],
         "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3])], [w])
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3])],
+        [w, v, shape, numpy_helper.from_array(np.array([1], np.int64), "axis")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    with pytest.raises(GradientError, match=r"Hardmax \(node 'the_hardmax'\)"):
-        ngdist.compile(model)
-    path = tmp_path / "hardmax.onnx"
+    with pytest.raises(GradientError, match=r"Det \(node 'the_det'\)"):
+        ngdist.compile(model, optimizer=ngdist.optim.SGD(lr=0.1))
+    path = tmp_path / "det.onnx"
     save_proto(model, path)
     proc = cli("rewrite", str(path), "-o", str(tmp_path / "o.onnx"), "--optimizer", "sgd", cwd=tmp_path)
-    assert proc.returncode == 1 and "Hardmax (node 'the_hardmax')" in proc.stderr
+    assert proc.returncode == 1 and "Det (node 'the_det')" in proc.stderr
 
 
 def test_batch_errors():

@@ -76,7 +76,8 @@ def test_misspelt_flag_suggests_the_closest(files, capsys, command):
 def test_optimizer_spec_with_an_unknown_key(files, capsys):
     assert _error(capsys, *REWRITE, "--optimizer", "sgd:learning_rate=0.1") == (
         "ngdist: error: unknown key 'learning_rate' for optimizer 'sgd' in "
-        "'sgd:learning_rate=0.1'; did you mean 'lr'? Valid keys of sgd: dampening, lr, momentum, "
+        "'sgd:learning_rate=0.1'; did you mean 'lr'? Valid keys of sgd: dampening, lr, "
+        "maximize, momentum, "
         "nesterov, weight_decay")
 
 

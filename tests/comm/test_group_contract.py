@@ -436,11 +436,11 @@ def _cupy_gpu() -> str | None:
         import cupy
         from cupy.cuda import nccl  # noqa: F401
     except ImportError as exc:
-        return f"no CUDA device: cupy is not installed ({exc})"
+        return f"needs a GPU: cupy is not installed ({exc})"
     try:
-        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "no CUDA device"
+        return None if cupy.cuda.runtime.getDeviceCount() > 0 else "needs a GPU: no CUDA device"
     except Exception as exc:  # noqa: BLE001 - no driver
-        return f"no CUDA device ({exc})"
+        return f"needs a GPU: no CUDA device ({exc})"
 
 
 # two ranks on one GPU: NCCL talks over loopback sockets, each rank its own host identity

@@ -1,4 +1,5 @@
-"""The zoo tier: ``test_model`` of every case of the sweep's catalogue is marked ``zoo`` and
+"""The zoo tier (hooks imported by tests/conftest.py; a conftest.py of its own under tests/zoo
+would shadow the top-level one, whose helpers tests import as ``conftest``): ``test_model`` of every case of the sweep's catalogue is marked ``zoo`` and
 runs only when selected (``pytest -m zoo tests/zoo``); the catalogue is enumerated only then
 (timm's families alone take minutes). Without ``-m zoo`` the ``CI_MODELS`` subset runs."""
 from __future__ import annotations
