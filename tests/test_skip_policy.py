@@ -4,6 +4,7 @@ the ``ranks`` fixture refuses a limit that leaves pytest-timeout no room for its
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,6 +77,16 @@ def test_any_other_skip_or_xfail_fails_the_run_and_is_named(tmp_path, case):
 def test_the_ci_script_runs_pytest_with_strict_skips():
     ci = (HERE.parent / ".ci" / "run").read_text()
     assert "pytest -q -rs --strict-skips" in ci
+
+
+def test_the_readmes_test_command_is_the_ci_scripts():
+    """The README's second command installs what .ci/run installs and runs the same pytest."""
+    readme = (HERE.parent / "README.md").read_text()
+    ci = (HERE.parent / ".ci" / "run").read_text()
+    extras = re.search(r'pip install -q -e "(\.\[[^]]+\])"', ci).group(1)
+    command = (f'.venv/bin/pip install -e "{extras}" && '
+               ".venv/bin/python -m pytest -q -rs --strict-skips")
+    assert command in readme
 
 
 RANKS = '''

@@ -3,7 +3,8 @@
 
 The Slurm fixture starts munged, slurmctld and slurmd (Debian's slurm-wlm; ``.ci/run`` installs
 it) as root from a private folder, with ports of their own and ``proctrack/pgid`` /
-``task/none`` (no cgroups), and waits until the node is idle. It fails when Slurm is not
+``task/none`` (no cgroups), and waits until the node is idle. Where Slurm is missing it
+installs it with apt-get (a fresh Debian machine, as root); it fails when Slurm is still not
 installed (a broken install must not pass as a skip) and skips only where the daemons cannot
 run: not root, or (with the daemons' logs in the reason) they would not come up here.
 """
@@ -99,8 +100,10 @@ def slurm(tmp_path_factory) -> Iterator[dict[str, str]]:
     """A one-node Slurm cluster; yields the environment its clients need (SLURM_CONF)."""
     if os.geteuid() != 0:
         pytest.skip("slurmd and munged of a private test cluster need root")
-    missing = [d for d in (*DAEMONS, "salloc", "sbatch", "srun", "sinfo") if not shutil.which(d)
-               and not Path("/usr/sbin", d).exists()]
+    missing = _missing_slurm()
+    if missing and shutil.which("apt-get"):  # a fresh Debian machine: install it, as .ci/run does
+        _install_slurm()
+        missing = _missing_slurm()
     assert not missing, (f"Slurm is not installed (no {', '.join(missing)}): `apt-get install "
                          "-y slurm-wlm munge`, as .ci/run does")
     folder = tmp_path_factory.mktemp("slurm")
@@ -133,6 +136,18 @@ def slurm(tmp_path_factory) -> Iterator[dict[str, str]]:
         yield {"SLURM_CONF": str(conf)}
     finally:
         _stop(procs)
+
+
+def _missing_slurm() -> list[str]:
+    return [d for d in (*DAEMONS, "salloc", "sbatch", "srun", "sinfo") if not shutil.which(d)
+            and not Path("/usr/sbin", d).exists()]
+
+
+def _install_slurm() -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm",
+                                              "munge"]):
+        subprocess.run(cmd, env=env, capture_output=True, timeout=LIMIT, check=False)
 
 
 def _sbin(name: str) -> str:
