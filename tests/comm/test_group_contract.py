@@ -344,7 +344,7 @@ group = {"mpi": lambda: host, "staged": lambda: HostStagedGroup(host),
 xp = fake_nccl.cupy if kind.startswith("nccl") else np
 if world.rank == 1:
     if scenario != "dead":
-        time.sleep(20)
+        time.sleep(8)  # late past rank 0's 1.5 s deadline, then gone
     os._exit(0)
 buf = xp.asarray(np.ones(8, np.float32))
 if scenario == "overlap":  # the wait returns at once; the next call finds it past its deadline
