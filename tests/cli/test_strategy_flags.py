@@ -54,7 +54,7 @@ def test_flag_of_another_strategy_is_refused(files, capsys, command):
     assert _error(capsys, *command, "--optimizer", "sgd:lr=0.1", "--overlap") == (
         "ngdist: error: --overlap is an option of the pushsum strategy, not of 'allreduce'; "
         "options of 'allreduce': --all-reduce-alg, --bucket-bytes, --compression, "
-        "--compression-error-feedback, --reproducible-micro-batch")
+        "--compression-error-feedback, --reproducible-micro-batch, --shard, --shard-ranks")
     assert not (files / "out.onnx").exists()
 
 
@@ -69,8 +69,8 @@ def test_misspelt_flag_suggests_the_closest(files, capsys, command):
     assert _error(capsys, *command, "--optimiser=sgd:lr=0.1") == (
         f"ngdist: error: unknown option '--optimiser' for {name}; did you mean '--optimizer'? "
         "Options of strategy 'allreduce': --all-reduce-alg, --bucket-bytes, --compression, "
-        f"--compression-error-feedback, --reproducible-micro-batch ({name} -h lists every "
-        "option)")
+        f"--compression-error-feedback, --reproducible-micro-batch, --shard, --shard-ranks "
+        f"({name} -h lists every option)")
 
 
 def test_optimizer_spec_with_an_unknown_key(files, capsys):
