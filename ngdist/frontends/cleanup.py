@@ -293,7 +293,8 @@ def _unbiased_nodes(p: str, x: str, biased: str, out: str, momentum: float,
         node("Cast", ["size"], "size_f", to=f32), node("Cast", ["channels"], "channels_f", to=f32),
         node("Div", ["size_f", "channels_f"], "n"), node("Sub", ["n", "one"], "n_minus_1"),
         node("Div", ["one_minus_m", "n_minus_1"], "coef"),
-        node("Mul", ["coef", "var_b"], "extra"), node("Add", [biased, "extra"], "out"),
+        node("CastLike", ["coef", "var_b"], "coef_x"),  # the input's float type (float64 too)
+        node("Mul", ["coef_x", "var_b"], "extra"), node("Add", [biased, "extra"], "out"),
     ]
 
 
