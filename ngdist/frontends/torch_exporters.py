@@ -69,14 +69,27 @@ def _dynamo(module: Any, args: tuple[Any, ...], training: bool, input_names: lis
     if reason is not None:
         raise GraphError(reason)
     module.train(training)
-    batch = torch.export.Dim("batch")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, args, dynamo=True, opset_version=opset,
-                                    input_names=input_names, output_names=output_names,
-                                    dynamic_shapes=tuple({0: batch} for _ in args),
-                                    optimize=False, verbose=False)
+        program = torch.onnx.export(module, args, dynamic_shapes=_leading_dims(module, args),
+                                    dynamo=True, opset_version=opset, input_names=input_names,
+                                    output_names=output_names, optimize=False, verbose=False)
     return program.model_proto
+
+
+def _leading_dims(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Axis 0 of every input dynamic, each on its own (``Dim.AUTO``: torch.export relates
+    them only where the model does, so labels of k rows per sample keep their own size); a
+    ``forward(*args)`` takes the tuple as its one argument."""
+    import inspect
+
+    import torch
+
+    dims = tuple({0: torch.export.Dim.AUTO} for _ in args)
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return (dims,)
+    return dims
 
 
 _EXPORT = {"torchscript": _torchscript, "dynamo": _dynamo}

@@ -186,3 +186,56 @@ def test_an_unknown_exporter_is_refused():
     with pytest.raises(ValueError, match=r"exporter must be one of \('torchscript', "
                                          r"'dynamo'\); got 'jit'"):
         tfront.export(WithBatchNorm(), torch.zeros(4, D), exporter="jit")
+
+
+class FlatTokenLoss(nn.Module):
+    """A causal LM's loss over flattened tokens: labels hold T - 1 rows per sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(CLASSES + 2, D), nn.Linear(D, CLASSES + 2)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))[:, :-1].reshape(-1, CLASSES + 2)
+        return F.cross_entropy(logits, labels)
+
+
+class StarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, CLASSES)
+
+    def forward(self, *args):
+        x, y = args
+        return F.cross_entropy(self.lin(x), y)
+
+
+def _tokens(n: int, t: int, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, CLASSES + 2, (n, t))
+    return ids, ids[:, 1:].reshape(-1)
+
+
+def test_dynamo_keeps_each_inputs_batch_size_its_own():
+    """Labels of T - 1 rows per sequence export and differentiate at other batch sizes."""
+    module = FlatTokenLoss()
+    ids, labels = _tokens(3, 8, 0)
+    model, exp = tfront.training_model(module, (torch.from_numpy(ids), torch.from_numpy(labels)),
+                                       loss=None, exporter="dynamo", input_names=["x", "y"])
+    assert exp.exporter == "dynamo"
+    for n, seed in ((5, 1), (2, 2)):
+        ids, labels = _tokens(n, 8, seed)
+        got = run_step(model, {"x": ids, "y": labels})
+        ref = copy.deepcopy(module).double()
+        loss = ref(torch.from_numpy(ids), torch.from_numpy(labels))
+        loss.backward()
+        grads = {k: p.grad.numpy() for k, p in ref.named_parameters()}
+        assert abs(float(got["loss"]) - float(loss)) <= TOL * abs(float(loss)), n
+        assert max(gradient_errors(got, grads).values()) <= TOL, n
+
+
+def test_dynamo_exports_a_forward_of_star_args():
+    x, y = _batch(4, 0)
+    model = export_graph("dynamo", StarArgs(), (torch.from_numpy(x), torch.from_numpy(y)),
+                         True, ["x", "y"], ["loss"], 18)
+    assert [i.name for i in model.graph.input][:2] == ["x", "y"]
