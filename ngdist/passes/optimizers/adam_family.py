@@ -184,14 +184,20 @@ def _keras_adamax(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value,
     return [x_new, m_new, u_new]
 
 
-def _nadam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
-           states: Sequence[ir.Value]) -> list[ir.Value]:
-    """denom = sqrt(v / (1 - b2^t)) + eps; x += grad_coef g / denom + avg_coef m / denom."""
+def _moments(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
+             states: Sequence[ir.Value]) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, float]:
+    """NAdam's and RAdam's common start: the prelude (decay, maximize), then torch's moments
+    m = lerp(m, g, 1 - b1) and v = b2 v + (1 - b2) g^2. Returns (x, g, m, v, eps)."""
     m, v = states
     b1, b2, eps, _ = _hyper(a)
     x, g = p.prelude(formula, a, x, g)
-    m_new = p.lerp(m, g, 1 - b1)
-    v_new = p.second_moment(v, g, b2)
+    return x, g, p.lerp(m, g, 1 - b1), p.second_moment(v, g, b2), eps
+
+
+def _nadam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
+           states: Sequence[ir.Value]) -> list[ir.Value]:
+    """denom = sqrt(v / (1 - b2^t)) + eps; x += grad_coef g / denom + avg_coef m / denom."""
+    x, g, m_new, v_new, eps = _moments(p, formula, a, x, g, states)
     denom = p.op("Add", p.op("Sqrt", p.op("Div", v_new, p.scalar("bc2"))), p.c(eps))
     x_new = p.op("Add", p.op("Add", x, p.op("Mul", p.op("Div", g, denom),
                                              p.scalar("grad_coef"))),
@@ -202,11 +208,7 @@ def _nadam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.
 def _radam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
            states: Sequence[ir.Value]) -> list[ir.Value]:
     """x -= m * (adaptive / (sqrt(v) + eps)) when rectified, else x -= m * plain."""
-    m, v = states
-    b1, b2, eps, _ = _hyper(a)
-    x, g = p.prelude(formula, a, x, g)
-    m_new = p.lerp(m, g, 1 - b1)
-    v_new = p.second_moment(v, g, b2)
+    x, g, m_new, v_new, eps = _moments(p, formula, a, x, g, states)
     cond = p.k.memo(("radam_cond", id(p.s)), p.like, lambda: p.k.shape(p.s["rectified"], p.like))
     factor = p.op("Where", cond, p.op("Div", p.scalar("adaptive"),
                                       p.op("Add", p.op("Sqrt", v_new), p.c(eps))),
