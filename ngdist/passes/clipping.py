@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import onnx_ir as ir
 
 from ngdist.errors import GraphError, OptionError
 from ngdist.ir.domain import GRAD_NORM, PREVIEW_TRAINING
+from ngdist.passes.emit import Emitter
 from ngdist.passes.optimizers import OPTIMIZER_OPS, split_optimizer_inputs
 
 logger = logging.getLogger(__name__)
@@ -42,26 +42,6 @@ def check_strategy(strategy: str, clip_grad_norm: float | None) -> None:
         raise OptionError(f"clip_grad_norm cannot run under strategy {strategy!r}: "
                           f"{NO_GLOBAL_NORM[strategy]}; train with strategy='allreduce' or "
                           "'simple', or use clip_grad_value (element-wise)")
-
-
-class _Emit:
-    """Nodes inserted after ``anchor`` in order, named ``ngdist/clip/...``."""
-
-    def __init__(self, graph: ir.Graph, anchor: ir.Node) -> None:
-        self.graph, self.anchor, self.k = graph, anchor, 0
-
-    def __call__(self, op: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
-        self.k += 1
-        node = ir.Node("", op, list(inputs), ir.convenience.convert_attributes(attrs),
-                       name=f"ngdist/clip/{op.lower()}_{self.k}")
-        node.outputs[0].name = f"ngdist/clip/{self.k}"
-        self.graph.insert_after(self.anchor, node)
-        self.anchor = node
-        return node.outputs[0]
-
-    def scalar(self, value: float, like: ir.Value) -> ir.Value:
-        dtype = like.dtype.numpy() if like.dtype is not None else np.float32
-        return self("Constant", value=ir.tensor(np.array(value, dtype)))
 
 
 def _gradient_uses(graph: ir.Graph) -> tuple[list[ir.Node], list[ir.Value]]:
@@ -116,7 +96,7 @@ class GradientClippingPass(ir.passes.InPlacePass):
         if not grads:
             raise GraphError("gradient clipping needs the step's optimizer nodes; this step "
                              "graph has none (an explicit update cannot be clipped here)")
-        emit = _Emit(graph, _anchor(graph, grads, optimizers))
+        emit = Emitter(graph, _anchor(graph, grads, optimizers), "ngdist/clip", after=True)
         if self.max_value is not None:
             for g in grads:
                 bound = self.max_value
@@ -127,7 +107,7 @@ class GradientClippingPass(ir.passes.InPlacePass):
             self._by_norm(graph, emit, optimizers, grads)
         return ir.passes.PassResult(model, True)
 
-    def _by_norm(self, graph: ir.Graph, emit: _Emit, optimizers: list[ir.Node],
+    def _by_norm(self, graph: ir.Graph, emit: Emitter, optimizers: list[ir.Node],
                  grads: list[ir.Value]) -> None:
         first = grads[0]
         squares = [emit("CastLike", emit("ReduceSumSquare", g, keepdims=0), first)

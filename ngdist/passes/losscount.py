@@ -27,6 +27,7 @@ from ngdist.errors import GraphError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import ensure_opset, get_meta
 from ngdist.passes.allreduce import insert_after_producer, reroute
+from ngdist.passes.emit import Emitter
 
 logger = logging.getLogger(__name__)
 
@@ -75,24 +76,6 @@ def _counted_mean(node: ir.Node) -> bool:
         (weights is not None or _attr(node, "ignore_index") is not None)
 
 
-class _Emit:
-    """Nodes inserted before ``anchor``, named ``ngdist/loss_count/...``."""
-
-    def __init__(self, graph: ir.Graph, anchor: ir.Node, prefix: str) -> None:
-        self.graph, self.anchor, self.prefix, self.k = graph, anchor, prefix, 0
-
-    def __call__(self, op: str, *inputs: ir.Value, **attrs: object) -> ir.Value:
-        self.k += 1
-        node = ir.Node("", op, list(inputs), ir.convenience.convert_attributes(attrs),
-                       name=f"{self.prefix}/{op.lower()}_{self.k}")
-        node.outputs[0].name = f"{self.prefix}/{self.k}"
-        self.graph.insert_before(self.anchor, node)
-        return node.outputs[0]
-
-    def ints(self, values: list[int]) -> ir.Value:
-        return self("Constant", value=ir.tensor(np.array(values, np.int64)))
-
-
 def _split_mean(graph: ir.Graph, node: ir.Node) -> ir.Node:
     """Loss(mean) -> Loss(sum) / count (Loss: one of LOSSES), where count is
     the sum of the weights of the counted labels (class weight of the label, 0 where it is
@@ -101,7 +84,7 @@ def _split_mean(graph: ir.Graph, node: ir.Node) -> ir.Node:
     scores, labels = node.inputs[0], node.inputs[1]
     weights = node.inputs[2] if len(node.inputs) > 2 else None
     ignore = _attr(node, "ignore_index")
-    emit = _Emit(graph, node, f"ngdist/loss_count/{y.name}")
+    emit = Emitter(graph, node, f"ngdist/loss_count/{y.name}")
     attrs = {"reduction": "sum"} if ignore is None else {"reduction": "sum", "ignore_index": ignore}
     inputs = [scores, labels, *([weights] if weights is not None else [])]
     total = ir.Node("", node.op_type, inputs,
