@@ -7,7 +7,8 @@ ConvTranspose its GEMM + col2im path). For a depthwise Conv (one input and one o
 per group) that path does one tiny GEMM per channel, several times slower than the NCHWc
 kernel even with the reorders included (docs/benchmarks.md, "Blocked convolutions").
 
-:func:`block_convs` rewrites such a convolution into what the optimiser would have made of
+:class:`BlockConvs`, an onnx_ir pass of the runtime's session rewrites (runtime/rewrites.py,
+run on every CPU session's model, given as a proto or as bytes), rewrites such a convolution into what the optimiser would have made of
 it, with the weight reordered inside the graph at every run (a Reshape, Transpose, Reshape of
 a small tensor; for a ConvTranspose a Gather reverses its kernel taps): ``ReorderInput``
 (NCHW -> NCHWc), ``com.microsoft.nchwc`` ``Conv`` on the reordered weight, ``ReorderOutput``
@@ -33,11 +34,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from ngdist.errors import NgdistError
 from ngdist.runtime.inplace import static_shapes
-from ngdist.runtime.partition import readers_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,31 +102,45 @@ class _Target:
     w_shape: tuple[int, ...]
 
 
-def block_convs(model: onnx.ModelProto, block: int,
-                shapes: Mapping[str, Sequence[int]] | None = None) -> onnx.ModelProto:
-    """``model`` with its 2-D convolutions whose float32 weight is a graph input (and whose
-    channels are multiples of ``block``, the CPU's NCHWc block size; 0: none) on the NCHWc
-    kernels: every depthwise Conv; a dense Conv (group 1) when its output holds at least
+def applies(model: onnx.ModelProto, block: int) -> bool:
+    """Whether :class:`BlockConvs` may change ``model`` at NCHWc block size ``block`` (more than
+    4 channels per block; 0: no such kernels here): the rewrite is wanted and the graph has a
+    convolution."""
+    return block > 4 and requested() and \
+        any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node)
+
+
+class BlockConvs(ir.passes.FunctionalPass):
+    """The model's 2-D convolutions whose float32 weight is a graph input (and whose channels
+    are multiples of ``block``, the CPU's NCHWc block size) on the NCHWc kernels: every
+    depthwise Conv; a dense Conv (group 1) when its output holds at least
     ``DENSE_OUTPUT_PER_WEIGHT`` elements per weight element; a stride-1 ConvTranspose of group
     1 (the data gradient of a Conv), under the same rule, as the Conv of its input with the
     weight flipped and its channels swapped. ``shapes`` gives static shapes of the graph's
-    inputs (a weight's shape must be known, and a dense one's output size). Returns ``model``
-    itself when nothing applies, else a rewritten copy."""
-    if block <= 4 or not requested() or \
-            not any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node):
-        return model
-    targets = _targets(model, block, shapes)
-    if not targets:
-        return model
-    out = _rewritten(model, targets, block)
-    logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
-                 sorted(t.kind for t in targets.values()))
-    return out
+    inputs (a weight's shape must be known, and a dense one's output size). A Relu that alone
+    reads a rewritten convolution's result (found through onnx_ir's uses, no readers map of
+    its own) runs inside the blocked kernel."""
+
+    def __init__(self, block: int, shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+        super().__init__()
+        self.block = block
+        self.shapes = shapes
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        proto = ir.to_proto(model)
+        targets = _targets(proto, self.block, self.shapes) if self.block > 4 else {}
+        if not targets:
+            return ir.passes.PassResult(ir.from_proto(proto), modified=False)
+        fused = _fusable_relus(list(model.graph), targets)
+        out = _rewritten(proto, targets, fused, self.block)
+        logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
+                     sorted(t.kind for t in targets.values()))
+        return ir.passes.PassResult(ir.from_proto(out), modified=True)
 
 
 def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[int]] | None
              ) -> dict[int, _Target]:
-    """{node index: how it is rewritten} of the convolutions :func:`block_convs` rewrites."""
+    """{node index: how it is rewritten} of the convolutions :class:`BlockConvs` rewrites."""
     known = _static_shapes(model)
     known.update({k: list(v) for k, v in (shapes or {}).items()})
     # weights fed to the graph as float32 inputs (a constant one onnxruntime reorders itself)
@@ -149,14 +164,14 @@ def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[i
     return targets
 
 
-def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], block: int
-               ) -> onnx.ModelProto:
-    """A copy of ``model`` with the convolutions of ``targets`` on the NCHWc kernels."""
+def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], fused: Mapping[str, int],
+               block: int) -> onnx.ModelProto:
+    """A copy of ``model`` with the convolutions of ``targets`` on the NCHWc kernels, and the
+    Relu nodes of ``fused`` ({result: index of the Relu that alone reads it}) inside them."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     reordered: dict[tuple[str, str], str] = {}
     new_nodes: list[onnx.NodeProto] = []
-    fused = _fusable_relus(out.graph, [out.graph.node[i].output[0] for i in targets])
     for i, node in enumerate(out.graph.node):
         target = targets.get(i)
         if target is None:
@@ -193,18 +208,19 @@ def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], block: in
     return out
 
 
-def _fusable_relus(graph: onnx.GraphProto, results: Sequence[str]) -> dict[str, int]:
-    """{result: index of the Relu node} for each of ``results`` that one Relu alone reads and
-    that is no graph output: the blocked Conv applies that Relu itself."""
-    readers = readers_of(graph.node)
-    outputs = {o.name for o in graph.output}
+def _fusable_relus(nodes: Sequence[ir.Node], targets: Mapping[int, _Target]) -> dict[str, int]:
+    """{result: index of the Relu node} for each target's result that one Relu alone reads and
+    that is no graph output: the blocked Conv applies that Relu itself. ``nodes``: the graph's
+    nodes in order (the same indices as its proto's)."""
+    index = {id(n): i for i, n in enumerate(nodes)}
     fused = {}
-    for r in results:
-        found = readers.get(r, [])
-        if len(found) == 1 and r not in outputs:
-            n = graph.node[found[0]]
-            if n.op_type == "Relu" and n.domain in ("", "ai.onnx"):
-                fused[r] = found[0]
+    for i in targets:
+        result = nodes[i].outputs[0]
+        uses = list(result.uses())
+        if len(uses) == 1 and not result.is_graph_output():
+            n = uses[0].node
+            if n.op_type == "Relu" and n.domain in ("", "ai.onnx") and id(n) in index:
+                fused[result.name] = index[id(n)]
     return fused
 
 

@@ -9,10 +9,16 @@ rewrites, so every rank keeps the same comm nodes:
 * :class:`InlineAloneIdentities`: on a group of one rank, comm ops that are the identity
   there become ``Identity`` nodes (one per output), so a one-rank step is not cut into
   segments at them.
+
+A second PassManager runs on the model of every CPU session (:func:`session_rewrites`, from
+``make_session``), where the inputs' shapes are known: :class:`~ngdist.runtime.blocked_conv.
+BlockConvs` moves convolutions to onnxruntime's blocked-channel kernels. A model given as
+bytes (the replicas' towers) is rewritten exactly as the same model given as a proto.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 
 import onnx
 import onnx_ir as ir
@@ -20,6 +26,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ngdist.ir.domain import DOMAIN, comm_attributes
 from ngdist.kernels import get_kernel
+from ngdist.runtime import blocked_conv
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,19 @@ class InlineAloneIdentities(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(alone))
 
 
+def _run(passes: Sequence[ir.passes.PassBase], model: onnx.ModelProto
+         ) -> onnx.ModelProto | None:
+    """``model`` through a PassManager of ``passes``; None when no pass changes it."""
+    step = ir.from_proto(model)
+    before = len(step.graph)
+    result = ir.passes.PassManager(passes)(step)
+    if not result.modified:
+        return None
+    logger.info("runtime rewrites %s: %d -> %d nodes", [type(p).__name__ for p in passes],
+                before, len(result.model.graph))
+    return ir.to_proto(result.model)
+
+
 def runtime_rewrites(model: onnx.ModelProto, group_size: int,
                      inline_alone: bool = True) -> onnx.ModelProto:
     """``model`` rewritten for running on a group of ``group_size`` ranks (see the module
@@ -47,11 +67,18 @@ def runtime_rewrites(model: onnx.ModelProto, group_size: int,
     passes: list[ir.passes.PassBase] = [RemoveUnusedNodesPass()]
     if group_size == 1 and inline_alone:
         passes.append(InlineAloneIdentities())
-    step = ir.from_proto(model)
-    before = len(step.graph)
-    result = ir.passes.PassManager(passes)(step)
-    if not result.modified:
+    return _run(passes, model) or model
+
+
+def session_rewrites(model: onnx.ModelProto | bytes, block: Callable[[], int],
+                     shapes: Mapping[str, Sequence[int]] | None = None
+                     ) -> onnx.ModelProto | bytes:
+    """``model`` rewritten for a CPU session (see the module docstring), a proto or bytes
+    alike; ``model`` itself when no pass changes it. ``block``: the CPU's NCHWc block size
+    (asked only for a model with convolutions); ``shapes``: static shapes of inputs the model
+    leaves open."""
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else model
+    if not any(n.op_type in ("Conv", "ConvTranspose") for n in proto.graph.node) or \
+            not blocked_conv.applies(proto, size := block()):
         return model
-    logger.info("runtime rewrites: %d -> %d nodes in the step graph", before,
-                len(result.model.graph))
-    return ir.to_proto(result.model)
+    return _run([blocked_conv.BlockConvs(size, shapes)], proto) or model

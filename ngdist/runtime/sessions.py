@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from ngdist.errors import NgdistError
 from ngdist.runtime import blocked_conv
+from ngdist.runtime.rewrites import session_rewrites
 from ngdist.runtime.cuda import CudaOptions, missing
 
 logger = logging.getLogger(__name__)
@@ -161,13 +162,11 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
     ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU,
     convolutions with weights fed as inputs run on the blocked-channel kernels
-    (``blocked_conv``; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that off); ``shapes`` gives static
-    shapes of inputs the model leaves open. A model given as bytes is rewritten the same."""
+    (the session rewrites of runtime/rewrites.py; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that
+    off); ``shapes`` gives static shapes of inputs the model leaves open. A model given as
+    bytes is rewritten the same."""
     if optimize and placement.device == "cpu" and blocked_conv.requested():
-        proto = onnx.load_from_string(model) if isinstance(model, bytes) else model
-        if any(n.op_type in ("Conv", "ConvTranspose") for n in proto.graph.node):
-            blocked = blocked_conv.block_convs(proto, nchwc_block_size(), shapes)
-            model = model if blocked is proto else blocked
+        model = session_rewrites(model, nchwc_block_size, shapes)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     opts = session_options(intra_op_threads)
     if not optimize:
