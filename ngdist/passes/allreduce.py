@@ -7,8 +7,9 @@ import onnx_ir as ir
 
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import ensure_opset
-from ngdist.passes.analysis import comm_nodes, find_grad_pairs
+from ngdist.passes.analysis import find_grad_pairs
 from ngdist.passes.gradscale import has_grad_scale
+from ngdist.passes.manager import CommInsertionPass
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +29,12 @@ def reroute(value: ir.Value, new: ir.Value, skip: ir.Node) -> None:
             use.node.replace_input_with(use.idx, new)
 
 
-class AllReduceInsertionPass(ir.passes.InPlacePass):
+class AllReduceInsertionPass(CommInsertionPass):
     """Every gradient ``G`` of a parameter is replaced, for its consumers (the optimizer), by
     ``ngdist.AllReduce(G)`` with ``reduction`` (mean by default): data-parallel SGD as in
     nGraph's distributed pass and Horovod. When the gradients come out of the backward pass
     already scaled by 1/N (passes/gradscale.py) a mean is their sum, and the node says
-    ``reduction="sum"``. Does nothing if the graph already holds comm ops.
+    ``reduction="sum"``. Requires a graph without comm ops (passes/manager.py).
     """
 
     def __init__(self, reduction: str = "mean", algorithm: str = "mpi") -> None:
@@ -42,8 +43,6 @@ class AllReduceInsertionPass(ir.passes.InPlacePass):
         self.algorithm = algorithm
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if comm_nodes(model):
-            return ir.passes.PassResult(model, False)
         graph = model.graph
         reduction = "sum" if self.reduction == "mean" and has_grad_scale(model) else \
             self.reduction

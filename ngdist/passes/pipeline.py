@@ -37,6 +37,7 @@ from ngdist.passes.compression import (COMPRESSED_ALGORITHMS, CompressionMarking
 from ngdist.passes.buffers import BufferAverageInsertionPass
 from ngdist.passes.gradscale import GradientPrescalePass
 from ngdist.passes.losscount import CountedLossPass, GlobalCountPass
+from ngdist.passes.manager import StepPassManager
 from ngdist.passes.optimizers import OptimizerLoweringPass
 from ngdist.passes.options import (AllReduceOptions, LocalOptions, OptionError, PSOptions,
                                    PushSumOptions, SimpleOptions, StrategyOptions,
@@ -158,7 +159,7 @@ def run_passes(step: ir.Model, strategy: str | StrategyOptions = "allreduce",
         passes.append(GradientClippingPass(gradients.clip_grad_norm, gradients.clip_grad_value))
     if lower:
         passes.append(OptimizerLoweringPass())
-    manager = ir.passes.PassManager(passes, steps=1)
+    manager = StepPassManager(passes)  # a pass whose requirement is unmet is left out
     try:
         return manager(step).model
     except ir.passes.PassError as exc:

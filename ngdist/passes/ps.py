@@ -8,7 +8,7 @@ import onnx_ir as ir
 from ngdist.errors import GraphError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION, StepMeta, ensure_opset, get_meta, set_meta
-from ngdist.passes.analysis import comm_nodes
+from ngdist.passes.manager import CommInsertionPass
 from ngdist.passes.optimizers import (OPTIMIZER_OPS, OptimizerLoweringPass,
                                       split_optimizer_inputs)
 
@@ -46,7 +46,7 @@ def shard_update_graph(opt: ir.Node, opset: int) -> ir.Graph:
     return graph
 
 
-class PSPushPullPass(ir.passes.InPlacePass):
+class PSPushPullPass(CommInsertionPass):
     """Replaces the optimizer node (``Momentum`` / ``Adam`` / ``Adagrad`` of
     ai.onnx.preview.training) by one ``ngdist.PSPushPull`` node: Ray SGD's sharded parameter
     servers (and MXNet's ``dist_sync`` KVStore) as a graph rewrite.
@@ -60,7 +60,7 @@ class PSPushPullPass(ir.passes.InPlacePass):
     by the owners, once, as the initial value of their slices: its binding is removed, because
     the workers no longer update it. ``grad_shard_bytes`` bounds a shard; ``servers`` > 0 fixes
     the number of dedicated server ranks (0: decided at launch, ``ngdist run --servers K``).
-    Does nothing if the graph already holds comm ops.
+    Requires a graph without comm ops (passes/manager.py).
     """
 
     def __init__(self, grad_shard_bytes: int = 10_000_000, servers: int = 0) -> None:
@@ -71,8 +71,6 @@ class PSPushPullPass(ir.passes.InPlacePass):
         self.servers = int(servers)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if comm_nodes(model):
-            return ir.passes.PassResult(model, False)
         graph = model.graph
         opts = [n for n in graph if n.domain == PREVIEW_TRAINING and n.op_type in OPTIMIZER_OPS]
         if not opts:

@@ -9,8 +9,8 @@ import onnx_ir as ir
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
 from ngdist.ir.model import StepMeta, ensure_opset, get_meta, set_meta
-from ngdist.passes.analysis import comm_nodes
 from ngdist.passes.optimizers import OPTIMIZER_OPS
+from ngdist.passes.manager import CommInsertionPass
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ PS_WEIGHT = "ngdist.ps_weight"
 GRAPHS = ("exponential", "ring")
 
 
-class PushSumPass(ir.passes.InPlacePass):
+class PushSumPass(CommInsertionPass):
     """Rewrites a data-parallel step into one step of Stochastic Gradient Push.
 
     Each rank holds a push-sum numerator ``x`` (the parameters, unchanged names) and a scalar
@@ -36,7 +36,7 @@ class PushSumPass(ir.passes.InPlacePass):
 
     It must run before OptimizerLoweringPass (the optimizer is still one
     ``ai.onnx.preview.training`` node, which tells the update apart from the forward uses of
-    ``x``). A graph that already holds comm ops is left alone.
+    ``x``). Requires a graph without comm ops (passes/manager.py).
     """
 
     def __init__(self, graph: str = "exponential", peers_per_itr: int = 1,
@@ -55,8 +55,6 @@ class PushSumPass(ir.passes.InPlacePass):
         self.synch_freq = int(synch_freq)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if comm_nodes(model):
-            return ir.passes.PassResult(model, False)
         graph = model.graph
         meta = get_meta(model)
         params = meta.names("param")

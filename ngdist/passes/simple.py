@@ -8,12 +8,13 @@ import onnx_ir as ir
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import ensure_opset
 from ngdist.passes.allreduce import reroute
-from ngdist.passes.analysis import comm_nodes, find_grad_pairs
+from ngdist.passes.analysis import find_grad_pairs
+from ngdist.passes.manager import CommInsertionPass
 
 logger = logging.getLogger(__name__)
 
 
-class CentralReducePass(ir.passes.InPlacePass):
+class CentralReducePass(CommInsertionPass):
     """Replaces every gradient ``G`` of a parameter, for its consumers (the optimizer), by the
     matching output of one ``ngdist.CentralReduce(G_1, ..., G_n)`` per element type, with
     ``root`` 0 and ``reduction`` mean: Ray SGD's ``simple`` strategy, in which a central
@@ -21,7 +22,7 @@ class CentralReducePass(ir.passes.InPlacePass):
     right after the last of its gradients is produced. It is a reference for debugging the
     other strategies (its result equals ``allreduce``'s up to summation order), not a fast
     path: the root receives ``(size - 1)`` times the gradient bytes each step.
-    Does nothing if the graph already holds comm ops.
+    Requires a graph without comm ops (passes/manager.py).
     """
 
     def __init__(self, root: int = 0) -> None:
@@ -29,8 +30,6 @@ class CentralReducePass(ir.passes.InPlacePass):
         self.root = root
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if comm_nodes(model):
-            return ir.passes.PassResult(model, False)
         graph = model.graph
         order = {id(n): i for i, n in enumerate(graph)}
         groups: dict[object, list[ir.Value]] = {}
