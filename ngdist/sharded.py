@@ -1,11 +1,13 @@
 """``ngdist.compile(..., shard=...)``: the sharded step for this job's rank count, a trainer
-for it, and each rank's shard of the optimizer state (passes/shard.py, runtime/sharding.py)."""
+for it, and each rank's shard of the optimizer state and (ZeRO-3) of the parameters
+(passes/shard.py, runtime/sharding.py)."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 from typing import Any
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -35,7 +37,8 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     chosen = dataclasses.replace(chosen, shard_ranks=group.size)
     meta = get_meta(step)
     full = {n: step.graph.initializers[n].const_value.numpy()
-            for n in meta.names("state") if n in step.graph.initializers}
+            for n in (*meta.names("state"), *meta.names("param"))
+            if n in step.graph.initializers}
     # saved files hold the training model as given (before autodiff and comm), so they resume
     # under any strategy, shard= and rank count
     original = ir.from_proto(ir.to_proto(step))
@@ -43,5 +46,23 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     plan = layout(step)
     assert plan is not None
-    ShardedState(plan, original).attach(trainer, full)
+    state = ShardedState(plan, original)
+    state.attach(trainer, full)
+    _drop_whole_parameters(trainer, state)
     return trainer
+
+
+def _drop_whole_parameters(trainer: Trainer, state: ShardedState) -> None:
+    """ZeRO-3: the whole parameters' data dropped from the models kept as templates (the
+    inference model, the step compiled from), which are filled with the gathered values when
+    used, so a rank holds 1/N of them between steps."""
+    names = set(state.parameter_names)
+    for t in trainer.inference.graph.initializer:
+        if t.name in names:
+            t.ClearField("raw_data")
+            for f in ("float_data", "double_data", "int32_data", "int64_data"):
+                t.ClearField(f)
+    inits = state.plain_step.graph.initializers
+    for n in names & set(inits):
+        dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
+        inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)

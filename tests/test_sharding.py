@@ -280,7 +280,7 @@ def test_one_process_shards_like_allreduce():
 
 @pytest.mark.parametrize("options, message", [
     ({"shard": "params"}, r"unknown shard 'params'; choose one of \['none', 'optimizer', "
-                          r"'gradients'\]"),
+                          r"'gradients', 'parameters'\]"),
     ({"shard": "optimizer", "compression": "fp16"}, r"cannot be combined with compression="),
     ({"shard": "optimizer", "reproducible_micro_batch": 4},
      r"cannot be combined with reproducible_micro_batch"),

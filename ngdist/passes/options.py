@@ -172,8 +172,8 @@ class StrategyOptions(TypedOptions):
     strategy: ClassVar[str] = ""
 
 
-# values of the allreduce strategy's ``shard`` option (passes/shard.py): none, ZeRO-1, ZeRO-2
-SHARD_LEVELS = ("none", "optimizer", "gradients")
+# values of the allreduce strategy's ``shard`` option (passes/shard.py): none, ZeRO-1/2/3
+SHARD_LEVELS = ("none", "optimizer", "gradients", "parameters")
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,9 @@ class AllReduceOptions(StrategyOptions):
                                              "it to the next step's gradients")
     shard: str = _knob("none", "sharded data parallelism: none (default) | optimizer (ZeRO-1: "
                        "each rank updates 1/N of every bucket with 1/N of the optimizer "
-                       "state) | gradients (ZeRO-2: and keeps 1/N of each gradient bucket)",
+                       "state) | gradients (ZeRO-2: and keeps 1/N of each gradient bucket) "
+                       "| parameters (ZeRO-3: and holds 1/N of the parameters, gathered where "
+                       "the step reads them)",
                        metavar="{" + ",".join(SHARD_LEVELS) + "}")
     shard_ranks: int = _knob(0, "with shard: the rank count the shards are sized for "
                              "(ngdist.compile sets the job's)", metavar="N")

@@ -12,12 +12,16 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from ngdist.errors import GraphError, OptionError
-from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING, SHARD_LAYOUT, SHARD_RANK
+from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING, SHARD_LAYOUT
 from ngdist.ir.model import StepMeta, ensure_opset, get_meta, set_meta
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.bucketing import reduced_by
 from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
                                       split_optimizer_inputs)
+from ngdist.passes.shard_params import (Gathered, bind_update, drop_parameter, insert_gathers,
+                                        shard_input)
+from ngdist.passes.shard_values import drop_state as _drop_state, rank_input as _rank_input, \
+    state_input as _state_input, typed as _typed
 
 if TYPE_CHECKING:
     from ngdist.passes.step_options import StepOptions
@@ -84,7 +88,9 @@ class ShardingPass(ir.passes.InPlacePass):
     ``level="gradients"`` (ZeRO-2) builds the same graph: the padded bucket's only reader is
     the ReduceScatter, so the executor drops it there (it frees every value after its last
     use), and a rank keeps only the gradient shard from then on; ``"optimizer"`` (ZeRO-1) is
-    named for what it promises, and gets this for free.
+    named for what it promises, and gets this for free. ``level="parameters"`` (ZeRO-3) keeps
+    the parameters in flat shards too and gathers them where the step reads them
+    (passes/shard_params.py).
     """
 
     def __init__(self, level: str, ranks: int) -> None:
@@ -105,6 +111,7 @@ class ShardingPass(ir.passes.InPlacePass):
         layout: list[dict[str, object]] = []
         claimed: dict[int, tuple[ir.Node, set[int]]] = {}  # bucket -> positions now sharded
         taken: set[str] | None = None
+        gathered: list[Gathered] = []  # ZeRO-3: the buckets whose parameters stay sharded
         for node in nodes:
             ctx = GradContext(graph, node, opset, taken=taken)
             taken, ctx.current = ctx.taken, node
@@ -115,11 +122,19 @@ class ShardingPass(ir.passes.InPlacePass):
             shards = [self._scatter(ctx, group, f"{node.name}/shard{i}")
                       for i, group in enumerate(groups)]
             for shard in shards:  # the updates together, then the gathers together
-                self._update(ctx, node, shard, rank, meta)
-            layout.extend(self._gather(ctx, node, shard, meta) for shard in shards)
+                self._update(ctx, node, shard, self._x_shard(ctx, shard, rank, meta), meta)
+            for shard in shards:
+                if self.level == "parameters":
+                    gathered.append(self._keep_sharded(ctx, node, shard, meta))
+                else:
+                    self._gather(ctx, node, shard)
+                layout.append(self._layout(ctx, node, shard, meta))
             graph.remove(node, safe=True)
         for bucket, orders in claimed.values():
             _keep_the_rest(GradContext(graph, bucket, opset, taken=taken), bucket, orders)
+        if gathered:
+            count = insert_gathers(graph, gathered, meta.loss, self.ranks, meta)
+            logger.info("shard=parameters: %d gathers of %d buckets", count, len(gathered))
         RemoveUnusedNodesPass()(model)  # the buckets' AllReduce, Split and Reshapes
         ensure_opset(model, DOMAIN)
         set_meta(model, meta)
@@ -145,14 +160,22 @@ class ShardingPass(ir.passes.InPlacePass):
         g_shard.producer().name = f"ngdist/reducescatter/{prefix}"
         return _Shard(prefix, members, counts, length, size, g_shard)
 
-    def _update(self, ctx: GradContext, node: ir.Node, shard: _Shard, rank: ir.Value,
+    def _x_shard(self, ctx: GradContext, shard: _Shard, rank: ir.Value, meta: StepMeta
+                 ) -> ir.Value:
+        """This rank's slice of the bucket's flat parameters: sliced from the whole ones, or
+        (ZeRO-3) the flat shard input that holds it between steps."""
+        size = shard.size
+        if self.level == "parameters":
+            return shard_input(ctx.graph, shard.prefix, size, shard.members[0].x.dtype, meta)
+        start = ctx.op("Mul", rank, ctx.ints([size]))
+        x_full = _padded(ctx, [m.x for m in shard.members], shard.length, size * self.ranks)
+        return ctx.op("Slice", x_full, start, ctx.op("Add", start, ctx.ints([size])),
+                      ctx.ints([0]))
+
+    def _update(self, ctx: GradContext, node: ir.Node, shard: _Shard, x_shard: ir.Value,
                 meta: StepMeta) -> None:
         """The optimizer node on this rank's slice of the flat parameters and flat states."""
         size = shard.size
-        start = ctx.op("Mul", rank, ctx.ints([size]))
-        x_full = _padded(ctx, [m.x for m in shard.members], shard.length, size * self.ranks)
-        x_shard = ctx.op("Slice", x_full, start, ctx.op("Add", start, ctx.ints([size])),
-                         ctx.ints([0]))
         kinds = node_state_kinds(node)
         shard.states = {k: f"{shard.prefix}.{k}" for k in kinds}
         states = [_state_input(ctx.graph, shard.states[k], size,
@@ -169,10 +192,19 @@ class ShardingPass(ir.passes.InPlacePass):
             ctx.graph.outputs.append(outs[1 + j])
         shard.x_new = outs[0]
 
-    def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: StepMeta
-                ) -> dict[str, object]:
-        """AllGather of the updated slices, cut back into the parameters; the old states
-        dropped. Returns the group's layout."""
+    def _keep_sharded(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: StepMeta
+                      ) -> Gathered:
+        """ZeRO-3: the updated slice replaces the flat shard input; the parameters' own
+        updated outputs dropped (they are gathered where the step reads them)."""
+        x_shard = shard.x_new.producer().inputs[2]  # type: ignore[union-attr]
+        bind_update(ctx.graph, x_shard, shard.x_new, meta)  # type: ignore[arg-type]
+        for m in shard.members:
+            drop_parameter(ctx.graph, m.x, node.outputs[m.index], meta)
+        return Gathered(shard.prefix, x_shard, [m.x for m in shard.members],  # type: ignore[arg-type]
+                        shard.counts, shard.length, shard.size)
+
+    def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard) -> None:
+        """AllGather of the updated slices, cut back into the parameters."""
         (gathered,) = ctx.op_multi("AllGather", shard.x_new, num_outputs=1, domain=DOMAIN)
         _typed(gathered, [shard.size * self.ranks], shard.members[0].x.dtype)
         gathered.producer().name = f"ngdist/allgather/{shard.prefix}"
@@ -181,10 +213,16 @@ class ShardingPass(ir.passes.InPlacePass):
                               ctx.ints([0]))
         pieces = [gathered] if len(shard.members) == 1 else ctx.op_multi(
             "Split", gathered, ctx.ints(shard.counts), num_outputs=len(shard.members), axis=0)
+        for m, piece in zip(shard.members, pieces):
+            _take_over(node.outputs[m.index], ctx.op("Reshape", piece, ctx.ints(_dims(m.x))))
+
+    def _layout(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: StepMeta
+                ) -> dict[str, object]:
+        """The bucket's layout (which parameter and state lies where); the per-parameter
+        states the flat ones replace dropped."""
         n = len(split_optimizer_inputs(node)[2][0])
         params = []
-        for m, piece, count in zip(shard.members, pieces, shard.counts):
-            _take_over(node.outputs[m.index], ctx.op("Reshape", piece, ctx.ints(_dims(m.x))))
+        for m, count in zip(shard.members, shard.counts):
             old_states = {}
             for j, k in enumerate(shard.states):
                 old = m.states[j]
@@ -192,8 +230,11 @@ class ShardingPass(ir.passes.InPlacePass):
                 _drop_state(ctx.graph, old, node.outputs[n * (1 + j) + m.index], meta)
             params.append({"param": m.x.name, "count": count, "shape": _dims(m.x),
                            "states": old_states})
-        return {"states": shard.states, "size": shard.size, "length": shard.length,
-                "params": params}
+        out = {"states": shard.states, "size": shard.size, "length": shard.length,
+               "params": params}
+        if self.level == "parameters":
+            out["param"] = f"{shard.prefix}.param"
+        return out
 
 
 def _groups(node: ir.Node) -> list[_Group]:
@@ -289,51 +330,12 @@ def _padded(ctx: GradContext, values: Sequence[ir.Value], length: int, total: in
     return out
 
 
-def _rank_input(graph: ir.Graph, meta: StepMeta) -> ir.Value:
-    """The int64 hyper-parameter ``ngdist.shard_rank`` (0 in the graph; the runtime sets it)."""
-    if SHARD_RANK in graph.initializers:
-        return graph.initializers[SHARD_RANK]
-    value = ir.Value(name=SHARD_RANK, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(np.zeros(1, np.int64), name=SHARD_RANK))
-    graph.inputs.append(value)
-    graph.register_initializer(value)
-    meta.roles[SHARD_RANK] = "hyper"
-    return value
-
-
-def _state_input(graph: ir.Graph, name: str, size: int, dtype: ir.DataType | None,
-                 meta: StepMeta) -> ir.Value:
-    np_type = dtype.numpy() if dtype is not None else np.float32
-    value = ir.Value(name=name, shape=ir.Shape([size]), type=ir.TensorType(
-        dtype or ir.DataType.FLOAT), const_value=ir.tensor(np.zeros(size, np_type), name=name))
-    graph.inputs.append(value)
-    graph.register_initializer(value)
-    meta.roles[name] = "state"
-    return value
-
-
-def _drop_state(graph: ir.Graph, old: ir.Value, output: ir.Value, meta: StepMeta) -> None:
-    """A per-parameter state the flat state replaces: no input, no initializer, no binding."""
-    meta.roles.pop(old.name, None)
-    meta.binding.pop(old.name, None)
-    if output in graph.outputs:
-        graph.outputs.remove(output)
-    if old in graph.inputs:
-        graph.inputs.remove(old)
-    graph.initializers.pop(old.name, None)
-
-
 def _take_over(old: ir.Value, new: ir.Value) -> None:
     name = old.name
     new.shape, new.type = old.shape, old.type
     old.replace_all_uses_with(new, replace_graph_outputs=True)
     old.name = f"{name}.replaced"
     new.name = name
-
-
-def _typed(value: ir.Value, dims: list[int], dtype: ir.DataType | None) -> None:
-    value.shape = ir.Shape(dims)
-    value.type = ir.TensorType(dtype) if dtype is not None else None
 
 
 def _dims(x: ir.Value) -> list[int]:

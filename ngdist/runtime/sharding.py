@@ -1,15 +1,16 @@
-"""A sharded trainer's optimizer state (ZeRO-1/2, passes/shard.py): each rank's shard of the
-full state at start-up, and the full standard model gathered for ``trainer.save``.
+"""A sharded trainer's flat shards (passes/shard.py): each rank's shard of the full optimizer
+state (ZeRO-1/2) and parameters (ZeRO-3) at start-up or on ``load_state_dict``, and the full
+per-parameter tensors gathered for ``state_dict()``, ``parameters()`` and ``trainer.save``.
 
-The step graph's ``ngdist.shard_layout`` metadata says, per bucket, which flat state of ``S``
-elements holds which parameters' state (in order, ``L`` elements, zero-padded to ``N * S``).
-Rank r holds elements ``[r*S, r*S + S)`` of each.
+The step graph's ``ngdist.shard_layout`` metadata says, per bucket, which flat input of ``S``
+elements holds which parameters' state (and, ZeRO-3, which holds the parameters themselves),
+in order, ``L`` elements, zero-padded to ``N * S``. Rank r holds elements ``[r*S, r*S + S)``.
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from ngdist.errors import NgdistError
-from ngdist.ir.domain import SHARD_LAYOUT, SHARD_RANK
+from ngdist.ir.domain import GRAD_SCALE, SHARD_LAYOUT, SHARD_RANK
 from ngdist.ir.model import assemble_training_model
 
 if TYPE_CHECKING:
@@ -33,67 +34,110 @@ def layout(step: ir.Model) -> dict[str, Any] | None:
 
 
 class ShardedState:
-    """Scatters and gathers the flat optimizer-state shards of one trainer."""
+    """Scatters and gathers the flat shards of one trainer."""
 
     def __init__(self, plan: dict[str, Any], plain_step: ir.Model) -> None:
         self.plan = plan
         self.ranks = int(plan["ranks"])
+        self.level = str(plan["level"])
         self.plain_step = plain_step  # the training step as compiled from, for saved models
 
+    def flats(self, states: bool = True) -> Iterator[tuple[str, dict[str, Any], list[str]]]:
+        """(flat input, its bucket's layout, the per-parameter tensors it holds in order) for
+        every flat state (with ``states``) and every ZeRO-3 parameter shard."""
+        for group in self.plan["groups"]:
+            if "param" in group:
+                yield group["param"], group, [p["param"] for p in group["params"]]
+            if states:
+                for kind, name in group["states"].items():
+                    yield name, group, [p["states"][kind] for p in group["params"]]
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """The per-parameter names of the ZeRO-3 shards (none below ZeRO-3)."""
+        return [n for _, _, names in self.flats(states=False) for n in names]
+
     def attach(self, trainer: Trainer, full: Mapping[str, np.ndarray]) -> None:
-        """Sets the rank and this rank's shard of every flat state from ``full`` (the
-        per-parameter states; missing ones start at zero)."""
+        """Sets the rank and this rank's shard of every flat input from ``full`` (the
+        per-parameter tensors; missing states start at zero)."""
         if trainer.group.size != self.ranks:
             raise NgdistError(f"the step graph is sharded for {self.ranks} ranks but this job "
                               f"has {trainer.group.size}; compile it in this job")
-        rank = trainer.group.rank
         dtype = trainer.values[SHARD_RANK].numpy().dtype
-        trainer.values[SHARD_RANK] = trainer.placement.value(np.array([rank], dtype))
-        for group in self.plan["groups"]:
-            size = int(group["size"])
-            for kind, name in group["states"].items():
-                dtype = trainer.values[name].numpy().dtype
-                flat = np.zeros(size * self.ranks, dtype)
-                offset = 0
-                for p in group["params"]:
-                    count = int(p["count"])
-                    old = full.get(p["states"][kind])
-                    if old is not None:
-                        flat[offset:offset + count] = np.reshape(old, -1)
-                    offset += count
-                trainer.values[name] = trainer.placement.value(
-                    np.ascontiguousarray(flat[rank * size:(rank + 1) * size]))
+        trainer.values[SHARD_RANK] = trainer.placement.value(
+            np.array([trainer.group.rank], dtype))
         trainer.sharding = self
+        self.load(trainer, full)
 
-    def gather(self, trainer: Trainer) -> dict[str, np.ndarray]:
-        """Collective: every per-parameter state, whole, on every rank."""
-        out: dict[str, np.ndarray] = {}
-        for group in self.plan["groups"]:
+    def load(self, trainer: Trainer, full: Mapping[str, np.ndarray]) -> None:
+        """This rank's slice of every flat input whose tensors ``full`` holds (all or none of
+        a bucket's; a missing state starts at zero)."""
+        rank = trainer.group.rank
+        for name, group, names in self.flats():
+            if not any(n in full for n in names):
+                if name.endswith(".param"):
+                    raise NgdistError(f"no values for the parameters {names} of shard {name}")
+                continue
             size = int(group["size"])
-            for kind, name in group["states"].items():
-                mine = np.ascontiguousarray(trainer.values[name].numpy())
-                whole = np.empty(size * self.ranks, mine.dtype)
-                trainer.group.allgather(mine, whole, f"gather {name}").wait()
-                offset = 0
-                for p in group["params"]:
-                    count = int(p["count"])
-                    out[p["states"][kind]] = whole[offset:offset + count].reshape(p["shape"])
-                    offset += count
+            flat = np.zeros(size * self.ranks, trainer.values[name].numpy().dtype)
+            offset = 0
+            for p, n in zip(group["params"], names):
+                count = int(p["count"])
+                if n in full:
+                    flat[offset:offset + count] = np.reshape(full[n], -1)
+                offset += count
+            trainer.values[name] = trainer.placement.value(
+                np.ascontiguousarray(flat[rank * size:(rank + 1) * size]))
+
+    def gather(self, trainer: Trainer, flats: Iterable[tuple[str, dict[str, Any], list[str]]]
+               ) -> dict[str, np.ndarray]:
+        """Collective: every per-parameter tensor of ``flats`` (of ``self.flats``), whole, on
+        every rank."""
+        out: dict[str, np.ndarray] = {}
+        for name, group, names in flats:
+            size = int(group["size"])
+            mine = np.ascontiguousarray(trainer.values[name].numpy())
+            whole = np.empty(size * self.ranks, mine.dtype)
+            trainer.group.allgather(mine, whole, f"gather {name}").wait()
+            offset = 0
+            for p, n in zip(group["params"], names):
+                count = int(p["count"])
+                out[n] = whole[offset:offset + count].reshape(p["shape"])
+                offset += count
+        return out
+
+    def expand(self, trainer: Trainer, values: dict[str, np.ndarray], states: bool = False
+               ) -> dict[str, np.ndarray]:
+        """``values`` (by input name) with the flat inputs replaced by the gathered
+        per-parameter tensors: the parameters' (ZeRO-3; collective there) and with ``states``
+        the optimizer state's (collective)."""
+        flats = [f for f in self.flats(states) if f[0] in values]
+        out = {n: v for n, v in values.items() if n != SHARD_RANK}
+        for name, _, _ in flats:
+            del out[name]
+        out.update(self.gather(trainer, flats))
         return out
 
     def full_state(self, trainer: Trainer) -> dict[str, np.ndarray]:
-        """Collective: ``trainer.state_dict()`` with per-parameter states for the flat
-        shards (what a write-back into a framework optimizer reads)."""
-        flat = {n for g in self.plan["groups"] for n in g["states"].values()}
-        state = {n: v for n, v in trainer.state_dict().items()
-                 if n not in flat and n != SHARD_RANK}
-        state.update(self.gather(trainer))
-        return state
+        """Collective: ``trainer.state_dict()``: every per-parameter tensor whole."""
+        values = {n: v.numpy().copy() for n, v in trainer.values.items() if n != GRAD_SCALE}
+        return self.expand(trainer, values, states=True)
+
+    def load_state(self, trainer: Trainer, state: Mapping[str, np.ndarray]) -> None:
+        """``trainer.load_state_dict`` of full tensors: each rank takes its slices."""
+        flat = {n for _, _, names in self.flats() for n in names}
+        unknown = set(state) - set(trainer.values) - flat
+        if unknown:
+            raise KeyError(f"unknown names in state: {sorted(unknown)}")
+        for n, v in state.items():
+            if n not in flat:
+                trainer.values[n] = trainer.placement.value(
+                    np.array(v, dtype=trainer.values[n].numpy().dtype))
+        self.load(trainer, state)
 
     def full_model(self, trainer: Trainer) -> onnx.ModelProto:
         """Collective: the standard training model with the current values: the step as it
         was compiled from (optimizer node, no comm), so it resumes under any strategy."""
-        values = {n: v for n, v in trainer._deployable().items() if n != SHARD_RANK}
-        values.update(self.gather(trainer))
-        logger.info("sharded state gathered: %d state tensors", len(values))
+        values = self.expand(trainer, trainer._deployable(), states=True)
+        logger.info("sharded state gathered: %d tensors", len(values))
         return assemble_training_model(trainer.inference, self.plain_step, values)

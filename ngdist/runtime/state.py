@@ -44,13 +44,21 @@ class StateAccess:
     _write_back: WriteBack | None
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """Copies of the trainable parameters (de-biased under pushsum), by initializer name."""
+        """Copies of the trainable parameters (de-biased under pushsum), by initializer name.
+        Under ``shard="parameters"``: gathered, collective (call it on every rank)."""
         values = self._deployable()
-        return {n: np.array(values[n]) for n in self.meta.names("param")}
+        sharding = getattr(self, "sharding", None)
+        names = sharding.parameter_names if sharding is not None else []
+        return {n: np.array(values[n]) for n in [*self.meta.names("param"), *names]
+                if n in values}
 
     def _deployable(self) -> dict[str, np.ndarray]:
-        """Current values with pushsum's numerators replaced by z = x / w (and w by 1)."""
+        """Current values with pushsum's numerators replaced by z = x / w (and w by 1); under
+        ``shard="parameters"`` the parameters gathered whole (collective)."""
         values = {n: v.numpy() for n, v in self.values.items()}
+        sharding = getattr(self, "sharding", None)
+        if sharding is not None:  # runtime/sharding.py
+            values = sharding.expand(self, values)
         for p, w in self.debias.items():
             values[p] = (values[p] / values[w]).astype(values[p].dtype)
         for w in set(self.debias.values()):
@@ -71,11 +79,19 @@ class StateAccess:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of everything the step updates or reads (params, buffers, optimizer state,
         hyper-parameters), without ``ngdist.grad_scale``, which the runtime sets from the
-        number of ranks."""
+        number of ranks. Sharded (``shard=``): whole per-parameter tensors, gathered
+        (collective: call it on every rank)."""
+        sharding = getattr(self, "sharding", None)
+        if sharding is not None:  # runtime/sharding.py
+            return sharding.full_state(self)
         return {n: v.numpy().copy() for n, v in self.values.items() if n != GRAD_SCALE}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         state = {n: v for n, v in state.items() if n != GRAD_SCALE}  # a fact of this job
+        sharding = getattr(self, "sharding", None)
+        if sharding is not None:  # whole tensors: each rank takes its slices
+            sharding.load_state(self, state)
+            return
         unknown = set(state) - set(self.values)
         if unknown:
             raise KeyError(f"unknown names in state: {sorted(unknown)}")
@@ -84,7 +100,11 @@ class StateAccess:
                 np.array(v, dtype=self.values[n].numpy().dtype))
 
     def to_onnx(self) -> onnx.ModelProto:
-        """The training model with the current values: deployable graph + training_info."""
+        """The training model with the current values: deployable graph + training_info
+        (sharded: the standard model, gathered; collective)."""
+        sharding = getattr(self, "sharding", None)
+        if sharding is not None:
+            return sharding.full_model(self)
         return assemble_training_model(self.inference, self.step_model, self._deployable())
 
     def sync_state(self) -> None:
@@ -110,7 +130,7 @@ class StateAccess:
         optimizer state. Sharded (``shard=``): collective, call it on every rank; the file is
         the standard model with the optimizer state gathered (runtime/sharding.py)."""
         sharding = getattr(self, "sharding", None)  # ZeRO: gathered on every rank
-        full = sharding.full_model(self) if sharding is not None else None
+        full = self.to_onnx() if sharding is not None else None
         if self.rank == 0 or all_ranks:
             if self.steps_done != self._state_synced_at and self.role == "worker":
                 if ps_server.runtime(self) is not None:
@@ -130,9 +150,7 @@ class StateAccess:
             source = "a Keras model" if self._write_back else "an ONNX model"
             raise NgdistError(f"to_torch() needs a trainer compiled from a torch.nn.Module; "
                               f"this one was compiled from {source}")
-        sharding = getattr(self, "sharding", None)  # ZeRO: gathered, collective
-        state = sharding.full_state(self) if sharding is not None else self.state_dict()
-        return self._write_back(state, self.steps_done, module, **kwargs)
+        return self._write_back(self.state_dict(), self.steps_done, module, **kwargs)
 
     def to_keras(self, model: Any = None) -> Any:
         """Writes the trained weights into the Keras model this trainer was compiled from (or
