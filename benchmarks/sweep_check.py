@@ -103,7 +103,7 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
     inputs = module_inputs(feeds, loss_fn)
     out["stage"] = "export"
     model, exp = tfront.training_model(copy.deepcopy(module), _tensors(inputs), loss=loss_fn,
-                                       input_names=list(inputs))
+                                       input_names=list(inputs), optimizer="sgd:lr=0.01")
     out["stage"] = "gradients"
     got = run_step(model, feeds)
     loss, g64 = torch_grads(module, feeds, loss_fn, True)

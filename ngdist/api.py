@@ -108,11 +108,12 @@ def to_training_model(model: onnx.ModelProto | str | os.PathLike, *, loss: Any =
             raise GraphError("the model is already a training model (it has training_info); "
                              "do not pass loss=, optimizer=, params= or frozen=")
         return proto
+    if optimizer is _UNSET or optimizer is None:
+        what = "the ONNX model" if isinstance(model, onnx.ModelProto) else os.fspath(model)
+        raise optim.missing_optimizer(what)
     return build_training_model(
         proto, loss="softmax_cross_entropy" if loss is _UNSET else loss, labels=labels,
-        optimizer=optim.default_optimizer("the ONNX model") if optimizer is _UNSET
-        else optimizer,
-        params=params, frozen=frozen, output=output)
+        optimizer=optimizer, params=params, frozen=frozen, output=output)
 
 
 def _framework_frontend(model: Any) -> Any:

@@ -15,6 +15,7 @@ import pytest
 import ngdist
 from ngdist import errors, zoo
 from ngdist.errors import GraphError, NgdistError, OptionError
+from ngdist.ir.model import save_proto
 
 ROOT = Path(__file__).resolve().parents[1] / "ngdist"
 BUILTIN = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
@@ -107,8 +108,16 @@ def test_labels_named_like_the_model_output_are_refused():
         ngdist.to_training_model(model, optimizer=ngdist.optim.SGD(lr=0.1))
 
 
-def test_compile_without_an_optimizer_says_what_it_trains_with(caplog):
-    with caplog.at_level("WARNING", logger="ngdist.optim"):
+def test_compile_without_an_optimizer_is_refused_unless_the_model_holds_its_step(tmp_path):
+    hint = ("has no training step and no optimizer was given: pass optimizer= (e.g. "
+            "optimizer=ngdist.optim.SGD(lr=0.01) or a spec like 'adamw:lr=1e-3')")
+    with pytest.raises(OptionError) as info:
         ngdist.compile(zoo.mlp((4, 3)), strategy="local")
-    assert "the ONNX model: no optimizer given, training with ngdist.optim.SGD(lr=0.01); " \
-           "pass optimizer=" in caplog.text
+    assert str(info.value) == f"the ONNX model {hint}"
+    save_proto(zoo.mlp((4, 3)), tmp_path / "mlp.onnx")
+    with pytest.raises(OptionError) as info:
+        ngdist.compile(tmp_path / "mlp.onnx", strategy="local", optimizer=None)
+    assert str(info.value) == f"{tmp_path / 'mlp.onnx'} {hint}"
+    # a training model holds its optimizer: it compiles without one
+    trained = ngdist.to_training_model(zoo.mlp((4, 3)), optimizer=ngdist.optim.SGD(lr=0.1))
+    assert ngdist.compile(trained, strategy="local").step_model is not None

@@ -102,7 +102,8 @@ def test_whole_model_gradients_match_torch_autograd(name):
     module = cls()
     x, y = _batch(kind)
     loss_fn = nn.CrossEntropyLoss()
-    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]), loss=loss_fn)
+    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]), loss=loss_fn,
+                                       optimizer="sgd:lr=0.01")
     masks = dropout_mask_outputs(model, module)
     inp = exp.input_names[0]
     got = run_step(model, {inp: x, "y": y}, extra=list(masks.values()))

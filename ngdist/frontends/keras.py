@@ -367,8 +367,11 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
     if loss is _UNSET:
         loss = getattr(model, "loss", None) or "sparse_categorical_crossentropy"
     if optimizer is _UNSET:
-        optimizer = getattr(model, "optimizer", None) or \
-            optim.default_optimizer(f"Keras model {model.name!r}")
+        optimizer = getattr(model, "optimizer", None)
+    if optimizer is _UNSET or optimizer is None:
+        raise optim.missing_optimizer(
+            f"Keras model {model.name!r}", ", a Keras optimizer such as "
+            "keras.optimizers.SGD(0.01) (here or in model.compile),")
     exp = export(model, example_inputs, input_names=input_names)
     proto = exp.model
     kind, target = translate_loss(loss, proto, exp.output_names[0])

@@ -309,16 +309,17 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     from ngdist.frontends.onnx import build_training_model
 
     if optimizer is _UNSET or optimizer is None:
-        opt = optim.default_optimizer(f"torch module {type(module).__name__}")
-        trained = [n for n, p in module.named_parameters() if p.requires_grad]
-    elif isinstance(optimizer, (str, *optim.OPTIMIZERS)):
+        raise optim.missing_optimizer(
+            f"torch module {type(module).__name__}",
+            ", a torch optimizer such as torch.optim.SGD(model.parameters(), lr=0.01),")
+    if isinstance(optimizer, (str, *optim.OPTIMIZERS)):
         opt = optim.from_spec(optimizer)
         trained = [n for n, p in module.named_parameters() if p.requires_grad]
     else:
         opt = translate_optimizer(optimizer, module)
         trained = _optimizer_params(module, optimizer)
-    check_embeddings(module, opt if optimizer is _UNSET or optimizer is None or
-                     isinstance(optimizer, (str, *optim.OPTIMIZERS)) else optimizer)
+    check_embeddings(module, opt if isinstance(optimizer, (str, *optim.OPTIMIZERS))
+                     else optimizer)
     exp = _export_with_loss(module, example_inputs, loss, labels, input_names, output_names,
                             exporter)
     mark_padding_rows(module, exp.train)

@@ -375,13 +375,13 @@ def from_spec(spec: str | Optimizer) -> Optimizer:
     return cls(**kwargs)  # type: ignore[no-any-return]
 
 
-def default_optimizer(what: str) -> Optimizer:
-    """The optimizer a model compiled without one trains with, SGD(lr=0.01), said in a
-    warning (``what`` names the model)."""
-    logger.warning("%s: no optimizer given, training with ngdist.optim.SGD(lr=0.01); pass "
-                   "optimizer= (a torch optimizer, an ngdist.optim optimizer or a spec like "
-                   "'adamw:lr=1e-3')", what)
-    return SGD(lr=0.01)
+def missing_optimizer(what: str, example: str = "") -> OptionError:
+    """The error of a model compiled without an optimizer and without a training step of its
+    own (``what`` names the model; ``example``: the framework's own optimizer, as a hint)."""
+    return OptionError(
+        f"{what} has no training step and no optimizer was given: pass optimizer= "
+        f"(e.g. optimizer=ngdist.optim.SGD(lr=0.01){example} or a spec like "
+        "'adamw:lr=1e-3')")
 
 
 # other libraries' names for the same hyper-parameters, suggested when misused

@@ -31,7 +31,7 @@ from ngdist.data import load_digits
 os.makedirs("elsewhere", exist_ok=True)
 os.chdir("elsewhere")
 x, y, _, _ = load_digits()
-tr = ngdist.compile(zoo.mlp((64, 16, 10), seed=0), intra_op_threads=1)
+tr = ngdist.compile(zoo.mlp((64, 16, 10), seed=0), intra_op_threads=1, optimizer="sgd:lr=0.01")
 for s in range(3):
     tr.step({"x": x[s * 16:(s + 1) * 16], "y": y[s * 16:(s + 1) * 16]})
 """

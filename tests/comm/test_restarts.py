@@ -341,15 +341,15 @@ def test_checkpoint_options_are_checked(tmp_path, monkeypatch):
 
     with pytest.raises(ngdist.OptionError, match=r"^checkpoint_every=5 needs a folder: pass "
                        r"checkpoint_dir= or set NGDIST_CHECKPOINT_DIR"):
-        ngdist.compile(zoo.mlp((64, 16, 10)), checkpoint_every=5)
+        ngdist.compile(zoo.mlp((64, 16, 10)), checkpoint_every=5, optimizer="sgd:lr=0.01")
     monkeypatch.setenv("NGDIST_CHECKPOINT_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("NGDIST_CHECKPOINT_EVERY", "2")
-    tr = ngdist.compile(zoo.mlp((64, 16, 10)))
+    tr = ngdist.compile(zoo.mlp((64, 16, 10)), optimizer="sgd:lr=0.01")
     _steps(tr, 0, 2)
     assert sorted(os.listdir(tmp_path / "env")) == ["manifest.json", "step-00000002.npz"]
     with pytest.raises(CheckpointError, match="under pushsum every rank holds its "
                        "own parameters"):
-        ngdist.compile(zoo.mlp((64, 16, 10)), strategy="pushsum")
+        ngdist.compile(zoo.mlp((64, 16, 10)), strategy="pushsum", optimizer="sgd:lr=0.01")
 
 
 def test_ngdist_train_resumes_where_its_checkpoint_ends(cli, tmp_path):

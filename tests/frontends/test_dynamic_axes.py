@@ -187,7 +187,8 @@ def test_exported_file_with_dynamic_axes_trains_like_torch(tmp_path, name, expor
     lengths = (12, 9) if length else (12, 12)  # a second length the export never saw
     batches = [_batch(kind, n, seed, ln) for seed, (n, ln) in enumerate(zip(BATCHES, lengths))]
 
-    model = ngdist.to_training_model(path, loss="softmax_cross_entropy", labels="y")
+    model = ngdist.to_training_model(path, loss="softmax_cross_entropy", labels="y",
+                                     optimizer="sgd:lr=0.01")
     for x, y in batches:
         got = run_step(model, {"x": x, "y": y})
         loss, grads, _ = torch_step(module, x, y, nn.CrossEntropyLoss(), float64=True)
@@ -218,7 +219,7 @@ def test_module_with_batch_dependent_views_trains_like_torch(name):
     batches = [_batch("images", n, seed) for seed, n in enumerate(BATCHES)]
     loss_fn = nn.CrossEntropyLoss()
     model, exp = tfront.training_model(module, torch.from_numpy(batches[0][0][:2]),
-                                       loss=loss_fn)
+                                       loss=loss_fn, optimizer="sgd:lr=0.01")
     targets = [n for n in model.training_info[0].algorithm.node if n.op_type == "Reshape"]
     assert targets and not any(n.op_type == "Shape" for n in
                                model.training_info[0].algorithm.node), \

@@ -149,7 +149,7 @@ def test_tied_padding_row_gets_the_output_layers_gradient():
     rng = np.random.default_rng(1)
     labels = rng.integers(0, V, ids[0].size)
     model, _ = tfront.training_model(module, torch.zeros(2, T, dtype=torch.long),
-                                     loss=nn.CrossEntropyLoss())
+                                     loss=nn.CrossEntropyLoss(), optimizer="sgd:lr=0.01")
     got = run_step(model, {"ids": ids[0], "y": labels})
     loss, grads, _ = torch_step(module, ids[0], labels, nn.CrossEntropyLoss(), float64=True)
     assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)
@@ -178,7 +178,7 @@ def test_padding_embedding_that_forward_does_not_use_is_no_obstacle():
             return self.fc(x)
 
     trainer = ngdist.compile(Unused(), torch.zeros(2, T), loss=nn.CrossEntropyLoss(),
-                             strategy="local")
+                             strategy="local", optimizer="sgd:lr=0.01")
     check_step_graph(trainer.step_model)
 
 
@@ -186,8 +186,8 @@ def _refusal(module: nn.Module, optimizer=None) -> str:
     with warnings.catch_warnings(), pytest.raises(GraphError) as info:
         warnings.simplefilter("ignore")
         ngdist.compile(module, torch.zeros(2, T, dtype=torch.long), loss=nn.CrossEntropyLoss(),
-                       strategy="local", **({} if optimizer is None else
-                                            {"optimizer": optimizer(module.parameters())}))
+                       strategy="local", optimizer="sgd:lr=0.01" if optimizer is None
+                       else optimizer(module.parameters()))
     return str(info.value)
 
 

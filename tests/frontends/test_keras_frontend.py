@@ -14,7 +14,7 @@ import keras  # noqa: E402
 
 import ngdist  # noqa: E402
 from ngdist.data import load_digits  # noqa: E402
-from ngdist.errors import GraphError  # noqa: E402
+from ngdist.errors import GraphError, OptionError  # noqa: E402
 from ngdist.frontends import keras as kfront  # noqa: E402
 from step_probe import max_rel_err, rank_results, run_step  # noqa: E402
 
@@ -146,7 +146,14 @@ def test_errors_are_clear():
     with pytest.raises(GraphError, match="learning-rate schedules are not supported"):
         kfront.translate_optimizer(keras.optimizers.SGD(sched))
     with pytest.raises(GraphError, match="loss Huber has no ngdist counterpart"):
-        kfront.training_model(mlp, loss=keras.losses.Huber())
+        kfront.training_model(mlp, loss=keras.losses.Huber(), optimizer="sgd:lr=0.01")
+    with pytest.raises(OptionError) as info:  # neither given nor in model.compile
+        ngdist.compile(mlp, strategy="local")
+    assert str(info.value) == (
+        f"Keras model {mlp.name!r} has no training step and no optimizer was given: pass "
+        "optimizer= (e.g. optimizer=ngdist.optim.SGD(lr=0.01), a Keras optimizer such as "
+        "keras.optimizers.SGD(0.01) (here or in model.compile), or a spec like "
+        "'adamw:lr=1e-3')")
 
 
 TRAIN_SCRIPT = CNN_SOURCE + """

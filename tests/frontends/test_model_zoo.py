@@ -73,7 +73,8 @@ def test_a_bare_hugging_face_model_is_refused_with_the_wrapper_to_write():
     with pytest.raises(GraphError, match=r"^GPT2LMHeadModel is a Hugging Face model: its "
                        r"forward returns a ModelOutput .* Compile a module whose forward "
                        r"returns the loss, e\.g\. forward\(self, input_ids, labels\)"):
-        ngdist.compile(model, torch.zeros(2, 8, dtype=torch.int64), loss=None)
+        ngdist.compile(model, torch.zeros(2, 8, dtype=torch.int64), loss=None,
+                       optimizer="sgd:lr=0.01")
 
 
 GRAD_CASES = [(n, "float32") for n in hfzoo.MODELS] + [(n, "float64") for n in FLOAT64]
@@ -86,7 +87,8 @@ def test_gradients_match_torch_autograd(name, dtype):
         module.double()
     feeds = hfzoo.batch(name)
     examples = {k: v[:2] for k, v in feeds.items()}
-    model, exp = tfront.training_model(module, hfzoo.tensors(examples), loss=None)
+    model, exp = tfront.training_model(module, hfzoo.tensors(examples), loss=None,
+                                       optimizer="sgd:lr=0.01")
     assert exp.input_names == list(feeds)
     got = run_step(model, feeds)
     loss, grads = torch_gradients(module, feeds)

@@ -76,7 +76,7 @@ def test_sdpa_gradients_match_torch_autograd(variant, kv_heads, dtype):
     if dtype == np.float64:
         module.double()
     model, exp = tfront.training_model(module, torch.from_numpy(x[:2]),
-                                       loss=nn.CrossEntropyLoss())
+                                       loss=nn.CrossEntropyLoss(), optimizer="sgd:lr=0.01")
     got = run_step(model, {exp.input_names[0]: x, "y": y})
     loss, grads = _reference(module, x, y)
     tol = 1e-4 if dtype == np.float32 else 1e-7
@@ -117,7 +117,7 @@ def test_sdpa_dropout_is_a_training_mode_dropout_with_torchs_math():
     x = rng.standard_normal((3, LENGTH, 16)).astype(np.float32)
     y = rng.integers(0, 3, 3).astype(np.int64)
     model, exp = tfront.training_model(module, torch.from_numpy(x[:2]),
-                                       loss=nn.CrossEntropyLoss())
+                                       loss=nn.CrossEntropyLoss(), optimizer="sgd:lr=0.01")
     (drop,) = [n for n in model.training_info[0].algorithm.node if n.op_type == "Dropout"]
     assert not [n for n in model.graph.node if n.op_type == "Dropout"]  # eval: no dropout
     got = run_step(model, {exp.input_names[0]: x, "y": y}, extra=[drop.output[1]])

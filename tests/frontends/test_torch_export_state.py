@@ -55,7 +55,7 @@ def test_versioned_module_compiles_and_keeps_its_state():
     before, metadata = _state(module), dict(module.state_dict()._metadata)
     assert metadata[""]["version"] == 2
     trainer = ngdist.compile(module, torch.zeros(4, 6), loss=nn.CrossEntropyLoss(),
-                             strategy="local")
+                             strategy="local", optimizer="sgd:lr=0.01")
     check_step_graph(trainer.step_model)
     _assert_untouched(module, before, metadata)
     assert not module.training

@@ -98,7 +98,7 @@ def test_torchscript_exporter_cannot_export_the_moe_layer():
 def test_moe_layer_is_exported_by_dynamo_and_its_gradients_match_torch(caplog):
     module = MoELoss()
     with caplog.at_level(logging.INFO, logger="ngdist.frontends"):
-        model, exp = tfront.training_model(module, EXAMPLE, loss=None)
+        model, exp = tfront.training_model(module, EXAMPLE, loss=None, optimizer="sgd:lr=0.01")
     assert exp.exporter == "dynamo"
     assert ("ngdist.frontends.torch_exporters", logging.WARNING,
             "exported MoELoss with the dynamo exporter (the torchscript exporter: "
@@ -171,7 +171,8 @@ class Unexportable(nn.Module):
 
 def test_when_both_exporters_fail_one_error_carries_both_messages():
     with pytest.raises(GraphError) as info:
-        ngdist.compile(Unexportable(), torch.zeros(4, D), strategy="local")
+        ngdist.compile(Unexportable(), torch.zeros(4, D), strategy="local",
+                       optimizer="sgd:lr=0.01")
     assert str(info.value) == (
         "torch.onnx.export cannot export Unexportable: the torchscript exporter: "
         "UnsupportedOperatorError: Exporting the operator 'aten::histc' to ONNX opset version "
@@ -221,7 +222,8 @@ def test_dynamo_keeps_each_inputs_batch_size_its_own():
     module = FlatTokenLoss()
     ids, labels = _tokens(3, 8, 0)
     model, exp = tfront.training_model(module, (torch.from_numpy(ids), torch.from_numpy(labels)),
-                                       loss=None, exporter="dynamo", input_names=["x", "y"])
+                                       loss=None, exporter="dynamo", input_names=["x", "y"],
+                                       optimizer="sgd:lr=0.01")
     assert exp.exporter == "dynamo"
     for n, seed in ((5, 1), (2, 2)):
         ids, labels = _tokens(n, 8, seed)

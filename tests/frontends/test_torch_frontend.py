@@ -41,7 +41,7 @@ def test_export_keeps_training_semantics_and_state_dict_names():
     module = make_cnn(torch)  # noqa: F821
     before = {k: v.clone() for k, v in module.state_dict().items()}
     module.eval()
-    model, exp = tfront.training_model(module, torch.zeros(2, 1, 8, 8))
+    model, exp = tfront.training_model(module, torch.zeros(2, 1, 8, 8), optimizer="sgd:lr=0.01")
     # tracing in training mode moves BN statistics: the frontend puts them back
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -64,7 +64,7 @@ def test_first_step_loss_and_gradients_match_autograd(digits):
     xtr, ytr, _, _ = digits
     module = make_cnn(torch)  # noqa: F821
     model, exp = tfront.training_model(module, torch.zeros(2, 1, 8, 8),
-                                       loss=nn.CrossEntropyLoss())
+                                       loss=nn.CrossEntropyLoss(), optimizer="sgd:lr=0.01")
     masks = dropout_mask_outputs(model, module)
     got = run_step(model, {"input": xtr[:32], "y": ytr[:32]}, extra=list(masks.values()))
     # reference: torch autograd in float64 on the same batch, with ngdist's dropout mask
@@ -81,7 +81,8 @@ def test_mse_loss_gradients_match_autograd():
     x = rng.standard_normal((16, 64)).astype(np.float32)
     y = rng.standard_normal((16, 10)).astype(np.float32)
     module = make_mlp(seed=2)
-    model, _ = tfront.training_model(module, torch.zeros(2, 64), loss=nn.MSELoss())
+    model, _ = tfront.training_model(module, torch.zeros(2, 64), loss=nn.MSELoss(),
+                                     optimizer="sgd:lr=0.01")
     got = run_step(model, {"input": x, "y": y})
     loss, grads, _ = torch_step(module, x, y, nn.MSELoss(), float64=True)
     assert abs(float(got["loss"]) - loss) <= 1e-4 * abs(loss)

@@ -115,7 +115,7 @@ def test_labels_named_like_an_input_or_output_are_refused():
     with pytest.raises(GraphError, match=r"the labels input 'x' has the name of a model input "
                                          r"\(inputs: \['x'\]\); pass labels= another name"):
         ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64), loss=nn.NLLLoss(),
-                       labels="x", strategy="local")
+                       labels="x", strategy="local", optimizer="sgd:lr=0.01")
 
 
 def test_an_unknown_loss_string_gets_the_closest_name():

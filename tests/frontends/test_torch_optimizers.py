@@ -251,3 +251,13 @@ def test_optimizer_specs_name_the_torch_formulas():
         ngdist.optim.NAdam(decoupled_weight_decay=True, maximize=True)
     with pytest.raises(OptionError, match=r"centered='maybe' is not 1, 0, true or false"):
         ngdist.optim.from_spec("rmsprop:centered=maybe")
+
+
+def test_compile_of_a_torch_module_without_an_optimizer_is_refused():
+    for given in ({}, {"optimizer": None}):
+        with pytest.raises(OptionError) as info:
+            ngdist.compile(make_model(), torch.zeros(2, 16), strategy="local", **given)
+        assert str(info.value) == (
+            "torch module Sequential has no training step and no optimizer was given: pass "
+            "optimizer= (e.g. optimizer=ngdist.optim.SGD(lr=0.01), a torch optimizer such as "
+            "torch.optim.SGD(model.parameters(), lr=0.01), or a spec like 'adamw:lr=1e-3')")

@@ -85,7 +85,8 @@ def torch_gradients(module, feeds, float64: bool):
 def test_gradients_match_torch_autograd(name):
     module = vz.build(name)
     feeds = vz.batch(name)
-    model, exp = tfront.training_model(module, vz.tensors(feeds), loss=None)
+    model, exp = tfront.training_model(module, vz.tensors(feeds), loss=None,
+                                       optimizer="sgd:lr=0.01")
     got = run_step(model, feeds)
     loss, grads = torch_gradients(module, feeds, float64=True)
     assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)

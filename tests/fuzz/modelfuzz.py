@@ -513,13 +513,15 @@ def _api(fn: Callable[[], object]) -> tuple[str, str]:
 
 
 def _train_step(path: str) -> None:
-    """``ngdist.compile(path)`` and one training step on a batch of zeros."""
+    """``ngdist.compile(path)`` (with an optimizer for a forward-only model) and one training
+    step on a batch of zeros."""
     import ngdist
     from ngdist.ir.model import load_proto
 
-    trainer = ngdist.compile(path)
+    given = {} if load_proto(path).training_info else {"optimizer": ngdist.optim.SGD(lr=0.01)}
+    trainer = ngdist.compile(path, **given)
     try:
-        trainer.step(example_batch(ngdist.to_training_model(load_proto(path))))
+        trainer.step(example_batch(ngdist.to_training_model(load_proto(path), **given)))
     finally:
         trainer.close()
 

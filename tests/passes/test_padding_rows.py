@@ -38,7 +38,8 @@ def _forward(mark: str | None, op: str = "Gather") -> onnx.ModelProto:
 
 
 def _grad(mark: str | None) -> np.ndarray:
-    model = ngdist.to_training_model(_forward(mark), loss="softmax_cross_entropy")
+    model = ngdist.to_training_model(_forward(mark), loss="softmax_cross_entropy",
+                                     optimizer="sgd:lr=0.01")
     ids = np.array([[1, 0, 0, 2], [3, 4, 0, 1]], np.int64)
     return run_step(model, {"ids": ids, "y": np.array([2, 0])})["table.grad"]
 
@@ -83,7 +84,8 @@ def test_a_key_that_cannot_apply_is_refused(mark, op, message):
         forward.graph.node[0].input[1] = "ids2"
         forward.graph.input.append(
             helper.make_tensor_value_info("ids2", TensorProto.INT64, ["N", D]))
-    model = ngdist.to_training_model(forward, loss="softmax_cross_entropy")
+    model = ngdist.to_training_model(forward, loss="softmax_cross_entropy",
+                                     optimizer="sgd:lr=0.01")
     with pytest.raises(GradientError) as info:
         ngdist.compile(model, strategy="local")
     assert str(info.value) == message

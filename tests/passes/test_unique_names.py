@@ -55,7 +55,8 @@ def test_user_exported_transformer_encoder_layer_steps_and_matches_torch(tmp_pat
     stats = trainer.step({"x": x, "y": y})  # onnxruntime loads every segment
     assert np.isfinite(stats.loss)
     # the gradients of that step graph: torch autograd in float64 is the oracle
-    model = ngdist.to_training_model(onnx.load(str(path)), loss="softmax_cross_entropy")
+    model = ngdist.to_training_model(onnx.load(str(path)), loss="softmax_cross_entropy",
+                                     optimizer="sgd:lr=0.01")
     got = run_step(model, {"x": x, "y": y})
 
     class First(nn.Module):

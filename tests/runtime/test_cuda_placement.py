@@ -62,7 +62,8 @@ def test_bad_provider_options(kwargs, message):
 
 def test_compile_takes_cuda_options_typed():
     with pytest.raises(OptionError, match="option 'cuda' of ngdist.compile takes"):
-        ngdist.compile(zoo.mlp((8, 4, 3), seed=0), cuda={"use_tf32": False})
+        ngdist.compile(zoo.mlp((8, 4, 3), seed=0), cuda={"use_tf32": False},
+                       optimizer="sgd:lr=0.01")
 
 
 def _missing_by_ldd() -> str:
@@ -94,7 +95,7 @@ def test_cuda_here_fails_at_once_naming_what_is_missing():
     assert placement_for("auto") == Placement("cpu")
     with pytest.raises(NgdistError) as info:
         ngdist.compile(zoo.mlp((8, 4, 3), seed=0), device="cuda",
-                       cuda=CudaOptions(use_tf32=False))
+                       cuda=CudaOptions(use_tf32=False), optimizer="sgd:lr=0.01")
     assert str(info.value).startswith("device='cuda': onnxruntime's CUDA provider cannot load")
 
 

@@ -143,16 +143,18 @@ def test_evaluate_names_what_it_needs():
 def test_log_dir_with_metrics_and_bad_log_every_are_refused(tmp_path):
     (tmp_path / "metrics.csv").write_text("old\n")
     with pytest.raises(InputError) as err:
-        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path)
+        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path, optimizer="sgd:lr=0.01")
     assert str(err.value) == (f"{tmp_path / 'metrics.csv'} already exists: each run writes its "
                               "own metrics; give another log directory (--log-dir, log_dir=) or "
                               "remove the old file")
     assert (tmp_path / "metrics.csv").read_text() == "old\n"
     with pytest.raises(InputError, match=r"^log_every must be a whole number of steps, at least "
                                          r"1; got 0$"):
-        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every=0)
+        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every=0,
+                       optimizer="sgd:lr=0.01")
     with pytest.raises(OptionError, match="option 'log_every' of ngdist.compile takes"):
-        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every="3")
+        ngdist.compile(zoo.mlp((64, 8, 10)), log_dir=tmp_path / "new", log_every="3",
+                       optimizer="sgd:lr=0.01")
 
 
 def test_evaluate_a_model_that_computes_its_own_loss_matches_onnxruntime_loss():

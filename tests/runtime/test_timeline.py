@@ -122,7 +122,7 @@ from ngdist.data import load_digits
 
 x, y, _, _ = load_digits()
 tr = ngdist.compile(zoo.mlp((64, 16, 10), seed=0), strategy="ps", servers=1,
-                    intra_op_threads=1, timeline="trace.json")
+                    intra_op_threads=1, timeline="trace.json", optimizer="sgd:lr=0.01")
 batches = ({"x": x[i * 32:(i + 1) * 32], "y": y[i * 32:(i + 1) * 32]} for i in range(3))
 for b in tr.shard(batches):  # nothing on the server rank, which served in compile()
     tr.step(b)
@@ -142,7 +142,7 @@ def test_a_dedicated_parameter_server_rank_is_in_the_trace(ranks, tmp_path):
 
 
 def _digits_trainer(**kw):
-    return ngdist.compile(zoo.mlp((64, 16, 10), seed=0), **kw)
+    return ngdist.compile(zoo.mlp((64, 16, 10), seed=0), optimizer="sgd:lr=0.01", **kw)
 
 
 def _feed(step: int, batch: int = 16) -> dict[str, np.ndarray]:

@@ -176,7 +176,8 @@ def test_gradients_match_torch_autograd_float64(name: str) -> None:
     x = rng.standard_normal(shape).astype(np.float32)
     y = rng.integers(0, CLASSES, shape[0]).astype(np.int64)
     loss_fn = nn.CrossEntropyLoss()
-    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]), loss=loss_fn)
+    model, exp = tfront.training_model(module, torch.from_numpy(x[:2]), loss=loss_fn,
+                                       optimizer="sgd:lr=0.01")
     _, step = split_training_model(model)
     check_step_graph(run_passes(step, "local", lower=False))
     got = run_step(model, {exp.input_names[0]: x, "y": y})
