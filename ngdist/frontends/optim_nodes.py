@@ -1,12 +1,13 @@
 """The optimizer part of a training model: one optimizer node per parameter group.
 
 Group i (``ngdist.optim`` ``param_groups``) updates its parameters with its own node and its
-own learning rate (``ngdist.ir.hyper.lr_name(i)``, role ``hyper``); its other
-hyper-parameters are the node's attributes. Every node reads the one step counter.
+own learning rate (``ngdist.ir.hyper.lr_name(i)``, role ``hyper``, float64 for a float64
+group); its other hyper-parameters are the node's attributes. Every node reads the one step
+counter.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,14 @@ class OptimizerNodes:
     roles: dict[str, str] = field(default_factory=dict)
 
 
+def hyper_dtype(params: Iterable[onnx.TensorProto]) -> type:
+    """The type of a group's hyper-parameter values: float64 when a parameter of the group is
+    float64 (torch keeps them Python floats, so a float64 model's update runs on every digit
+    of its learning rate), else float32 (the update casts them to its parameters' type)."""
+    double = onnx.TensorProto.DOUBLE
+    return np.float64 if any(t.data_type == double for t in params) else np.float32
+
+
 def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
                     inits: Mapping[str, onnx.TensorProto], step: str) -> OptimizerNodes:
     """The nodes updating ``params`` (initializers in ``inits``) with ``opt`` at step ``step``."""
@@ -36,7 +45,8 @@ def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
     t_name = None
     for index, group_opt, names in opt.param_groups(params):
         lr = lr_name(index)
-        out.initializers.append(numpy_helper.from_array(np.array(group_opt.lr, np.float32), lr))
+        out.initializers.append(numpy_helper.from_array(
+            np.array(group_opt.lr, hyper_dtype(inits[p] for p in names)), lr))
         out.roles[lr] = "hyper"
         state_groups = []
         for suffix in group_opt.state_suffixes:

@@ -58,8 +58,9 @@ class Hypers:
                                   f"{type(value).__name__} ({value!r})")
             if not value >= 0:
                 raise OptionError(f"set_lr: the learning rate must be >= 0, got {value}")
+            held = self.values[names[g]].numpy().dtype  # float64 for a float64 group
             self.values[names[g]] = self.placement.value(  # type: ignore[attr-defined]
-                np.array(value, np.float32))
+                np.array(value, held))
 
     def set_lr_schedule(self, schedule: Callable[[int], float] | None,
                         base: Mapping[int, float] | None = None) -> None:

@@ -224,3 +224,35 @@ def test_ngdist_groups_on_a_torch_module_name_its_parameters():
                              frozen=["3.bias"])
     assert sorted(trainer.meta.names("param")) == ["0.bias", "0.weight", "1.bias", "1.weight",
                                                    "3.weight"]
+
+
+def test_a_float64_model_learns_at_every_digit_of_its_learning_rate():
+    """torch keeps lr a Python float: a float64 model's update is float64 through and through,
+    also after a scheduler changes it (a float32 lr was 1e-9 off after 5 AdamW steps; the
+    other hyper-parameters are exact binary fractions here, as attributes are float32)."""
+    def make_opt(m):
+        return O.AdamW(two_groups(m, {"weight_decay": 0.0}, {"lr": 0.003}), lr=0.01,
+                       betas=(0.5, 0.75), eps=2 ** -10, weight_decay=0.25)
+
+    ref, module = make_model(), make_model()
+    ref_opt, opt = make_opt(ref), make_opt(module)
+    ref_sched = O.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.7)
+    sched = O.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    inits = trainer.step_model.graph.initializers
+    assert [inits[n].const_value.numpy().dtype for n in ("ngdist.lr", "ngdist.lr.1")] == \
+        [np.float64, np.float64]
+    for x, y in data(5):
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        ref_opt.step()
+        ref_sched.step()
+        trainer.step({"input": x, "y": y})
+        sched.step()
+    # torch's Python floats exactly (the schedule made them 0.7 * 0.7 * lr, 5 steps in)
+    assert trainer.lr == {i: g["lr"] for i, g in enumerate(ref_opt.param_groups)}
+    assert trainer.lr[1] != float(np.float32(trainer.lr[1]))
+    trainer.to_torch()
+    for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
+        assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-12, pname
