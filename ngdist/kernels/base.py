@@ -72,6 +72,12 @@ class CommNode:
     def __post_init__(self) -> None:  # every attribute the op has, at its default if left out
         self.attributes = with_defaults(self.op_type, self.attributes)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "facts" and "facts" in self.__dict__:
+            raise AttributeError(f"comm node '{self.name}': its facts are the step plan's, set "
+                                 "once when the plan is made (runtime/plan.py build_plan)")
+        super().__setattr__(name, value)
+
 
 # kernel(group, node, inputs) -> one array per output
 Kernel = Callable[["ProcessGroup", CommNode, Sequence[Any]], list[Any]]

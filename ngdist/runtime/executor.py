@@ -17,7 +17,7 @@ dead by then: the old parameters and state, and the gradients (runtime/inplace_p
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -74,17 +74,18 @@ class Executor:
     def __init__(self, model: onnx.ModelProto, group: ProcessGroup, *,
                  placement: Placement = CPU, intra_op_threads: int | None = None,
                  overlap: bool = True, inline_alone: bool = True,
-                 donate: Mapping[str, str] | None = None) -> None:
+                 donate: Mapping[str, str] | None = None, stacked: Iterable[str] = ()) -> None:
         """``inline_alone``: on a group of one rank, comm ops that are the identity there run
         as Identity nodes inside a segment (one segment instead of a step cut at every comm
         node). ``donate``: {input: the step output that replaces it}, values whose memory the
-        step may reuse once they are dead (the caller never reads them again)."""
+        step may reuse once they are dead (the caller never reads them again). ``stacked``:
+        inputs fed as stacks of micro-batch values (runtime/microbatch.py)."""
         self.group = group
         self.placement = placement
         self.plan: StepPlan = build_plan(
             model, group.size, overlap=overlap, inline_alone=inline_alone, donate=donate,
             host_memory=placement.device == "cpu",
-            memory="host" if device_module(placement) is None else "device")
+            memory="host" if device_module(placement) is None else "device", stacked=stacked)
         self.comm = CommRunner(self.plan, group, placement)
         planner = InPlacePlanner(self.plan, any_shape=placement.device == "cpu") \
             if self.plan.donated else None

@@ -18,7 +18,6 @@ rank's share of the batch would leak into the result): the constructor checks it
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import numpy as np
@@ -65,17 +64,19 @@ class MicroBatchExecutor(ReplicatedExecutor):
             raise GraphError(f"reproducible mode: the loss '{loss}' is averaged by a comm node "
                              "other than an exact AllReduce")
         sessions = max(1, sessions)
+        # the exact AllReduce nodes' inputs arrive stacked, one row per micro-batch: a fact of
+        # the rest's plan
+        self.stacked = frozenset(i for n in exact for i in n.input)
         # one intra-op thread per tower session (sessions // sessions), see the module doc
         super().__init__(model, comm, sessions, data_inputs=data_inputs, loss=local_loss,
                          params=params, placement=placement, intra_op_threads=sessions,
-                         overlap=overlap, rest_threads=1)
+                         overlap=overlap, rest_threads=1, stacked=self.stacked)
         self.micro_batch = micro_batch
         crossing = set(self.crossing)
         outside = sorted({i for n in exact for i in n.input if i not in crossing})
         if outside:
             raise GraphError(f"reproducible mode: exact AllReduce inputs {outside[:8]} are not "
                              "computed per micro-batch (outside the forward/backward pass)")
-        self.stacked = {i for n in exact for i in n.input}
         _, rest_idx, _ = split_tower(graph, data_inputs, local_loss, params)
         private = self.stacked | set(data_inputs) | (crossing & self.dependent)
         leaks = sorted({i for k in rest_idx if k not in exact_idx
@@ -84,9 +85,6 @@ class MicroBatchExecutor(ReplicatedExecutor):
         if leaks:
             raise GraphError(f"reproducible mode: data-dependent value(s) {leaks[:8]} leave the "
                              "forward/backward pass without an exact AllReduce")
-        for node in self.comm_nodes.values():
-            if node.op_type == "AllReduce" and node.attributes["algorithm"] == "exact":
-                node.facts = dataclasses.replace(node.facts, stacked=True)
         others = [n.name for k, n in enumerate(nodes) if is_comm_node(n.domain, n.op_type)
                   and k not in exact_idx]
         logger.info("reproducible mode: micro-batches of %d, %d tower session(s), %d exact "

@@ -120,10 +120,12 @@ def donation(graph: onnx.GraphProto, donate: Mapping[str, str]) -> frozenset[str
 
 
 def comm_facts(node: onnx.NodeProto, uses: Mapping[str, int], made: frozenset[str],
-               outputs: frozenset[str], replacing: frozenset[str], memory: str = "host"
-               ) -> CommFacts:
-    """What the runtime tells the kernel of comm node ``node`` about its memory."""
+               outputs: frozenset[str], replacing: frozenset[str], memory: str = "host",
+               stacked: frozenset[str] = frozenset()) -> CommFacts:
+    """What the runtime tells the kernel of comm node ``node`` about its memory; ``stacked``:
+    the values that arrive as a stack of micro-batch values (reproducible mode)."""
     return CommFacts(
+        stacked=bool(node.input) and all(x in stacked for x in node.input),
         memory=memory,
         # an input made in this step for this node alone may be reused in place
         donated=tuple(x in made and uses.get(x) == 1 and x not in outputs for x in node.input),
@@ -170,11 +172,13 @@ def reduced_values(nodes: Iterable[CommNode], group_size: int) -> frozenset[str]
 
 def build_plan(model: onnx.ModelProto, group_size: int, *, overlap: bool = True,
                inline_alone: bool = True, donate: Mapping[str, str] | None = None,
-               host_memory: bool = True, memory: str = "host") -> StepPlan:
+               host_memory: bool = True, memory: str = "host",
+               stacked: Iterable[str] = ()) -> StepPlan:
     """The plan of ``model``'s step on a group of ``group_size`` ranks (see the module
     docstring); ``host_memory``: values live in host memory (kernels may ask for their inputs
     to be written into memory of their own); ``memory``: where the kernels' inputs are
-    (``CommFacts.memory``)."""
+    (``CommFacts.memory``); ``stacked``: inputs fed as stacks of micro-batch values (a comm
+    node that reads only such values is told so, ``CommFacts.stacked``)."""
     if any(n.domain == PREVIEW_TRAINING for n in model.graph.node):
         raise NgdistError("the step graph still holds ai.onnx.preview.training ops; run the "
                           "pass pipeline (ngdist.passes.pipeline.run_passes) first")
@@ -188,13 +192,15 @@ def build_plan(model: onnx.ModelProto, group_size: int, *, overlap: bool = True,
     made = frozenset(o for s in items if isinstance(s, Segment) for o in s.outputs)
     outputs = tuple(o.name for o in graph.output)
     replacing = frozenset(donate.values())
+    stacked = frozenset(stacked)
     nodes: dict[int, CommNode] = {}
     for item in items:
         if isinstance(item, CommCall):
             n = item.node
             nodes[item.index] = CommNode(
                 n.op_type, n.name, comm_attributes(n), list(n.input), list(n.output),
-                facts=comm_facts(n, uses, made, frozenset(outputs), replacing, memory))
+                facts=comm_facts(n, uses, made, frozenset(outputs), replacing, memory,
+                                 stacked))
     kernels = {i: get_kernel(node.op_type) for i, node in nodes.items()}
     comm_input = {name: (i, k) for i, node in nodes.items() if host_memory
                   for k, name in enumerate(node.inputs) if node.facts.donated[k]}

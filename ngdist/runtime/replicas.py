@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -80,8 +81,10 @@ class ReplicatedExecutor:
     def __init__(self, model: onnx.ModelProto, comm: ProcessGroup, devices: int, *,
                  data_inputs: list[str], loss: str, params: list[str],
                  placement: Placement = CPU, intra_op_threads: int | None = None,
-                 overlap: bool = True, rest_threads: int | None = None) -> None:
-        """``rest_threads``: onnxruntime threads of the rest (default ``intra_op_threads``)."""
+                 overlap: bool = True, rest_threads: int | None = None,
+                 stacked: Collection[str] = ()) -> None:
+        """``rest_threads``: onnxruntime threads of the rest (default ``intra_op_threads``);
+        ``stacked``: crossing values the rest gets as stacks of micro-batch values."""
         graph = model.graph
         tower_idx, rest_idx, self.dependent = split_tower(graph, data_inputs, loss, params)
         nodes = list(graph.node)
@@ -115,7 +118,8 @@ class ReplicatedExecutor:
         rest_model = helper.make_model(rest_graph, opset_imports=list(model.opset_import),
                                        ir_version=model.ir_version)
         self.rest = Executor(rest_model, comm, placement=placement, overlap=overlap,
-                             intra_op_threads=rest_threads or intra_op_threads)
+                             intra_op_threads=rest_threads or intra_op_threads,
+                             stacked=stacked)
         self.comm_nodes = self.rest.comm_nodes
         self.devices = devices
         self.placement = placement  # where the towers' slices and results are placed

@@ -107,3 +107,18 @@ def test_the_plan_cannot_be_changed():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.comm_nodes[1].facts.donated = (False,)
     assert isinstance(plan.items[0], Segment) and isinstance(plan.items[1], CommCall)
+
+
+def test_stacked_micro_batches_are_a_fact_of_the_plan_set_once():
+    m = model([helper.make_node("Mul", ["x", "w"], ["g"], name="mul"),
+               allreduce("g", "gr", "exact", algorithm="exact", micro_batch=2),
+               allreduce("w", "wr", "plain")], ["x", "w"], ["gr", "wr"])
+    plan = build_plan(m, 2, stacked={"g"})
+    stacked = {n.name: n.facts.stacked for n in plan.comm_nodes.values()}
+    assert stacked == {"exact": True, "plain": False}
+    assert not any(n.facts.stacked for n in build_plan(m, 2).comm_nodes.values())
+    node = next(n for n in plan.comm_nodes.values() if n.name == "exact")
+    with pytest.raises(AttributeError, match=r"^comm node 'exact': its facts are the step "
+                                             r"plan's, set once when the plan is made"):
+        node.facts = dataclasses.replace(node.facts, stacked=False)
+    assert node.facts.stacked
