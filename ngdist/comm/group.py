@@ -297,6 +297,10 @@ class ProcessGroup(abc.ABC):
     def dup(self, what: Any) -> ProcessGroup:
         """Collective: the same ranks, messages of their own (never matching this group's)."""
 
+    def close(self) -> None:
+        """Frees what the group holds of its own (an NcclGroup: its communicator); the host
+        groups hold nothing to free."""
+
     def symmetric(self, nbytes: int, what: Any) -> Any:
         """Collective: a buffer of ``nbytes`` per rank that every rank can read and write
         (comm/shared.py), or None where the group cannot make it (ranks on several hosts,

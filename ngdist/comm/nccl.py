@@ -133,6 +133,7 @@ class NcclGroup(OverHost):
         self.compute_stream = compute_stream  # the sessions' cudaStream_t, where they share one
         self.in_flight: list[NcclWork] = []  # overlapped Works whose buffers are still held
         self.aborted = False
+        self.closed = False  # close() freed the communicator
         self.ending = False  # the job is being ended (abort): waits never return
         if device_id is None:
             device_id = host.local_rank % self.cupy.cuda.runtime.getDeviceCount()
@@ -173,6 +174,9 @@ class NcclGroup(OverHost):
         if self.aborted:
             raise CommError(f"{what}: this rank's NCCL communicator was aborted after an "
                             "earlier failure; the job cannot go on")
+        if self.closed:
+            raise CommError(f"{what}: this rank's NCCL communicator was closed "
+                            "(trainer.close()); make a new trainer to train on")
         self._use()
         self._check_in_flight()
         cuda = self.cupy.cuda
@@ -325,7 +329,10 @@ class NcclGroup(OverHost):
         super().abort(message, code)
 
     def close(self) -> None:
-        """Completes what is in flight, then frees the communicator."""
+        """Completes what is in flight, then frees the communicator; once (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         for work in self.in_flight:
             work.keep and wait_until(work.test)
         if not self.aborted:

@@ -35,6 +35,7 @@ import onnx
 from ngdist.comm import ProcessGroup
 from ngdist.errors import OptionError
 from ngdist.ir.domain import GRAD_SCALE
+from ngdist.runtime import ps_server
 from ngdist.runtime.executor import StepTimes
 
 # runtime.trainer.Trainer, which imports this module (importing it here would be a cycle)
@@ -48,13 +49,13 @@ WHAT = "trainer.join(): the count of the ranks still stepping"
 def lockstep(trainer: Trainer) -> bool:
     """Whether every rank takes every step of ``trainer`` together: its comm is AllReduce
     only (not push-sum's gossip, not parameter servers)."""
-    return trainer.role == "worker" and trainer.ps is None and all(
+    return trainer.role == "worker" and ps_server.ps_node(trainer) is None and all(
         node.op_type == "AllReduce" for node in trainer.executor.comm_nodes.values())
 
 
 def unsupported(trainer: Trainer) -> str | None:
     """Why ``trainer`` cannot step inside ``join()``, or None when it can."""
-    if trainer.role != "worker" or trainer.ps is not None:
+    if trainer.role != "worker" or ps_server.ps_node(trainer) is not None:
         return "parameter servers serve every worker's steps in turn"
     if trainer.micro_batch:
         return ("reproducible_micro_batch sums a fixed number of micro-batches per rank, "

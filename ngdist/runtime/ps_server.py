@@ -3,9 +3,10 @@
 Every rank of a job runs the same program. With dedicated servers (the last ``K`` ranks) a
 server rank must answer the workers' rounds instead of training. Two ways, both here:
 
-* the Trainer calls ``attach(trainer)`` on every rank; on a server rank it serves until
-  every worker has stopped (``Trainer.close`` or interpreter exit) and then returns the trainer
-  in the ``server`` role: ``shard()`` yields nothing, so the usual
+* the Trainer calls ``attach(trainer)`` on every rank, which returns the rank's
+  :class:`Role`; a :class:`ParameterServer` serves, once the trainer has started it, until
+  every worker has stopped (``Trainer.close`` or interpreter exit), and the trainer stays in
+  the ``server`` role: ``shard()`` yields nothing, so the usual
   ``for batch in trainer.shard(...)`` loop is empty there, and the trainer holds the final
   parameters (sent by worker 0 when it stops), so ``predict``/evaluation code still runs.
 * ``DistributedSGD`` (Ray's API, whose step takes no batch) runs servers in *lockstep*: a
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import onnx
 
-from ngdist.errors import CommError, GraphError
+from ngdist.errors import CommError, GraphError, NgdistError
 from ngdist.ir.model import IR_VERSION
 from ngdist.kernels.base import CommNode, flatten, unflatten
 from ngdist.kernels.ps import (COMMANDS, PS_REDUCTION, SAVE, STEP, STOP, TAG_FINAL, TAG_HDR,
@@ -59,14 +59,74 @@ def runtime(trainer: Any) -> PSRuntime | None:
     return None if node is None else runtime_of(node)
 
 
-@dataclass
-class Attachment:
-    """What ``attach`` tells the trainer: its role, the number of training ranks, and what
-    to call when it closes."""
+class Role:
+    """This rank's part in training, set up when the Trainer starts (``attach``): a worker,
+    which trains on ``workers`` ranks in all. ``start`` runs once the trainer is ready,
+    ``close`` when it closes; ``refuse_step`` raises where the rank takes no steps."""
 
-    role: str  # "worker", or "server": a dedicated parameter server, which takes no steps
-    workers: int
-    close: Callable[[], None]
+    name = "worker"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers  # the ranks that train
+
+    def start(self) -> None:
+        """Nothing more to do: the rank trains."""
+
+    def refuse_step(self) -> None:
+        """A worker takes steps."""
+
+    def close(self) -> None:
+        """Nothing to end."""
+
+
+class PSWorker(Role):
+    """A worker of ``ps`` with dedicated servers: it stops them when it closes, or when the
+    interpreter exits without ``close`` (worker 0 sends them the final parameters)."""
+
+    def __init__(self, trainer: Any, workers: int) -> None:
+        super().__init__(workers)
+        self.trainer = trainer
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        stop(self.trainer)
+
+    def close(self) -> None:
+        stop(self.trainer)
+        atexit.unregister(self._at_exit)
+
+
+class ParameterServer(Role):
+    """A dedicated parameter-server rank (the last ranks of ``ps`` with ``servers``): it
+    answers the workers' rounds instead of training. ``start`` serves until every worker has
+    stopped, then the trainer holds the final parameters (``predict``/evaluation code still
+    runs); in ``lockstep`` (``DistributedSGD``) the program serves round by round instead."""
+
+    name = "server"
+
+    def __init__(self, trainer: Any, workers: int, lockstep: bool) -> None:
+        super().__init__(workers)
+        self.trainer = trainer
+        self.lockstep = lockstep
+
+    def start(self) -> None:
+        if not self.lockstep:
+            self.serve()
+
+    def serve(self) -> None:
+        """Answers the workers' rounds until they all stop."""
+        while serve_round(self.trainer) != STOP:
+            pass
+        runtime(self.trainer).stopped = True
+
+    def refuse_step(self) -> None:
+        raise NgdistError(f"rank {self.trainer.rank} is a dedicated parameter server: it has "
+                          "served the workers' steps and takes none itself; iterate over "
+                          "trainer.shard(...) (empty here) or skip step() on server ranks")
+
+    def close(self) -> None:
+        if self.lockstep:  # the last round: the workers' stop
+            stop(self.trainer)
 
 
 def _update_session(graph: onnx.GraphProto, opset: int) -> Any:
@@ -76,16 +136,17 @@ def _update_session(graph: onnx.GraphProto, opset: int) -> Any:
     return make_session(model, CPU, 1)
 
 
-def attach(trainer: Any, serve: bool = True) -> Attachment | None:
-    """On every rank, when the Trainer starts: shards and owners (collective); None without
-    a PSPushPull node. On a dedicated server rank, with ``serve``, answer the workers until
-    they all stop; without, the caller serves round by round (``serve_round``)."""
+def attach(trainer: Any, serve: bool = True) -> Role:
+    """On every rank, when the Trainer starts: shards and owners (collective) with a PSPushPull
+    node, and this rank's role. A dedicated server with ``serve`` answers the workers until
+    they all stop when the trainer starts it; without, the caller serves round by round
+    (``serve_round``)."""
     node = ps_node(trainer)
     if node is None:
         if env_servers() > 0:
             raise GraphError(f"NGDIST_PS_SERVERS={env_servers()} (ngdist run --servers) asks "
                              "for dedicated parameter servers, but the strategy is not 'ps'")
-        return None
+        return Role(trainer.group.size)
     values = {n: v.numpy() for n, v in trainer.values.items()}
     _, _, xs, _, states = split_inputs(node, node.inputs)
     rt = make_runtime(trainer.group, node, [values[x] for x in xs],
@@ -93,20 +154,10 @@ def attach(trainer: Any, serve: bool = True) -> Attachment | None:
     rt.lockstep = not serve
     workers = rt.layout.workers
     if not rt.dedicated:
-        return Attachment("worker", workers, lambda: None)
+        return Role(workers)
     if trainer.group.rank >= workers:
-        if serve:
-            while serve_round(trainer) != STOP:
-                pass
-            rt.stopped = True
-            return Attachment("server", workers, lambda: None)
-        return Attachment("server", workers, lambda: stop(trainer))
-
-    def at_exit() -> None:  # a rank that never calls close() still stops the servers
-        stop(trainer)
-
-    atexit.register(at_exit)
-    return Attachment("worker", workers, lambda: (stop(trainer), atexit.unregister(at_exit)))
+        return ParameterServer(trainer, workers, lockstep=not serve)
+    return PSWorker(trainer, workers)
 
 
 def serve_round(trainer: Any, expect: int | None = None) -> int:

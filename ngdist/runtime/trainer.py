@@ -100,12 +100,7 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self.nan_check = nan_check  # a fetched loss that is NaN/Inf stops training
         self._uneven_logged = False
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
-        self.placement = device if isinstance(device, Placement) else \
-            placement_for(device, self.group.local_rank, cuda)
-        if self.placement.device == "cuda":  # device buffers: NCCL, or staged (comm/nccl.py)
-            opts = self.placement.cuda
-            self.group = device_group(self.group, opts.comm, self.placement.device_id,
-                                      opts.user_compute_stream if opts.overlap_streams else None)
+        self._start_placement(device, cuda)
         inference, step = split_training_model(model) if step is None else (model, step)
         self.inference = inference
         self.step_model = step
@@ -139,10 +134,24 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self._start_ps(ps_serve)
         # accumulate=k: micro-steps between the updates (runtime/accumulate.py)
         self._accumulation = accumulate.attach(self, step, threads, StepStats)
-        logger.info("trainer ready: rank %d/%d, backend %s, %d segments, %d comm nodes",
-                    self.group.rank, self.group.size, self.group.backend,
-                    self.executor.segment_count,
-                    len(self.executor.comm_nodes))
+        logger.info("trainer ready: rank %d/%d (%s), backend %s, %d segments, %d comm nodes",
+                    self.group.rank, self.group.size, self.role, self.group.backend,
+                    self.executor.segment_count, len(self.executor.comm_nodes))
+        self.rank_role.start()  # a dedicated parameter server serves until the workers stop
+
+    def _start_placement(self, device: str | Placement, cuda: CudaOptions | None) -> None:
+        """Where values live; on a device, the group for device buffers (NCCL, or the host
+        group with staged copies: comm/nccl.py). A group made here is the trainer's own:
+        ``close()`` closes it."""
+        self.placement = device if isinstance(device, Placement) else \
+            placement_for(device, self.group.local_rank, cuda)
+        self._own_group: ProcessGroup | None = None
+        if self.placement.device == "cuda":
+            opts = self.placement.cuda
+            made = device_group(self.group, opts.comm, self.placement.device_id,
+                                opts.user_compute_stream if opts.overlap_streams else None)
+            self._own_group = made if made is not self.group else None
+            self.group = made
 
     def _start_state(self, proto: onnx.ModelProto, trace: Path | None) -> None:
         """Collective: every rank holds the same graph (structure and constants) and timeline
@@ -182,11 +191,11 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
             if log_dir is not None and self._stats_group is not None else None
 
     def _start_ps(self, ps_serve: bool) -> None:
-        """ps: shard owners (collective); on a dedicated server rank with ``ps_serve``, this
-        serves the workers until they stop (runtime/ps_server.py)."""
-        self.ps = ps_server.attach(self, ps_serve)
-        self.role = self.ps.role if self.ps else "worker"
-        self.num_workers = self.ps.workers if self.ps else self.group.size  # ranks that train
+        """This rank's role (runtime/ps_server.py): with ps, shard owners (collective), and on
+        a dedicated server rank the server, which serves once the trainer is ready."""
+        self.rank_role: ps_server.Role = ps_server.attach(self, ps_serve)
+        self.role = self.rank_role.name  # "worker", or "server": takes no steps
+        self.num_workers = self.rank_role.workers  # ranks that train
         if GRAD_SCALE in self.values:  # gradients prescaled so that their sum is the mean
             self.values[GRAD_SCALE] = self.placement.value(
                 np.array(1.0 / self.num_workers, self.values[GRAD_SCALE].numpy().dtype))
@@ -254,10 +263,7 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         reading the loss back (nothing in a step waits on other ranks beyond its comm ops).
         With ``accumulate=k`` a step is a micro-step and every k-th one updates; ``sync=False``
         / ``True`` makes it a micro-step / an update (runtime/accumulate.py)."""
-        if self.role == "server":
-            raise NgdistError(f"rank {self.rank} is a dedicated parameter server: it has served "
-                              "the workers' steps and takes none itself; iterate over "
-                              "trainer.shard(...) (empty here) or skip step() on server ranks")
+        self.rank_role.refuse_step()  # a dedicated parameter server takes none
         if self._accumulation is None:
             accumulate.refuse_sync(sync)
         elif self._accumulation.inner(sync):
@@ -333,14 +339,16 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
 
     def close(self) -> None:
         """Collective: ends training on this rank: the last metrics rows and the PNG (with
-        ``log_dir``), the parameter servers, the comm thread, and the timeline."""
+        ``log_dir``), the parameter servers, the comm thread, the timeline, and the device
+        group the trainer made (an NcclGroup's communicator)."""
         if self.metrics is not None:
             self.metrics.close()
-        if self.ps is not None:
-            self.ps.close()
+        self.rank_role.close()
         self.executor.close()
         if self._accumulation is not None:
             self._accumulation.close()
         if self.timeline is not None:
             self.timeline.close()
             self._attach_timeline(None)
+        if self._own_group is not None:
+            self._own_group.close()
