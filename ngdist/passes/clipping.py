@@ -4,7 +4,8 @@
 multiplied by ``min(1, m / (norm + 1e-6))``, torch's ``clip_grad_norm_`` (its ``1e-6`` too).
 The gradients clipped are those the optimizer nodes read: under ``allreduce`` and ``simple`` the
 averaged ones, the same bytes on every rank, so the norm is the global batch's and every rank
-clips alike (as DDP followed by ``clip_grad_norm_``); under ``local`` this process's. The norm
+clips alike (as DDP followed by ``clip_grad_norm_``); sharded (``shard=``) each rank's slices,
+whose sums of squares an AllReduce adds up; under ``local`` this process's. The norm
 before clipping is a step output (``ngdist.grad_norm``), which the step's stats report.
 
 ``clip_grad_value=v``: every gradient element clamped to ``[-v, v]`` (``clip_grad_value_``),
@@ -22,7 +23,7 @@ import logging
 import onnx_ir as ir
 
 from ngdist.errors import GraphError, OptionError
-from ngdist.ir.domain import GRAD_NORM, PREVIEW_TRAINING
+from ngdist.ir.domain import DOMAIN, GRAD_NORM, PREVIEW_TRAINING, SHARD_LAYOUT
 from ngdist.passes.emit import Emitter
 from ngdist.passes.optimizers import OPTIMIZER_OPS, split_optimizer_inputs
 
@@ -73,6 +74,17 @@ def _anchor(graph: ir.Graph, grads: list[ir.Value], optimizers: list[ir.Node]) -
     return anchor
 
 
+def _over_ranks(graph: ir.Graph, emit: Emitter, total: ir.Value) -> ir.Value:
+    """The sum of every rank's ``total`` (an AllReduce after the emitter's last node)."""
+    node = ir.Node(DOMAIN, "AllReduce", [total], ir.convenience.convert_attributes(
+        {"reduction": "sum", "algorithm": "mpi"}), num_outputs=1, name="ngdist/clip/allreduce")
+    graph.insert_after(emit.anchor, node)
+    emit.anchor = node
+    out = node.outputs[0]
+    out.name, out.shape, out.type = "ngdist/clip/squares", total.shape, total.type
+    return out
+
+
 def _replace(optimizers: list[ir.Node], old: ir.Value, new: ir.Value) -> None:
     for node in optimizers:
         for i, value in enumerate(node.inputs):
@@ -113,6 +125,8 @@ class GradientClippingPass(ir.passes.InPlacePass):
         squares = [emit("CastLike", emit("ReduceSumSquare", g, keepdims=0), first)
                    for g in grads]
         total = squares[0] if len(squares) == 1 else emit("Sum", *squares)
+        if SHARD_LAYOUT in graph.metadata_props:  # shard=: each rank holds a slice of each
+            total = _over_ranks(graph, emit, total)  # reduced gradient (passes/shard.py)
         norm = emit("Sqrt", total)
         norm.name, norm.shape, norm.type = GRAD_NORM, ir.Shape([]), first.type
         ratio = emit("Div", emit.scalar(self.max_norm, first),

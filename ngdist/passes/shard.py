@@ -365,14 +365,14 @@ def passes(o: AllReduceOptions) -> list[ir.passes.PassBase]:
 
 
 def check_gradients(o: object, gradients: StepOptions | None) -> None:
-    """Clipping and accumulation read whole averaged gradients, which shard= never forms."""
-    level = getattr(o, "shard", "none")
-    if level == "none" or gradients is None:
-        return
-    if gradients.clipping or gradients.accumulate > 1:
-        raise OptionError(f"shard={level!r} cannot be combined with clip_grad_norm=, "
-                          "clip_grad_value= or accumulate= yet (they read the whole averaged "
-                          "gradients, and a rank holds only its shard); leave one of them out")
+    """ZeRO-3 with accumulation is refused: the micro-step graph (passes/accumulate.py, split
+    off before the comm passes) reads whole parameters, which a rank no longer holds."""
+    if getattr(o, "shard", "none") == "parameters" and gradients is not None and \
+            gradients.accumulate > 1:
+        raise OptionError("shard='parameters' cannot be combined with accumulate= yet (the "
+                          "micro-steps run forward and backward on whole parameters, which "
+                          "each rank holds only 1/N of); use shard='gradients' with "
+                          "accumulate=, or leave accumulate= out")
 
 
 def check_rewrite(level: object) -> None:
