@@ -8,7 +8,8 @@ exporter fails (an operator without a symbolic, e.g. ``aten::histc`` in a mixtur
 router), the dynamo exporter (``torch.export``) is tried, and the other way round when the
 dynamo exporter is asked for first; the one used is logged. A module with running
 statistics is not handed to the dynamo exporter. When neither can export, one GraphError
-carries both exporters' messages.
+carries both exporters' messages. The TorchScript exporter is lent ngdist's symbolics for the
+aten operators it lacks (frontends/torch_symbolics.py) for the export's duration.
 
 The dynamo export runs without onnxscript's graph optimizer (``optimize=False``): the optimizer
 merges initializers of equal value (two fresh LayerNorms' weights become one tensor) and folds
@@ -26,6 +27,7 @@ import onnx
 
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends.torch_attention import sdpa_export
+from ngdist.frontends.torch_symbolics import lent_symbolics
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
     buf = io.BytesIO()
-    with warnings.catch_warnings(), sdpa_export(opset):
+    with warnings.catch_warnings(), sdpa_export(opset), lent_symbolics(opset):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,

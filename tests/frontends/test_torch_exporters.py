@@ -1,16 +1,18 @@
 """The PyTorch frontend's exporter fallback.
 
 A mixture-of-experts layer with top-k routing (``torch.histc`` counts for the load-balancing
-loss, ``F.one_hot`` gates, ``index_add_`` to combine the experts' outputs) fails in the
-TorchScript exporter (``aten::histc``); the dynamo exporter exports it, the frontend says so,
-and one step's loss and gradients, and three SGD steps, equal torch's in float64 at several
-batch sizes (experts that get no token included). Asked for the dynamo exporter first, a
+loss, ``F.one_hot`` gates, ``index_add_`` to combine the experts' outputs) exports with the
+TorchScript exporter and ngdist's lent ``aten::histc`` symbolic; counted with
+``torch.count_nonzero`` (no TorchScript symbolic) it fails there and the dynamo exporter exports
+it, the frontend says so. Either way one step's loss and gradients, and three SGD steps, equal
+torch's in float64 at several batch sizes (experts that get no token included). Asked for the dynamo exporter first, a
 module with BatchNorm goes to the TorchScript exporter (the dynamo exporter drops training-mode
 BatchNorm). When neither exporter can export, one GraphError carries both messages.
 """
 from __future__ import annotations
 
 import copy
+import io
 import logging
 
 import numpy as np
@@ -32,8 +34,9 @@ TOL = 1e-4
 class MoE(nn.Module):
     """Top-2 routing over 4 two-layer experts, a Switch-style load-balancing loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, counter: str = "histc") -> None:
         super().__init__()
+        self.counter = counter
         self.norm = nn.LayerNorm(D)
         self.router = nn.Linear(D, E, bias=False)
         self.experts = nn.ModuleList(
@@ -51,7 +54,10 @@ class MoE(nn.Module):
         for j, expert in enumerate(self.experts):
             tokens = (gate[:, j] > 0).nonzero().squeeze(-1)
             out.index_add_(0, tokens, expert(h[tokens]) * gate[tokens, j].unsqueeze(-1))
-        counts = torch.histc(idx.to(h.dtype), bins=E, min=0, max=E - 1)
+        if self.counter == "histc":
+            counts = torch.histc(idx.to(h.dtype), bins=E, min=0, max=E - 1)
+        else:
+            counts = torch.stack([torch.count_nonzero(idx == j) for j in range(E)]).to(h.dtype)
         balance = E * (counts / counts.sum() * probs.mean(0)).sum()
         return self.head(self.out_norm(out + x)), balance
 
@@ -59,10 +65,10 @@ class MoE(nn.Module):
 class MoELoss(nn.Module):
     """Cross-entropy plus 0.01 of the load-balancing loss: forward returns the loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, counter: str = "histc") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.moe = MoE()
+        self.moe = MoE(counter)
 
     def forward(self, x, y):
         logits, balance = self.moe(x)
@@ -90,20 +96,28 @@ def _experts_used(module: MoELoss, x) -> set[int]:
 EXAMPLE = (torch.zeros(4, D), torch.zeros(4, dtype=torch.long))
 
 
-def test_torchscript_exporter_cannot_export_the_moe_layer():
+def test_torch_alone_cannot_export_histc_with_the_lent_symbolic_it_can():
     with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="aten::histc"):
-        export_graph("torchscript", MoELoss(), EXAMPLE, True, ["x", "y"], ["loss"], 18)
+        torch.onnx.export(MoELoss(), EXAMPLE, io.BytesIO(), dynamo=False, opset_version=18)
+    model = export_graph("torchscript", MoELoss(), EXAMPLE, True, ["x", "y"], ["loss"], 18)
+    assert "ReduceSum" in {n.op_type for n in model.graph.node}
+    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="count_nonzero"):
+        export_graph("torchscript", MoELoss("count_nonzero"), EXAMPLE, True, ["x", "y"],
+                     ["loss"], 18)
 
 
-def test_moe_layer_is_exported_by_dynamo_and_its_gradients_match_torch(caplog):
-    module = MoELoss()
+@pytest.mark.parametrize("counter,exporter", [("histc", "torchscript"),
+                                              ("count_nonzero", "dynamo")])
+def test_moe_layer_gradients_match_torch(caplog, counter, exporter):
+    module = MoELoss(counter)
     with caplog.at_level(logging.INFO, logger="ngdist.frontends"):
         model, exp = tfront.training_model(module, EXAMPLE, loss=None, optimizer="sgd:lr=0.01")
-    assert exp.exporter == "dynamo"
-    assert ("ngdist.frontends.torch_exporters", logging.WARNING,
-            "exported MoELoss with the dynamo exporter (the torchscript exporter: "
-            "UnsupportedOperatorError: Exporting the operator 'aten::histc' to ONNX opset "
-            "version 18 is not supported)") in caplog.record_tuples
+    assert exp.exporter == exporter
+    if exporter == "dynamo":
+        assert ("ngdist.frontends.torch_exporters", logging.WARNING,
+                "exported MoELoss with the dynamo exporter (the torchscript exporter: "
+                "UnsupportedOperatorError: Exporting the operator 'aten::count_nonzero' to ONNX "
+                "opset version 18 is not supported)") in caplog.record_tuples
     assert set(exp.params) == {n for n, _ in module.named_parameters()}
     used = set()
     for n, seed in ((6, 0), (3, 1), (1, 2), (16, 3)):
@@ -117,8 +131,9 @@ def test_moe_layer_is_exported_by_dynamo_and_its_gradients_match_torch(caplog):
     assert min(used) < E and max(used) == E  # some batches leave experts without tokens
 
 
-def test_moe_layer_trains_three_sgd_steps_like_torch():
-    module = MoELoss()
+@pytest.mark.parametrize("counter", ["histc", "count_nonzero"])
+def test_moe_layer_trains_three_sgd_steps_like_torch(counter):
+    module = MoELoss(counter)
     ref = copy.deepcopy(module).double()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     trainer = ngdist.compile(module, EXAMPLE, loss=None, strategy="local",
@@ -158,14 +173,15 @@ def test_dynamo_first_hands_a_batchnorm_module_to_the_torchscript_exporter(caplo
 
 
 class Unexportable(nn.Module):
-    """histc (no TorchScript symbolic) and a branch on a value (no torch.export guard)."""
+    """count_nonzero (no TorchScript symbolic) and a branch on a value (no torch.export
+    guard)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(D, CLASSES)
 
     def forward(self, x):
-        counts = torch.histc(x, bins=CLASSES)
+        counts = torch.count_nonzero(x > 0, dim=0).to(x.dtype)
         return self.fc(x) * counts[int(x.sum().item() > 0)]
 
 
@@ -175,8 +191,8 @@ def test_when_both_exporters_fail_one_error_carries_both_messages():
                        optimizer="sgd:lr=0.01")
     assert str(info.value) == (
         "torch.onnx.export cannot export Unexportable: the torchscript exporter: "
-        "UnsupportedOperatorError: Exporting the operator 'aten::histc' to ONNX opset version "
-        "18 is not supported; the dynamo exporter: GuardOnDataDependentSymNode: Could not "
+        "UnsupportedOperatorError: Exporting the operator 'aten::count_nonzero' to ONNX opset "
+        "version 18 is not supported; the dynamo exporter: GuardOnDataDependentSymNode: Could not "
         "guard on data-dependent expression zuf0 > 0.0 (unhinted: zuf0 > 0.0).  (Size-like "
         "symbols: none). Rewrite the unsupported operation or compile an ONNX file you "
         "exported yourself")

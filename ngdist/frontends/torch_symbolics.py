@@ -1,0 +1,163 @@
+"""ONNX symbolics for aten operators the TorchScript exporter of torch lacks, lent to it only
+for the duration of one of ngdist's exports (:func:`lent_symbolics`) and taken back after,
+so that the user's process keeps torch's registry as it was. A symbolic that the user (or
+torch) already registers for an operator is left in place and used.
+
+* ``aten::expm1``: ``2 t / (1 - t)`` with ``t = tanh(x / 2)`` up to x = 1 (relative
+  precision near 0, where ``exp(x) - 1`` cancels, and a gradient that is ``exp(x)`` by the
+  chain rule), ``exp(x) - 1`` above;
+* ``aten::diff``: ``prepend``/``append`` concatenated, then ``n`` times the difference of two
+  slices along ``dim``;
+* ``aten::histc``: counts of each bin (an Equal against the bin indices, summed), torch's bin
+  formula ``floor((x - min) * bins / (max - min))`` with the last edge inclusive, values
+  outside [min, max] not counted, min = max meaning the data's own range (widened by 1 each
+  way when it is one value). Not differentiable, as in torch;
+* ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
+  exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
+  averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
+  the factor cases keep torch's own symbolic.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def _helper() -> Any:
+    from torch.onnx._internal.torchscript_exporter import symbolic_helper
+    return symbolic_helper
+
+
+def _const(g: Any, value: Any, dtype: Any = np.int64) -> Any:
+    import torch
+    return g.op("Constant", value_t=torch.tensor(np.asarray(value, dtype)))
+
+
+def expm1(g: Any, x: Any) -> Any:
+    half, one, two = (g.op("CastLike", _const(g, v, np.float32), x) for v in (0.5, 1.0, 2.0))
+    small = g.op("Min", x, one)  # the tanh form's input: finite gradients where unused
+    t = g.op("Tanh", g.op("Mul", small, half))
+    near = g.op("Div", g.op("Mul", two, t), g.op("Sub", one, t))
+    far = g.op("Sub", g.op("Exp", x), one)
+    return g.op("Where", g.op("Greater", x, one), far, near)
+
+
+def diff(g: Any, x: Any, n: Any, dim: Any, prepend: Any, append: Any) -> Any:
+    h = _helper()
+    n, dim = h._get_const(n, "i", "n"), h._get_const(dim, "i", "dim")
+    parts = [v for v in (prepend, x, append) if v is x or not h._is_none(v)]
+    if len(parts) > 1:
+        x = g.op("Concat", *parts, axis_i=dim)
+    axes, big = _const(g, [dim]), _const(g, [np.iinfo(np.int64).max])
+    for _ in range(n):
+        upper = g.op("Slice", x, _const(g, [1]), big, axes)
+        lower = g.op("Slice", x, _const(g, [0]), _const(g, [-1]), axes)
+        x = g.op("Sub", upper, lower)
+    return x
+
+
+def histc(g: Any, x: Any, bins: Any, low: Any, high: Any) -> Any:
+    h = _helper()
+    bins = h._get_const(bins, "i", "bins")
+    low, high = h._get_const(low, "f", "min"), h._get_const(high, "f", "max")
+    flat = g.op("Reshape", x, _const(g, [-1]))
+    if low == high:  # the data's range, widened where it is one value
+        lo, hi = g.op("ReduceMin", flat, keepdims_i=1), g.op("ReduceMax", flat, keepdims_i=1)
+        same = g.op("Cast", g.op("Equal", lo, hi), to_i=1)
+        same = g.op("CastLike", same, x)
+        lo, hi = g.op("Sub", lo, same), g.op("Add", hi, same)
+    else:
+        lo, hi = (g.op("CastLike", _const(g, [v], np.float32), x) for v in (low, high))
+    nbins = g.op("CastLike", _const(g, [bins], np.float32), x)
+    pos = g.op("Floor", g.op("Div", g.op("Mul", g.op("Sub", flat, lo), nbins),
+                             g.op("Sub", hi, lo)))
+    pos = g.op("Cast", pos, to_i=7)  # int64
+    last = _const(g, [bins - 1])
+    pos = g.op("Min", pos, last)  # x == max: the last bin
+    inside = g.op("And", g.op("GreaterOrEqual", flat, lo), g.op("LessOrEqual", flat, hi))
+    pos = g.op("Where", inside, pos, _const(g, [-1]))  # outside (and NaN): no bin
+    hits = g.op("Equal", g.op("Unsqueeze", pos, _const(g, [1])),
+                g.op("Range", _const(g, 0), _const(g, bins), _const(g, 1)))
+    counts = g.op("ReduceSum", g.op("Cast", hits, to_i=7), _const(g, [0]), keepdims_i=0)
+    return g.op("CastLike", counts, x)
+
+
+def _pool_matrix(n: int, m: int) -> np.ndarray:
+    """(m, n): row i averages torch's adaptive window of output i over n inputs."""
+    out = np.zeros((m, n), np.float32)
+    for i in range(m):
+        start, end = (i * n) // m, math.ceil((i + 1) * n / m)
+        out[i, start:end] = 1.0 / (end - start)
+    return out
+
+
+def _adaptive_avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g: Any, x: Any, output_size: Any) -> Any:
+        h = _helper()
+        sizes = h._get_tensor_sizes(x)
+        out = h._maybe_get_const(output_size, "is")
+        spatial = None if sizes is None or len(sizes) < 3 else sizes[-2:]
+        if spatial is None or not all(isinstance(s, int) for s in spatial) or \
+                not isinstance(out, (list, tuple)) or \
+                all(s % o == 0 for s, o in zip(spatial, out)):
+            return builtin(g, x, output_size)
+        rows, cols = (_pool_matrix(s, o) for s, o in zip(spatial, out))
+        import torch
+        mh = g.op("CastLike", g.op("Constant", value_t=torch.from_numpy(rows)), x)
+        mw = g.op("CastLike", g.op("Constant", value_t=torch.from_numpy(cols.T.copy())), x)
+        return g.op("MatMul", g.op("MatMul", mh, x), mw)
+
+    return symbolic
+
+
+_LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
+    "aten::expm1": lambda _: expm1,
+    "aten::diff": lambda _: diff,
+    "aten::histc": lambda _: histc,
+    "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
+}
+# operators whose torch symbolic is kept as the fallback of the lent one
+_WRAPS = {"aten::adaptive_avg_pool2d"}
+
+
+@contextlib.contextmanager
+def lent_symbolics(opset: int) -> Iterator[list[str]]:
+    """The symbolics above registered at ``opset`` for the block (the names lent), each only
+    where no custom symbolic is registered, and unregistered after it, also on error."""
+    import torch
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    lent: list[str] = []
+    absent = set(_LENT) - registration.registry.all_functions()
+    try:
+        for name, make in _LENT.items():
+            group = registration.registry.get_function_group(name)
+            current = None if group is None else group.get(opset)
+            if name in _WRAPS:
+                if current is None or (group is not None and group._functions.overridden(
+                        _dispatched(group, opset))):
+                    continue  # nothing to wrap, or the user's own symbolic: leave it
+            elif current is not None:
+                continue
+            torch.onnx.register_custom_op_symbolic(name, make(current), opset)
+            lent.append(name)
+        yield lent
+    finally:
+        for name in lent:
+            torch.onnx.unregister_custom_op_symbolic(name, opset)
+            if name in absent:  # the empty group registering made: gone too
+                registration.registry._registry.pop(name, None)
+
+
+def _dispatched(group: Any, opset: int) -> int:
+    """The opset key of ``group`` that serves ``opset`` (torch's dispatch rule)."""
+    from torch.onnx._internal.torchscript_exporter import registration
+
+    return registration._dispatch_opset_version(opset, group._functions)

@@ -1,0 +1,152 @@
+"""The symbolics ngdist lends the TorchScript exporter (frontends/torch_symbolics.py): values
+against torch float64 in onnxruntime, gradients through ngdist's autodiff against torch
+autograd in float64, and torch's registry as it was after every export."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from step_probe import gradient_errors, run_step
+from torch.onnx._internal.torchscript_exporter import registration
+
+from ngdist.frontends import torch as tfront
+from ngdist.frontends.torch_symbolics import lent_symbolics
+
+OPSET = 18
+
+
+def _ort(module: torch.nn.Module, *args: torch.Tensor) -> list[np.ndarray]:
+    buf = io.BytesIO()
+    with lent_symbolics(OPSET):
+        torch.onnx.export(module, args, buf, dynamo=False, opset_version=OPSET)
+    sess = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def test_expm1_is_relatively_precise_near_zero_and_exact_far_from_it():
+    x = torch.tensor([1e-7, -3e-6, 1e-3, -0.4, 0.999, 1.0, 1.001, 3.0, 20.0, -30.0, 0.0])
+    (got,) = _ort(Fn(torch.expm1), x)
+    exact = torch.expm1(x.double()).numpy()
+    rel = np.abs(got - exact) / np.maximum(np.abs(exact), 1e-30)
+    assert rel.max() < 3e-7, rel  # exp(x) - 1 in float32 is 100% off at 1e-7
+    assert got[-1] == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n": 2, "dim": 0}, {"dim": 1, "append": "a"},
+                                    {"n": 3, "dim": -1, "prepend": "p", "append": "a"}])
+def test_diff_matches_torch(kwargs):
+    x = torch.randn(4, 6, dtype=torch.float64)
+    extra = {"prepend": x[:, :2] * 2, "append": x[:, -1:] - 1}
+    kw = {k: extra[k] if v in ("p", "a") else v for k, v in kwargs.items()}
+    if kw.get("dim", -1) == 0:
+        kw = {k: (v.T[:, :4] if k in ("prepend", "append") else v) for k, v in kw.items()}
+    (got,) = _ort(Fn(lambda t: torch.diff(t, **kw)), x)
+    np.testing.assert_array_equal(got, torch.diff(x, **kw).numpy())
+
+
+@pytest.mark.parametrize("bins,low,high", [(4, 0, 0), (5, -1.0, 1.0), (3, 0.5, 0.5),
+                                           (8, 0.0, 7.0)])
+def test_histc_counts_like_torch(bins, low, high):
+    x = torch.cat([torch.randn(40) * 2, torch.tensor([-1.0, 1.0, 0.5, 7.0, 0.0])])
+    if (bins, low, high) == (8, 0.0, 7.0):  # a router's expert indices, as floats
+        x = torch.randint(0, 8, (30,)).float()
+    (got,) = _ort(Fn(lambda t: torch.histc(t, bins=bins, min=low, max=high)), x)
+    np.testing.assert_array_equal(got, torch.histc(x, bins=bins, min=low, max=high).numpy())
+    (one,) = _ort(Fn(lambda t: torch.histc(t, bins=3)), torch.full((5,), 2.5))
+    np.testing.assert_array_equal(one, torch.histc(torch.full((5,), 2.5), bins=3).numpy())
+
+
+def test_adaptive_avg_pool_to_a_non_factor_size_matches_torch_the_factor_case_is_torchs():
+    x = torch.randn(2, 3, 7, 5)
+    (got,) = _ort(Fn(lambda t: torch.nn.functional.adaptive_avg_pool2d(t, (3, 4))), x)
+    exact = torch.nn.functional.adaptive_avg_pool2d(x.double(), (3, 4)).numpy()
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-6)
+    up = torch.randn(2, 3, 1, 1)  # alexnet at 64x64: 1x1 maps pooled to 6x6
+    (got,) = _ort(Fn(lambda t: torch.nn.functional.adaptive_avg_pool2d(t, 6)), up)
+    np.testing.assert_array_equal(got, up.expand(2, 3, 6, 6).numpy())
+    buf = io.BytesIO()
+    with lent_symbolics(OPSET):
+        torch.onnx.export(Fn(lambda t: torch.nn.functional.adaptive_avg_pool2d(t, (2, 2))),
+                          (torch.randn(1, 2, 4, 6),), buf, dynamo=False, opset_version=OPSET)
+    import onnx
+    ops = {n.op_type for n in onnx.load_from_string(buf.getvalue()).graph.node}
+    assert "AveragePool" in ops and "MatMul" not in ops
+
+
+class Lent(torch.nn.Module):
+    """Every lent symbolic on a path to the loss (histc's counts scale a feature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 3, 3)
+        self.fc = torch.nn.Linear(3 * 3 * 4 - 2, 4)
+
+    def forward(self, x):
+        h = torch.nn.functional.adaptive_avg_pool2d(self.conv(x), (3, 4))
+        h = torch.expm1(h.flatten(1) * 0.5)
+        counts = torch.histc(x.detach().flatten(), bins=3, min=-1.0, max=1.0)
+        h = torch.diff(h, n=2, dim=1) * (1 + counts[0] / 100)
+        return self.fc(h)
+
+
+def test_gradients_through_the_lent_symbolics_match_torch_float64():
+    torch.manual_seed(0)
+    module = Lent()
+    x, y = torch.randn(5, 2, 7, 8), torch.randint(0, 4, (5,))
+    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd:lr=0.1")
+    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
+    ref = Lent().double()
+    ref.load_state_dict(module.state_dict())
+    loss = torch.nn.functional.cross_entropy(ref(x.double()), y)
+    loss.backward()
+    assert abs(float(got["loss"]) - float(loss)) < 1e-6
+    errors = gradient_errors(got, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) < 1e-5, errors
+
+
+def _custom_groups() -> dict[str, object]:
+    return {name: registration.registry.get_function_group(name).get(OPSET)
+            if registration.registry.get_function_group(name) else None
+            for name in ("aten::expm1", "aten::diff", "aten::histc",
+                         "aten::adaptive_avg_pool2d")}
+
+
+def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
+    before = _custom_groups()
+    with lent_symbolics(OPSET) as lent:
+        assert sorted(lent) == sorted(before)
+        assert registration.registry.is_registered_op("aten::histc", OPSET)
+    assert _custom_groups() == before
+    assert not registration.registry.is_registered_op("aten::histc", OPSET)
+    with pytest.raises(ZeroDivisionError), lent_symbolics(OPSET):
+        1 / 0
+    assert _custom_groups() == before
+    assert "aten::histc" not in registration.registry.all_functions()
+
+
+def test_a_symbolic_the_user_registered_is_used_and_kept():
+    def users(g, x):
+        return g.op("Exp", x)  # deliberately not expm1: which one ran is visible
+
+    torch.onnx.register_custom_op_symbolic("aten::expm1", users, OPSET)
+    try:
+        with lent_symbolics(OPSET) as lent:
+            assert "aten::expm1" not in lent
+        (got,) = _ort(Fn(torch.expm1), torch.zeros(3))
+        np.testing.assert_array_equal(got, np.ones(3, np.float32))
+        assert registration.registry.get_function_group("aten::expm1").get(OPSET) is users
+    finally:
+        torch.onnx.unregister_custom_op_symbolic("aten::expm1", OPSET)
