@@ -2,8 +2,9 @@
 
 Group i (``ngdist.optim`` ``param_groups``) updates its parameters with its own node and its
 own learning rate (``ngdist.ir.hyper.lr_name(i)``, role ``hyper``, float64 for a float64
-group); its other hyper-parameters are the node's attributes. Every node reads the one step
-counter.
+group); its other hyper-parameters are the node's attributes, but for a scheduled momentum
+(``scheduled_momentum``: ``momentum_name(i)``, the node's last input). Every node reads the one
+step counter.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from onnx import helper, numpy_helper
 
 from ngdist import optim
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.ir.hyper import lr_name
+from ngdist.ir.hyper import lr_name, momentum_name
 
 
 @dataclass
@@ -44,10 +45,13 @@ def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
     out = OptimizerNodes()
     t_name = None
     for index, group_opt, names in opt.param_groups(params):
-        lr = lr_name(index)
-        out.initializers.append(numpy_helper.from_array(
-            np.array(group_opt.lr, hyper_dtype(inits[p] for p in names)), lr))
+        lr, dtype = lr_name(index), hyper_dtype(inits[p] for p in names)
+        out.initializers.append(numpy_helper.from_array(np.array(group_opt.lr, dtype), lr))
         out.roles[lr] = "hyper"
+        scheduled = [momentum_name(index)] if group_opt.scheduled() else []
+        for name, value in zip(scheduled, group_opt.scheduled().values()):
+            out.initializers.append(numpy_helper.from_array(np.array(value, dtype), name))
+            out.roles[name] = "hyper"
         state_groups = []
         for suffix in group_opt.state_suffixes:
             group = []
@@ -71,7 +75,8 @@ def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
         new = [f"{p}.new" for p in names] + [f"{s}.new" for s in flat]
         suffix = "" if index == 0 else f".{index}"
         out.nodes.append(helper.make_node(
-            group_opt.op_type, [lr, t, *names, *[f"{p}.grad" for p in names], *flat], new,
+            group_opt.op_type, [lr, t, *names, *[f"{p}.grad" for p in names], *flat,
+                                *scheduled], new,
             name=f"ngdist/{group_opt.op_type.lower()}{suffix}", domain=PREVIEW_TRAINING,
             **group_opt.attributes()))
         out.outputs += new

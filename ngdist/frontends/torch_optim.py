@@ -7,8 +7,10 @@ i). ``foreach``, ``fused``, ``capturable`` and ``differentiable`` only choose to
 implementation and are ignored, as are the keys schedulers add (``initial_lr``, ``max_lr``...).
 
 ``lr_source`` reads the learning rate of every group back at each step, so that a
-``torch.optim.lr_scheduler`` stepping the torch optimizer is followed; a scheduler that changes
-another hyper-parameter (OneCycleLR's momentum cycling) is refused when it does.
+``torch.optim.lr_scheduler`` stepping the torch optimizer is followed; so is the momentum
+(beta1) of SGD, Adam and AdamW that OneCycleLR or CyclicLR cycles (``scheduled_momentum``,
+seen by the ``max_momentum`` those schedulers put in every group). A scheduler that changes
+another hyper-parameter is refused when it does.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 from ngdist import optim
 from ngdist.errors import GraphError, OptionError
+from ngdist.ir.hyper import lr_name, momentum_name
 
 # torch class name -> the ngdist optimizer with its formula
 _CLASSES: dict[str, type] = {
@@ -69,8 +72,10 @@ def translate_optimizer(opt: Any, module: Any = None) -> optim.Optimizer:
     if name == "Adam" and groups[0].get("decoupled_weight_decay"):
         name = "AdamW"
     cls = _CLASSES[name]
+    cycled = {} if not any("max_momentum" in g for g in groups) else \
+        {"scheduled_momentum": _cycled_momentum(name, cls)}
     try:
-        base = cls(**_hyper(cls, groups[0], opt.defaults))
+        base = cls(**_hyper(cls, groups[0], opt.defaults), **cycled)
         if len(groups) == 1:
             return base
         if module is None:
@@ -83,6 +88,17 @@ def translate_optimizer(opt: Any, module: Any = None) -> optim.Optimizer:
              **_hyper(cls, g, opt.defaults)} for g in groups))
     except OptionError as exc:
         raise OptionError(f"torch.optim.{name}: {exc}") from None
+
+
+def _cycled_momentum(name: str, cls: type) -> bool:
+    """True for an optimizer whose momentum (beta1) a scheduler cycles (OneCycleLR and
+    CyclicLR mark its groups with ``max_momentum``) when ngdist follows it, else an error."""
+    if cls not in (optim.SGD, optim.TorchAdam, optim.AdamW):
+        raise OptionError(f"torch.optim.{name}: a scheduler cycles its "
+                          f"{'momentum' if cls is optim.RMSprop else 'beta1'} "
+                          "(cycle_momentum=True); ngdist follows a cycled momentum for SGD, "
+                          "Adam and AdamW: pass cycle_momentum=False to the scheduler")
+    return True
 
 
 def restrict_groups(opt: optim.Optimizer, trained: Collection[str]) -> optim.Optimizer:
@@ -100,17 +116,20 @@ def _optimizer_params(module: Any, opt: Any) -> list[str]:
     return [n for n, p in module.named_parameters() if id(p) in ids and p.requires_grad]
 
 
-def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[int, float]]:
-    """A function giving {group index: lr} of the torch optimizer ``opt`` now; it raises an
-    OptionError when another hyper-parameter of a group differs from the ``compiled`` one
-    (a scheduler ngdist would not follow)."""
+def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[str, float]]:
+    """A function giving {step value: its value now} of the torch optimizer ``opt``: every
+    group's learning rate (``lr_name``), and its momentum or beta1 (``momentum_name``) when
+    ``compiled`` has ``scheduled_momentum``; it raises an OptionError when another
+    hyper-parameter of a group differs from the ``compiled`` one (a scheduler ngdist would
+    not follow)."""
     cls = type(compiled)
+    cycled = bool(getattr(compiled, "scheduled_momentum", False))
     base = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(cls)
-            if f.name not in ("groups", "lr")}
-    fixed = [dict(base, **{k: v for k, v in g.items() if k not in ("params", "lr")})
-             for g in compiled.groups] or [base]
+            if f.name not in ("groups", "lr", "scheduled_momentum")}
+    fixed = [_fixed(dict(base, **{k: v for k, v in g.items() if k not in ("params", "lr")}),
+                    cycled) for g in compiled.groups] or [_fixed(base, cycled)]
 
-    def read() -> dict[int, float]:
+    def read() -> dict[str, float]:
         # ngdist steps in the torch optimizer's place: a scheduler's check that step() ran
         # before scheduler.step() (a warning that the first value is skipped) reads this flag
         opt._opt_called = True
@@ -121,18 +140,34 @@ def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[int, flo
                               "ngdist.compile is not followed: compile again")
         out = {}
         for i, (g, want) in enumerate(zip(groups, fixed)):
-            now = _hyper(cls, g, opt.defaults)
+            given = _hyper(cls, g, opt.defaults)
+            now = _fixed(given, cycled)
             changed = sorted(k for k in want if k in now and now[k] != want[k])
             if changed:
                 raise OptionError(
                     f"param group {i} of the torch optimizer changed {changed} since "
                     f"ngdist.compile ({', '.join(f'{k}: {want[k]} -> {now[k]}' for k in changed)})"
-                    "; ngdist follows a scheduler's learning rate only (e.g. "
-                    "OneCycleLR(..., cycle_momentum=False))")
-            out[i] = float(now["lr"])
+                    "; ngdist follows a scheduler's learning rate, and the momentum (beta1) of "
+                    "SGD, Adam and AdamW that OneCycleLR or CyclicLR cycles when the scheduler "
+                    "is made before ngdist.compile")
+            out[lr_name(i)] = float(given["lr"])
+            if cycled:
+                out[momentum_name(i)] = float(given["betas"][0] if "betas" in given
+                                              else given["momentum"])
         return out
 
     return read
+
+
+def _fixed(values: dict[str, Any], cycled: bool) -> dict[str, Any]:
+    """The hyper-parameters that must not change during training: all but lr, and but the
+    momentum (beta1) when a scheduler cycles it."""
+    if not cycled:
+        return values
+    out = {k: v for k, v in values.items() if k != "momentum"}
+    if "betas" in out:
+        out["betas"] = out["betas"][1:]
+    return out
 
 
 # ngdist state kind (``<param>.<kind>``) -> the torch optimizer's state key

@@ -29,13 +29,14 @@ class WriteFn(Protocol):
 class WriteBack:
     """How trained values return to the framework: ``framework`` is ``"torch"`` or ``"keras"``,
     ``write`` does it, ``export`` is the frontend's record of the export (names, layouts);
-    ``hypers``, when given, reads the framework optimizer's learning rate of every parameter
-    group ({group: lr}), which the trainer follows at each step (runtime/hyper.py)."""
+    ``hypers``, when given, reads the framework optimizer's learning rate (and scheduled
+    momentum) of every parameter group as {step value name: value} (``ngdist.ir.hyper``),
+    which the trainer follows at each step (runtime/hyper.py)."""
 
     framework: str
     write: WriteFn
     export: Any = None
-    hypers: Callable[[], Mapping[int, float]] | None = None
+    hypers: Callable[[], Mapping[str, float]] | None = None
 
     def __call__(self, values: Mapping[str, np.ndarray], steps_done: int, /, *args: Any,
                  **kwargs: Any) -> Any:

@@ -17,7 +17,10 @@ parameter groups as torch's ``param_groups``, e.g. ``AdamW(lr=1e-3, weight_decay
 groups=[{"params": ["fc.bias", "norm.weight"], "weight_decay": 0.0}])``: group i has the
 optimizer's hyper-parameters with the group's own values in their place, and the parameters no
 group names form one more group, last, with the optimizer's values. Each group is one optimizer
-node with its own learning rate input (``ngdist.ir.hyper.lr_name``).
+node with its own learning rate input (``ngdist.ir.hyper.lr_name``). ``SGD`` and ``TorchAdam``/
+``AdamW`` take ``scheduled_momentum=True``: the momentum (beta1) is an input of the step too
+(``ngdist.ir.hyper.momentum_name``), which the trainer follows from a torch optimizer whose
+scheduler cycles it (OneCycleLR, CyclicLR).
 
 A hyper-parameter of the wrong type (``SGD(lr="0.05")``) or out of torch's range is an
 OptionError naming it.
@@ -36,7 +39,7 @@ from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
                                       KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
                                       FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
-                                      TORCH_ADAM, TORCH_ADAMW, state_kinds)
+                                      SCHEDULED_ATTR, TORCH_ADAM, TORCH_ADAMW, state_kinds)
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,14 @@ class _Optimizer:
             out[FORMULA_ATTR] = self.formula
         if self.maximize:
             out[MAXIMIZE_ATTR] = 1
+        if self.scheduled():
+            out[SCHEDULED_ATTR] = list(self.scheduled())
         return out
+
+    def scheduled(self) -> dict[str, float]:
+        """{node attribute: its first value} of the hyper-parameters the node reads from
+        inputs of the step (``scheduled_momentum``): none unless the optimizer has them."""
+        return {}
 
     @property
     def state_suffixes(self) -> tuple[str, ...]:
@@ -119,15 +129,22 @@ class SGD(_Optimizer):
     weight_decay: float = 0.0
     dampening: float = 0.0
     maximize: bool = False
+    scheduled_momentum: bool = False
     groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Momentum"
+
+    def scheduled(self) -> dict[str, float]:
+        return {"alpha": float(self.momentum)} if self.scheduled_momentum else {}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise OptionError("SGD(nesterov=True): Nesterov momentum requires momentum > 0 "
                               "and dampening 0")
+        if self.scheduled_momentum and self.momentum <= 0:
+            raise OptionError("SGD(scheduled_momentum=True): a scheduled momentum starts "
+                              "above 0 (torch's schedulers start it at max_momentum)")
 
     def _attributes(self) -> dict[str, object]:
         # ONNX Momentum: v <- alpha * v + beta * g' with beta taken as 1 on the first step
@@ -195,11 +212,15 @@ class TorchAdam(_Optimizer):
     weight_decay: float = 0.0
     amsgrad: bool = False
     maximize: bool = False
+    scheduled_momentum: bool = False
     groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adam"
     formula = TORCH_ADAM
     step_offset = 1  # T is torch's step count: 1 on the first step
+
+    def scheduled(self) -> dict[str, float]:
+        return {"alpha": float(self.betas[0])} if self.scheduled_momentum else {}
 
     def _attributes(self) -> dict[str, object]:
         out: dict[str, object] = {

@@ -4,8 +4,9 @@ framework optimizer the trainer was compiled from (a torch scheduler stepping it
 Every parameter group's learning rate is a ``hyper`` value of the step (``ngdist.ir.hyper``);
 the trainer feeds it to every step, so a new value takes effect on the next step with no
 recompilation. When the trainer came from a torch optimizer, each ``step()`` first reads the
-learning rate of every ``param_groups`` entry (``WriteBack.hypers``) and feeds the ones that
-changed: whatever ``torch.optim.lr_scheduler`` steps that optimizer is followed. Without one,
+learning rate of every ``param_groups`` entry (``WriteBack.hypers``; and the momentum or beta1
+OneCycleLR/CyclicLR cycle, ``ngdist.ir.hyper.momentum_name``) and feeds the ones that changed:
+whatever ``torch.optim.lr_scheduler`` steps that optimizer is followed. Without one,
 ``trainer.set_lr_schedule`` (``ngdist.optim.schedules``) sets them the same way before each step.
 """
 from __future__ import annotations
@@ -58,9 +59,14 @@ class Hypers:
                                   f"{type(value).__name__} ({value!r})")
             if not value >= 0:
                 raise OptionError(f"set_lr: the learning rate must be >= 0, got {value}")
-            held = self.values[names[g]].numpy().dtype  # float64 for a float64 group
-            self.values[names[g]] = self.placement.value(  # type: ignore[attr-defined]
-                np.array(value, held))
+            self._set_value(names[g], value)
+
+    def _set_value(self, name: str, value: float) -> None:
+        """The hyper value ``name`` from the next step on, in its type (float64 in a float64
+        group)."""
+        held = self.values[name].numpy().dtype
+        self.values[name] = self.placement.value(  # type: ignore[attr-defined]
+            np.array(value, held))
 
     def set_lr_schedule(self, schedule: Callable[[int], float] | None,
                         base: Mapping[int, float] | None = None) -> None:
@@ -102,16 +108,16 @@ class Hypers:
             schedule, base = scheduled
             factor = float(schedule(self.steps_done))  # type: ignore[attr-defined]
             self.set_lr({g: lr * factor for g, lr in base.items()})
-        source: Callable[[], Mapping[int, float]] | None = \
+        source: Callable[[], Mapping[str, float]] | None = \
             getattr(self._write_back, "hypers", None)
         if source is None:
             return
-        names = self._lr_names()
-        seen = getattr(self, "_followed_lr", None)
-        now = {g: lr for g, lr in source().items() if g in names}
+        seen = getattr(self, "_followed", None)
+        now = {n: v for n, v in source().items() if n in self.values}  # (groups it trains)
         if now != seen:
-            changed = {g: lr for g, lr in now.items() if seen is None or seen.get(g) != lr}
-            self.set_lr(changed)
+            changed = {n: v for n, v in now.items() if seen is None or seen.get(n) != v}
+            for name, value in changed.items():
+                self._set_value(name, value)
             if seen is not None:
-                logger.debug("learning rates followed from the framework optimizer: %s", changed)
-            self._followed_lr = now
+                logger.debug("values followed from the framework optimizer: %s", changed)
+            self._followed = now

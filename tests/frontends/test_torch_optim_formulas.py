@@ -244,15 +244,20 @@ def test_a_float64_model_learns_at_every_digit_of_its_learning_rate():
     assert [inits[n].const_value.numpy().dtype for n in ("ngdist.lr", "ngdist.lr.1")] == \
         [np.float64, np.float64]
     for x, y in data(5):
-        ref_opt.zero_grad()
-        nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
-        ref_opt.step()
-        ref_sched.step()
-        trainer.step({"input": x, "y": y})
-        sched.step()
+        step_both(ref, ref_opt, ref_sched, trainer, sched, x, y)
     # torch's Python floats exactly (the schedule made them 0.7 * 0.7 * lr, 5 steps in)
     assert trainer.lr == {i: g["lr"] for i, g in enumerate(ref_opt.param_groups)}
     assert trainer.lr[1] != float(np.float32(trainer.lr[1]))
     trainer.to_torch()
     for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
         assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-12, pname
+
+
+def step_both(ref: nn.Module, ref_opt, ref_sched, trainer, sched, x, y) -> None:
+    """One step of torch (then its scheduler) and of the trainer (then its own scheduler)."""
+    ref_opt.zero_grad()
+    nn.functional.cross_entropy(ref(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+    ref_opt.step()
+    ref_sched.step()
+    trainer.step({"input": x, "y": y})
+    sched.step()

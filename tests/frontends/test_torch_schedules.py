@@ -18,7 +18,8 @@ S = torch.optim.lr_scheduler
 
 import ngdist  # noqa: E402
 from ngdist.errors import OptionError  # noqa: E402
-from test_torch_optim_formulas import data as formula_data, make_model  # noqa: E402
+from test_torch_optim_formulas import (data as formula_data, make_model,  # noqa: E402
+                                        step_both)
 
 STEPS = 10
 
@@ -87,19 +88,74 @@ def test_a_torch_scheduler_is_followed(name):
         assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-6, pname
 
 
-def test_a_scheduler_that_changes_momentum_is_refused_when_it_does():
-    module = make_model()
-    opt = O.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    sched = S.OneCycleLR(opt, max_lr=0.5, total_steps=STEPS)  # cycles momentum by default
+CYCLED = {  # OneCycleLR's and CyclicLR's default cycle_momentum=True, two groups each
+    "one_cycle_sgd_momentum": (
+        lambda m: O.SGD(groups(m), lr=0.1, momentum=0.9, nesterov=True),
+        lambda o: S.OneCycleLR(o, max_lr=[0.5, 0.2], total_steps=STEPS)),
+    "one_cycle_adamw": (lambda m: O.AdamW(groups(m), lr=0.01, betas=(0.9, 0.99)),
+                        lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS,
+                                               base_momentum=0.6, max_momentum=0.95)),
+    "cyclic_sgd": (lambda m: O.SGD(groups(m), lr=0.1, momentum=0.9, dampening=0.1),
+                   lambda o: S.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=3,
+                                        base_momentum=0.5, max_momentum=0.9)),
+}
+
+
+def _momentum(group: dict) -> float:
+    return group["betas"][0] if "betas" in group else group["momentum"]
+
+
+@pytest.mark.parametrize("name", sorted(CYCLED))
+def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
+    """The momentum (SGD) or beta1 (AdamW) of each group is an input of the step, read from
+    the torch optimizer at each step like the learning rate: every step's parameters match
+    torch float64's."""
+    make_opt, make_sched = CYCLED[name]
+    ref, module = make_model(), make_model()
+    ref_opt, opt = make_opt(ref), make_opt(module)
+    ref_sched, sched = make_sched(ref_opt), make_sched(opt)
     trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
                              loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    inputs = {v.name for v in trainer.step_model.graph.initializers.values()}
+    assert {"ngdist.momentum", "ngdist.momentum.1"} <= inputs
+    momenta = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler.step() before optimizer.step()"
+        for x, y in data():
+            momenta.append([_momentum(g) for g in ref_opt.param_groups])
+            step_both(ref, ref_opt, ref_sched, trainer, sched, x, y)
+            trainer.to_torch()
+            for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
+                assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-8, \
+                    (pname, len(momenta))
+    assert len({tuple(m) for m in momenta}) > 2  # the schedule moves the momentum
+    values = trainer.state_dict()
+    assert [float(values[n]) for n in ("ngdist.momentum", "ngdist.momentum.1")] == momenta[-1]
+
+
+def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
+    module = make_model()
+    opt = O.RMSprop(module.parameters(), lr=0.01, momentum=0.9)
+    S.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
+    with pytest.raises(OptionError) as info:
+        ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                       loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    assert str(info.value) == (
+        "torch.optim.RMSprop: a scheduler cycles its momentum (cycle_momentum=True); ngdist "
+        "follows a cycled momentum for SGD, Adam and AdamW: pass cycle_momentum=False to the "
+        "scheduler")
+    # made after compile, the scheduler's first change of the momentum is refused
+    opt = O.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
+    S.OneCycleLR(opt, max_lr=0.5, total_steps=STEPS)
     x, y = data()[0]
-    trainer.step({"input": x, "y": y})
-    sched.step()
-    with pytest.raises(OptionError, match=r"param group 0 of the torch optimizer changed "
+    with pytest.raises(OptionError, match=r"^param group 0 of the torch optimizer changed "
                                           r"\['momentum'\] since ngdist.compile \(momentum: "
-                                          r"0.95 -> 0.\d+\); ngdist follows a scheduler's "
-                                          r"learning rate only"):
+                                          r"0.9 -> 0.95\); ngdist follows a scheduler's "
+                                          r"learning rate, and the momentum \(beta1\) of SGD, "
+                                          r"Adam and AdamW that OneCycleLR or CyclicLR cycles "
+                                          r"when the scheduler is made before ngdist.compile$"):
         trainer.step({"input": x, "y": y})
 
 

@@ -24,18 +24,23 @@ from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DEC
                                              KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
                                              check_formula,
                                              FORMULA_ATTR, FORMULAS, MAXIMIZE_ATTR, NADAM,
-                                             OPTIMIZER_OPS, RADAM, RMSPROP, TORCH_ADAM,
-                                             TORCH_ADAMW, node_attrs, node_state_kinds,
-                                             num_states, onnx_default, split_optimizer_inputs,
+                                             OPTIMIZER_OPS, RADAM, RMSPROP, SCHEDULED_ATTR,
+                                             TORCH_ADAM, TORCH_ADAMW, node_attrs,
+                                             node_state_kinds, num_states, onnx_default,
+                                             scheduled_inputs, split_optimizer_inputs,
                                              state_kinds)
 
 __all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "FORMULA_ATTR", "FORMULAS",
            "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_RMSPROP",
-           "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "TORCH_ADAM",
+           "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "SCHEDULED_ATTR",
+           "TORCH_ADAM",
            "TORCH_ADAMW", "OptimizerLoweringPass", "node_state_kinds", "num_states",
            "onnx_default", "split_optimizer_inputs", "state_kinds"]
 
 logger = logging.getLogger(__name__)
+
+# the formulas whose alpha (momentum, beta1) may be a scheduled input, by node
+_SCHEDULED_FORMULAS = {"Momentum": (None,), "Adam": (TORCH_ADAM, TORCH_ADAMW), "Adagrad": ()}
 
 
 def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
@@ -46,6 +51,13 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
         raise GraphError(f"optimizer node {node.name!r}: {AMSGRAD_ATTR} needs "
                          f"{FORMULA_ATTR} {TORCH_ADAM!r} or {TORCH_ADAMW!r} (AMSGrad is "
                          "implemented with PyTorch's Adam formula)")
+    scheduled = scheduled_inputs(node)
+    if scheduled and (set(scheduled) != {"alpha"} or formula not in _SCHEDULED_FORMULAS[
+            node.op_type]):
+        raise GraphError(f"optimizer node {node.name!r}: {SCHEDULED_ATTR} "
+                         f"{sorted(scheduled)} is read by Momentum nodes and by Adam nodes of "
+                         f"{FORMULA_ATTR} {TORCH_ADAM!r} or {TORCH_ADAMW!r}, as 'alpha' only")
+    a.update(scheduled)  # alpha: the graph value of this step's momentum (beta1)
     r, t, groups = split_optimizer_inputs(node)
     xs, gs, states = groups[0], groups[1], groups[2:]
     if formula is None:

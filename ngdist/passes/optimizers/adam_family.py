@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import onnx_ir as ir
 
@@ -22,9 +23,11 @@ from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMA
 Values = dict[str, ir.Value]
 
 
-def _hyper(a: Mapping[str, object]) -> tuple[float, float, float, float]:
-    """beta1, beta2, eps, weight decay as the decimals the user wrote."""
-    return (decimal(a["alpha"]), decimal(a["beta"]), decimal(a["epsilon"]),
+def _hyper(a: Mapping[str, object]) -> tuple[Any, float, float, float]:
+    """beta1, beta2, eps, weight decay as the decimals the user wrote (beta1: the graph value
+    of a scheduled one)."""
+    b1 = a["alpha"] if isinstance(a["alpha"], ir.Value) else decimal(a["alpha"])
+    return (b1, decimal(a["beta"]), decimal(a["epsilon"]),
             decimal(a.get("norm_coefficient") or 0.0))
 
 
@@ -39,6 +42,10 @@ def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
     if wd and _decoupled(formula, a):  # param.mul_(1 - lr * weight_decay)
         out["decay"] = f.op("Sub", one, f.op("Mul", f.lr, f.c(wd)))
     bc1, bc2 = f.one_minus_pow(b1, f.t), f.one_minus_pow(b2, f.t)
+    if isinstance(b1, ir.Value):  # scheduled: m = b1 m + (1 - b1) g from this step's b1
+        out["b1"] = f.scalar(b1)
+        out["one_minus_b1"] = f.op("Sub", one, out["b1"])
+        out["v_coef"] = f.op("Div", f.c(1 - b2), out["one_minus_b1"])
     if formula in (TORCH_ADAM, TORCH_ADAMW):
         tpos = f.op("Greater", f.t, f.c(0.0))  # T <= 0: no bias correction
         out["step_size"] = f.op("Div", f.lr, f.op("Where", tpos, bc1, one))
@@ -146,10 +153,15 @@ def _torch_adam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g
     m, v, *v_max = states
     al, be, eps, _ = _hyper(a)
     x, g = p.prelude(formula, a, x, g)
-    g1 = ctx.op("Mul", g, k.const(1 - al, like))  # (1 - b1) g
-    m_new = ctx.op("Add", ctx.op("Mul", m, k.const(al, like)), g1)
-    g2 = ctx.op("Mul", ctx.op("Mul", g1, g), k.const((1 - be) / (1 - al), like)) if al != 1 \
-        else ctx.op("Mul", ctx.op("Mul", g, g), k.const(1 - be, like))  # (1 - b2) g^2
+    if isinstance(al, ir.Value):  # a scheduled beta1
+        g1 = ctx.op("Mul", g, p.scalar("one_minus_b1"))
+        m_new = ctx.op("Add", ctx.op("Mul", m, p.scalar("b1")), g1)
+        g2 = ctx.op("Mul", ctx.op("Mul", g1, g), p.scalar("v_coef"))
+    else:
+        g1 = ctx.op("Mul", g, k.const(1 - al, like))  # (1 - b1) g
+        m_new = ctx.op("Add", ctx.op("Mul", m, k.const(al, like)), g1)
+        g2 = ctx.op("Mul", ctx.op("Mul", g1, g), k.const((1 - be) / (1 - al), like)) \
+            if al != 1 else ctx.op("Mul", ctx.op("Mul", g, g), k.const(1 - be, like))
     v_new = ctx.op("Add", ctx.op("Mul", v, k.const(be, like)), g2)
     v_max_new = [ctx.op("Max", v_max[0], v_new)] if v_max else []
     second = v_max_new[0] if v_max_new else v_new

@@ -34,6 +34,9 @@ FORMULAS = {TORCH_ADAM: "Adam", TORCH_ADAMW: "Adam", ADAMAX: "Adam", NADAM: "Ada
 AMSGRAD_ATTR = "ngdist_amsgrad"
 MAXIMIZE_ATTR = "ngdist_maximize"  # 1: the update ascends (the gradient is negated first)
 DECOUPLED_ATTR = "ngdist_decoupled"  # NAdam/RAdam: 1 for decoupled weight decay (AdamW's)
+# attributes whose values the node reads from its last inputs instead, in this order (a
+# scheduled momentum: ``alpha`` of a Momentum node or of a torch_adam/torch_adamw Adam node)
+SCHEDULED_ATTR = "ngdist_scheduled"
 
 
 def _adam_kinds(a: Mapping[str, object]) -> tuple[str, ...]:
@@ -91,12 +94,32 @@ def num_states(node: ir.Node) -> int:
     return len(node_state_kinds(node))
 
 
+def scheduled_names(node: ir.Node) -> list[str]:
+    """The attributes ``node`` reads from its last inputs (``SCHEDULED_ATTR``), in order."""
+    return [str(n) for n in attr(node, SCHEDULED_ATTR, None) or ()]
+
+
 def split_optimizer_inputs(node: ir.Node) -> tuple[ir.Value, ir.Value, list[list[ir.Value]]]:
-    """(R, T, [xs, gs, state_1s, ...]) of an optimizer node."""
-    r, t, rest = node.inputs[0], node.inputs[1], list(node.inputs[2:])
+    """(R, T, [xs, gs, state_1s, ...]) of an optimizer node (its scheduled inputs aside)."""
+    scheduled = len(scheduled_names(node))
+    r, t = node.inputs[0], node.inputs[1]
+    rest = list(node.inputs[2:len(node.inputs) - scheduled])
     groups = 2 + num_states(node)
+    if scheduled and len(rest) % groups:
+        raise GraphError(
+            f"optimizer node {node.name!r} ({node.op_type}) reads {scheduled_names(node)} from "
+            f"its last inputs but has {len(node.inputs)} inputs, not R, T, {groups} per "
+            "parameter and those; a momentum that a torch scheduler cycles is followed where "
+            "the step keeps its optimizer node whole, not under ps or shard= (there: "
+            "OneCycleLR(..., cycle_momentum=False))")
     n = len(rest) // groups
     return r, t, [rest[i * n:(i + 1) * n] for i in range(groups)]
+
+
+def scheduled_inputs(node: ir.Node) -> dict[str, ir.Value]:
+    """{attribute: the input giving its value} for the node's scheduled attributes."""
+    names = scheduled_names(node)
+    return dict(zip(names, node.inputs[len(node.inputs) - len(names):])) if names else {}
 
 
 _ATTR_KINDS = {defs.OpSchema.AttrType.FLOAT: ((float, int), "a float"),
@@ -175,6 +198,11 @@ class Scalars:
                 self._cache[key] = self.ctx.const(np.full(shape, value, np.float32), like=x)
         return self._cache[key]
 
+    def hyper(self, value: float | ir.Value, x: ir.Value) -> ir.Value:
+        """A hyper-parameter in x's type and rank: an attribute's float (``const``) or a
+        scheduled graph value (``cast``)."""
+        return self.cast(value, x) if isinstance(value, ir.Value) else self.const(value, x)
+
     def exact(self, value: float, x: ir.Value) -> ir.Value:
         """``value`` in x's type and rank, rounded once from the Python float (a float64
         parameter gets every digit of it)."""
@@ -214,12 +242,18 @@ class Float64:
     def c(self, v: float) -> ir.Value:
         return self.ctx.op("Constant", value=ir.tensor(np.array(v, np.float64)))
 
+    def scalar(self, v: float | ir.Value) -> ir.Value:
+        """A float, or a scheduled graph value, as a float64 scalar."""
+        if isinstance(v, ir.Value):
+            return self.ctx.op("Cast", v, to=int(ir.DataType.DOUBLE))
+        return self.c(v)
+
     def op(self, op_type: str, *inputs: ir.Value) -> ir.Value:
         return self.ctx.op(op_type, *inputs)
 
-    def one_minus_pow(self, base: float, exponent: ir.Value) -> ir.Value:
+    def one_minus_pow(self, base: float | ir.Value, exponent: ir.Value) -> ir.Value:
         """1 - base^exponent."""
-        return self.op("Sub", self.c(1.0), self.op("Pow", self.c(base), exponent))
+        return self.op("Sub", self.c(1.0), self.op("Pow", self.scalar(base), exponent))
 
 
 def scalar_like(k: Scalars, name: str, scalars: Mapping[str, ir.Value], like: ir.Value

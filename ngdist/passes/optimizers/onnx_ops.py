@@ -34,10 +34,11 @@ def _one(ctx: GradContext, k: Scalars, op_type: str, a: Mapping[str, object], tp
         scaled = greg
         if a["beta"] != 1.0:  # beta is 1 on the first step (T == 0), beta after
             scaled = ctx.op("Mul", k.where(tpos, a["beta"], 1.0, x), greg)  # type: ignore
-        v_new = scaled if a["alpha"] == 0.0 else \
-            ctx.op("Add", ctx.op("Mul", k.const(a["alpha"], x), v), scaled)  # type: ignore
+        alpha = a["alpha"]  # a float, or the scheduled momentum's value
+        v_new = scaled if isinstance(alpha, float) and alpha == 0.0 else \
+            ctx.op("Add", ctx.op("Mul", k.hyper(alpha, x), v), scaled)  # type: ignore
         step = v_new if a["mode"] == "standard" else \
-            ctx.op("Add", greg, ctx.op("Mul", k.const(a["alpha"], x), v_new))  # type: ignore
+            ctx.op("Add", greg, ctx.op("Mul", k.hyper(alpha, x), v_new))  # type: ignore
         return [ctx.op("Sub", x, ctx.op("Mul", lr, step)), v_new]
     if op_type == "Adagrad":
         (h,) = states
