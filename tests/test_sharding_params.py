@@ -93,6 +93,15 @@ def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, n):
             held = sum(mine["shards"].values())
             assert count / n <= held <= count / n + len(mine["shards"]), (held, count)
             assert len(mine["shards"]) >= 2  # several buckets: the gathers chain
+            # bytes per step: the ReduceScatter and the forward's AllGather of each padded
+            # bucket, each half an AllReduce (comm/group.py), and the backward's AllGather:
+            # more than allreduce's, at most 1.5x
+            # (GPT-2's loss, a mean over counted tokens, also sums its count: one float)
+            assert len(whole["sent"]) == len(mine["sent"]) == 1
+            count_bytes = whole["sent"][0] - 4 * count
+            assert count_bytes == (4 if model == "gpt2" else 0), whole["sent"]
+            sent = mine["sent"][0] - count_bytes
+            assert 4 * count < sent <= 1.5 * 4 * n * held, (mine["sent"], count)
             # every bucket gathered for the forward and again for the backward (a bucket of
             # biases alone, read by no backward node, only once)
             assert len(mine["shards"]) < mine["gathers"] <= 2 * len(mine["shards"])

@@ -176,7 +176,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also write the step graph as Graphviz DOT to FILE, comm nodes filled "
                         "orange and each flat bucket boxed; rendered to FILE.svg when Graphviz's "
                         "dot is installed (Netron opens the .onnx files themselves)")
+    p.add_argument("--shard", choices=("optimizer", "gradients", "parameters"),
+                   help="also show the shards of every bucket under this shard= level and "
+                        "which rank owns which parameter elements")
+    p.add_argument("--shard-ranks", type=int, default=2, metavar="N",
+                   help="with --shard: the rank count (default 2)")
     p.set_defaults(func=run)
+
+
+def shard_lines(model: onnx.ModelProto, level: str, ranks: int) -> list[str]:
+    """The shards and owners of a training model's buckets under ``shard=level`` on
+    ``ranks`` ranks (the sharding pass run as ``ngdist.compile`` runs it)."""
+    from ngdist.ir.model import split_training_model
+    from ngdist.passes.pipeline import run_passes
+    from ngdist.runtime.sharding import layout, owners
+
+    if not model.training_info:
+        return ["shards: none (a forward-only model has no optimizer state)"]
+    _, step = split_training_model(model)
+    plan = layout(run_passes(step, "allreduce", shard=level, shard_ranks=ranks, lower=False))
+    return owners(plan) if plan is not None else ["shards: none"]
 
 def run(args: argparse.Namespace) -> int:
     from ngdist.ir.model import load_proto
@@ -189,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if args.explain:
         for line in explain(model):
+            print(line)
+    if args.shard:
+        for line in shard_lines(model, args.shard, args.shard_ranks):
             print(line)
     if args.dot:
         from ngdist.cli.dot import write_dot

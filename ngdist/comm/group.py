@@ -226,7 +226,10 @@ class ProcessGroup(abc.ABC):
 
     def __init__(self, timeout: float | None = None) -> None:
         self.timeout = default_timeout() if timeout is None else float(timeout)
-        self.bytes_sent = 0  # what this rank's calls put on the wire (step statistics)
+        # what this rank's calls put on the wire (step statistics), counted as nccl-tests'
+        # algorithm bytes: an AllReduce its buffer; a ReduceScatter and an AllGather, each
+        # one half of a (ring) AllReduce on the wire, half their whole buffer
+        self.bytes_sent = 0
         self.local_size = 1  # ranks of this group on this host (threads per rank)
         self.local_rank = 0  # this rank's place among them (its GPU on a multi-GPU host)
         # groups derived from this one for a kernel's own messages (kernels.base.private_group)

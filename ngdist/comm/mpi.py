@@ -231,7 +231,7 @@ class MpiGroup(ProcessGroup):
         return self._work([self.comm.Ireduce(send, recv, op=MPI.SUM, root=root)], what)
 
     def allgather(self, send, recv, what):
-        self.bytes_sent += send.nbytes
+        self.bytes_sent += recv.nbytes // 2  # half an AllReduce (comm/group.py)
         return self._work([self.comm.Iallgather(send, recv)], what)
 
     def gather(self, send, recv, root, what):
@@ -241,7 +241,7 @@ class MpiGroup(ProcessGroup):
 
     def reduce_scatter(self, send, recv, what):
         MPI = _mpi()
-        self.bytes_sent += send.nbytes
+        self.bytes_sent += send.nbytes // 2  # half an AllReduce (comm/group.py)
         return self._work([self.comm.Ireduce_scatter_block(send, recv, op=MPI.SUM)], what)
 
     def exchange(self, sends, recvs, tag, what):

@@ -258,7 +258,7 @@ class NcclGroup(OverHost):
     def allgather(self, send, recv, what):
         if self._host(send, recv):
             return self.host.allgather(send, recv, what)
-        self.bytes_sent += send.nbytes
+        self.bytes_sent += recv.nbytes // 2  # half an AllReduce (comm/group.py)
         return self._start(lambda: self.comm.allGather(
             send.data.ptr, recv.data.ptr, send.nbytes, _code(self.nccl, DTYPES["uint8"]),
             self.stream.ptr), [send, recv], what)
@@ -281,7 +281,7 @@ class NcclGroup(OverHost):
         if self._host(send, recv):
             return self.host.reduce_scatter(send, recv, what)
         code = self._dtype(send, what)
-        self.bytes_sent += send.nbytes
+        self.bytes_sent += send.nbytes // 2  # half an AllReduce (comm/group.py)
         return self._start(lambda: self.comm.reduceScatter(
             send.data.ptr, recv.data.ptr, recv.size, code,
             _code(self.nccl, OPS[ReduceOp.SUM]), self.stream.ptr), [send, recv], what)

@@ -33,6 +33,30 @@ def layout(step: ir.Model) -> dict[str, Any] | None:
     return json.loads(text) if text else None
 
 
+def owners(plan: dict[str, Any]) -> list[str]:
+    """``ngdist inspect --shard``: every bucket's shards, which rank owns each, and the
+    parameter elements each holds (``name[a:b]`` of the flattened tensor)."""
+    n, level = int(plan["ranks"]), plan["level"]
+    held = "the parameters and of each optimizer state" if level == "parameters" else \
+        "each optimizer state"
+    per_rank = sum(int(g["size"]) for g in plan["groups"])
+    out = [f"shards (shard={level} on {n} ranks): {len(plan['groups'])} bucket(s); each rank "
+           f"owns {per_rank:,} elements of {held}"]
+    for group in plan["groups"]:
+        size, length = int(group["size"]), int(group["length"])
+        name = next(iter(group["states"].values()), group.get("param", "")).rsplit(".", 1)[0]
+        out.append(f"  bucket {name}: {length:,} elements, {size:,} per rank "
+                   f"({size * n - length} padding)")
+        starts = np.cumsum([0] + [int(p["count"]) for p in group["params"]])
+        for r in range(n):
+            lo, hi = r * size, (r + 1) * size
+            parts = [f"{p['param']}[{max(lo, a) - a}:{min(hi, b) - a}]"
+                     for p, a, b in zip(group["params"], starts[:-1], starts[1:])
+                     if a < hi and b > lo]
+            out.append(f"    rank {r}: {' '.join(parts) or '(padding only)'}")
+    return out
+
+
 class ShardedState:
     """Scatters and gathers the flat shards of one trainer."""
 

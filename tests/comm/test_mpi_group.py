@@ -397,9 +397,9 @@ def test_bytes_sent_counts_what_each_rank_puts_on_the_wire(res):
         steps = [40,                          # allreduce: 10 float32
                  24 if root else 0,           # broadcast from 0: only the root sends
                  0 if root else 40,           # reduce to 0: every rank but the root
-                 8,                           # allgather: its own 2 float32
-                 0 if root else 16,           # gather to 0
-                 24 * n,                      # reduce_scatter: the whole send buffer
+                 4 * n,                       # allgather: half its 2n float32 (half an
+                 0 if root else 16,           # gather to 0          allreduce on the wire)
+                 12 * n,                      # reduce_scatter: half its 3n float64
                  6,                           # exchange: 6 int8 sent
                  0]                           # barrier
         assert info["bytes"] == [0, *np.cumsum(steps).tolist()], r
