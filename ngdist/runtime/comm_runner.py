@@ -1,8 +1,13 @@
 """Comm items through their kernels: values handed over as views, results wrapped back.
 
-A kernel reads arrays in the memory it declares (``host``: numpy views of the values' memory on
-the CPU, no copy; a bfloat16 value is a ``uint16`` view of its bits) and returns arrays; an
-input it hands back is its own value again, a new array is wrapped without a copy. A kernel
+A kernel reads arrays in the memory it declares and returns arrays; an input it hands back is
+its own value again, a new array is wrapped without a copy. ``host`` memory on the CPU: views
+of the values' memory, no copy, through DLPack (``np.from_dlpack``, as ``cupy.from_dlpack``
+on a device), read-only, for an input the kernel must not write, and the writable
+``OrtValue.numpy()`` view (the same memory) for a donated input, which it may reduce in place:
+numpy marks every array imported from onnxruntime 1.31's DLPack capsule read-only (its
+``__dlpack__`` takes no ``max_version``, so numpy falls back to the unversioned capsule, which
+has no read-only flag to say otherwise). A bfloat16 value is a ``uint16`` view of its bits. A kernel
 may ask for the next step's input in memory of its own (a ``WriteInto`` request in
 ``node.requests``): :meth:`CommRunner.memory_for` gives the segment that makes that input an
 OrtValue over it.
@@ -21,6 +26,7 @@ from ngdist.comm.group import ProcessGroup
 from ngdist.errors import CommError, NgdistError
 from ngdist.ir.domain import NO_BUCKET
 from ngdist.kernels import KernelSpec
+from ngdist.kernels.base import donated
 from ngdist.runtime.inplace_planner import BFLOAT16
 from ngdist.runtime.plan import StepPlan
 from ngdist.runtime.sessions import Placement
@@ -73,15 +79,20 @@ class CommRunner:
             made = made_for[id(array)] = (array, self.placement.value(array))
         return made[1]
 
-    def views(self, spec: KernelSpec, values: Sequence[ort.OrtValue]) -> list[Any]:
+    def views(self, spec: KernelSpec, values: Sequence[ort.OrtValue],
+              writable: Sequence[bool]) -> list[Any]:
         """The kernel's inputs: views of the values' memory (on a device, DLPack views in the
-        placement's array module for a kernel that takes any memory), staged to the host only
+        placement's array module for a kernel that takes any memory; on the CPU, read-only
+        DLPack views but where ``writable[i]``: a donated input), staged to the host only
         when the kernel reads host memory and the values live on a device."""
         xp = self.device_module
         if spec.memory == "any" and xp is not None:
             return [xp.from_dlpack(v) for v in values]
-        if spec.memory in ("host", "any"):  # on CPU the same memory; from a device, a copy
-            return [self._bits(v) if v.data_type() == BFLOAT16 else v.numpy() for v in values]
+        if spec.memory in ("host", "any") and self.placement.device == "cpu":
+            return [self._bits(v) if v.data_type() == BFLOAT16 else
+                    v.numpy() if w else np.from_dlpack(v) for v, w in zip(values, writable)]
+        if spec.memory in ("host", "any"):  # from a device: a host copy
+            return [v.numpy() for v in values]
         raise NgdistError(f"ngdist.{spec.op_type} has a {spec.memory}-memory kernel, which "
                           f"the {self.placement.device} placement cannot feed")
 
@@ -126,7 +137,8 @@ class CommRunner:
         sent0 = self.group.bytes_sent
         took: list[float] = []
         with span(self.timeline, "comm", " + ".join(n.name for n in nodes), took) as args:
-            inputs = self.views(spec, values)
+            inputs = self.views(spec, values, [donated(n, i) for n in nodes
+                                               for i in range(len(n.inputs))])
             outs = self._call(spec, nodes, inputs)
             wrapped = self.wrap(outs, inputs, values)
             if self.timeline is not None:
