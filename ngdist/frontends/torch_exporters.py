@@ -40,7 +40,7 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     import torch
 
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
-    dynamic = {n: {0: "batch"} for n in [*input_names, *output_names]}
+    dynamic = {**_leading_names(args, input_names), **{n: {0: "batch"} for n in output_names}}
     buf = io.BytesIO()
     with warnings.catch_warnings(), sdpa_export(opset), lent_symbolics(opset):
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
@@ -49,6 +49,15 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
                           input_names=input_names, output_names=output_names,
                           dynamic_axes=dynamic, keep_initializers_as_inputs=False)
     return onnx.load_from_string(buf.getvalue())
+
+
+def _leading_names(args: tuple[Any, ...], input_names: list[str]) -> dict[str, dict[int, str]]:
+    """Axis 0 of each input: "batch" where its example has the first input's rows, a name of
+    its own where not (labels of k rows per sample): inputs declared to share a size are taken
+    to by onnxruntime, whose memory planner then reuses one's buffer for the other's."""
+    rows = [getattr(a, "shape", (None,))[0] if getattr(a, "ndim", 0) else None for a in args]
+    return {n: {0: "batch" if r == rows[0] else f"{n}_rows"}
+            for n, r in zip(input_names, rows)}
 
 
 def _running_statistics(module: Any) -> str | None:

@@ -257,3 +257,47 @@ def test_dynamo_exports_a_forward_of_star_args():
     model = export_graph("dynamo", StarArgs(), (torch.from_numpy(x), torch.from_numpy(y)),
                          True, ["x", "y"], ["loss"], 18)
     assert [i.name for i in model.graph.input][:2] == ["x", "y"]
+
+
+class AudioLM(nn.Module):
+    """Token ids, a feature map whose per-sample frame count scales the embeddings (a 1-D
+    tensor of one entry per sample) and flattened-token labels of T - 1 rows per sample: the
+    loss is the module's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix = nn.Embedding(11, D), nn.Linear(D, D)
+        self.head = nn.Linear(D, 11)
+
+    def forward(self, ids, feats, labels):
+        frames = (feats[:, :, 0] > -9).sum(1).to(feats.dtype) / feats.shape[1]
+        h = self.emb(ids) * frames[:, None, None] + self.mix(feats).mean(1, keepdim=True)
+        logits = self.head(torch.tanh(h))[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 11), labels, ignore_index=-100)
+
+
+def test_inputs_of_other_row_counts_are_not_declared_the_batchs_size():
+    """onnxruntime takes inputs declared with one symbolic size to have one size, and its
+    memory planner reused the buffer of a [batch] tensor for the [batch * (T - 1)] labels'
+    gradient mask ("Shape mismatch attempting to re-use buffer. {3} != {15}")."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 11, (3, 6))
+    feats = rng.standard_normal((3, 4, D)).astype(np.float32)
+    labels = ids[:, 1:].reshape(-1).copy()
+    labels[-2:] = -100
+    module = AudioLM()
+    example = tuple(torch.from_numpy(a) for a in (ids, feats, labels))
+    model, _ = tfront.training_model(module, example, loss=None, optimizer="sgd:lr=0.1",
+                                     input_names=["ids", "feats", "labels"])
+    dims = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in model.graph.input
+            if i.name in ("ids", "feats", "labels")}
+    assert dims == {"ids": "batch", "feats": "batch", "labels": "labels_rows"}
+    got = run_step(model, {"ids": ids, "feats": feats, "labels": labels})
+    ref = copy.deepcopy(module).double()
+    loss = ref(torch.from_numpy(ids), torch.from_numpy(feats).double(),
+               torch.from_numpy(labels))
+    loss.backward()
+    assert abs(float(got["loss"]) - float(loss)) <= 1e-6
+    errors = gradient_errors(got, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) <= 1e-5, errors
