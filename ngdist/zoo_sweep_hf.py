@@ -12,10 +12,17 @@ write there, ``F.cross_entropy(logits.reshape(-1, V), labels, ignore_index=-100)
 * sequence classification: the same padded batch, 3 labels, one a sequence;
 * seq2seq and speech seq2seq: the decoder fed the labels shifted right, logits flattened
   over the tokens, padded target positions -100;
-* image and audio classification: logits of a small image or a short waveform / feature map.
+* image and audio classification: logits of a small image or a short waveform / feature map;
+* audio language models (audio features in, no decoder_input_ids: Granite Speech,
+  AudioFlamingo3, ...): one placeholder token per audio embedding, then the padded text, the
+  loss over the next text token;
+* decoders over several code streams (Dia): decoder_input_ids of (batch, time, streams),
+  labels flattened over the (sample, stream) rows of the logits.
 
 A config is made tiny by name: every attribute of a known width, depth, head count or
-vocabulary name present in the config (or a sub-config) is set to a small value.
+vocabulary name present in the config (or a sub-config) is set to a small value (latent
+attention's ranks and head sizes too, with as many kv heads as heads; GroupNorm's group count
+capped at 8; audio placeholder ids inside the tiny vocabulary).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ TASKS = {
     "speech2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
 }
 VOCAB, LENGTH, BATCH, LABELS, PAD = 96, 8, 3, 3, 0
+AUDIO_TOKEN = VOCAB - 1  # an audio language model's placeholder, never drawn as text
 WIDTH, HEADS = 32, 4
 _SCALARS = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "d_embed",
@@ -56,7 +64,16 @@ _SCALARS = {
     "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
     "moe_intermediate_size": WIDTH, "first_k_dense_replace": 1,
     "apply_spec_augment": False,  # SpecAugment draws random masks in training mode
+    # multi-head latent attention (DeepSeek-style): the rotary part is the head_dim
+    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": WIDTH // HEADS,
+    "qk_nope_head_dim": WIDTH // HEADS, "qk_head_dim": 2 * WIDTH // HEADS,
+    "v_head_dim": WIDTH // HEADS, "n_group": 2, "topk_group": 1,
+    "index_head_dim": WIDTH // HEADS, "index_n_heads": 2, "encoder_hidden_size": WIDTH,
+    "cross_hidden_size": WIDTH, "cross_num_attention_heads": HEADS,
+    "cross_head_dim": WIDTH // HEADS, "cross_num_key_value_heads": 2,
 }
+# at most these (GroupNorm's group count must divide the narrower channels)
+_CAPS = {"num_groups": 8}
 _LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None}
 _ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
          "mask_time_prob", "mask_feature_prob")
@@ -76,15 +93,22 @@ def _shrink(cfg: Any) -> None:
             _shrink(value)
         elif key in _SCALARS and (value is None or isinstance(value, (int, bool))):
             setattr(cfg, key, _SCALARS[key])
+        elif key in _CAPS and isinstance(value, int):
+            setattr(cfg, key, min(value, _CAPS[key]))
+        elif "audio_token" in key and isinstance(value, int):
+            setattr(cfg, key, AUDIO_TOKEN)  # inside the tiny vocabulary
         elif key in _LISTS and isinstance(value, (list, tuple)):
             n = len(value)
             setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
                     [32 * 2 ** i for i in range(n)])  # GroupNorm's 32 groups divide them
         elif any(key.endswith(z) for z in _ZERO) and isinstance(value, (float, list)):
             setattr(cfg, key, [0.0] * len(value) if isinstance(value, list) else 0.0)
-    if hasattr(cfg, "layer_types") and isinstance(cfg.layer_types, list):
-        layers = getattr(cfg, "num_hidden_layers", 2)
-        cfg.layer_types = (cfg.layer_types * layers)[:layers]
+    if getattr(cfg, "kv_lora_rank", None) and hasattr(cfg, "num_key_value_heads"):
+        cfg.num_key_value_heads = cfg.num_attention_heads  # latent attention: no kv groups
+    layers = getattr(cfg, "num_hidden_layers", 2)
+    for key, value in list(vars(cfg).items()):  # layer_types, mlp_layer_types, ...
+        if key.endswith("layer_types") and isinstance(value, list) and value:
+            setattr(cfg, key, (value * layers)[:layers])
 
 
 def hf_families(task: str) -> list[str]:
@@ -175,6 +199,85 @@ def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32)}
 
 
+def _is_audio_lm(model: Any) -> bool:
+    """A decoder-only language model that reads audio through placeholder tokens (Granite
+    Speech, AudioFlamingo3, ...): audio features in, no decoder_input_ids."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "input_features" in params and "decoder_input_ids" not in params \
+        and hasattr(model, "get_audio_features")
+
+
+def _audio_features(model: Any, rng: np.random.Generator
+                    ) -> tuple[dict[str, np.ndarray], int]:
+    """(the audio inputs, the audio embeddings per sample): a 32-frame feature map in the
+    layout the audio encoder takes (features by frames or frames by features), and the
+    frame mask where get_audio_features takes one."""
+    import inspect
+
+    torch = _torch()
+    cfg = model.config
+    sub = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None) or cfg
+    width = getattr(sub, "input_size", None) or getattr(sub, "input_dim", None) or \
+        sub.num_mel_bins
+    frames = 2 * getattr(sub, "max_source_positions", 16)
+    params = inspect.signature(model.get_audio_features).parameters
+    if "args" in params and hasattr(model, "model"):  # a delegate: its target's signature
+        params = inspect.signature(model.model.get_audio_features).parameters
+    masked = "input_features_mask" in params
+    failures = []
+    for shape in ((BATCH, width, frames), (BATCH, frames, width)):
+        feeds = {"input_features": rng.standard_normal(shape).astype(np.float32)}
+        if masked:
+            feeds["input_features_mask"] = np.ones((BATCH, frames), np.int64)
+        try:
+            with torch.no_grad():
+                out = model.get_audio_features(*map(torch.from_numpy, feeds.values()))
+        except (RuntimeError, ValueError) as exc:
+            failures.append(f"{shape}: {exc}")
+            continue
+        pooled = getattr(out, "pooler_output", out)
+        return feeds, int(pooled.numel() // (BATCH * pooled.shape[-1]))
+    raise ValueError(f"{type(model).__name__}: no audio feature layout runs: {failures}")
+
+
+def _audio_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """The audio embeddings' placeholders, then text (the last sequence right-padded); the
+    loss over the next text token, audio positions and padding not counted (-100)."""
+    audio, n = _audio_features(model, rng)
+    ids, mask = _tokens(rng, VOCAB)
+    ids[ids == AUDIO_TOKEN] = AUDIO_TOKEN - 1
+    ids = np.concatenate([np.full((BATCH, n), AUDIO_TOKEN, np.int64), ids], 1)
+    mask = np.concatenate([np.ones((BATCH, n), np.int64), mask], 1)
+    labels = _labels(ids, mask)
+    labels[:, :n] = -100
+    feeds = {"input_ids": ids, "attention_mask": mask, **audio,
+             "y": labels[:, 1:].reshape(-1)}
+    return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
+
+
+def _channels(model: Any) -> int:
+    """Codebooks of a decoder over several token streams (Dia's audio codes), else 0."""
+    return int(getattr(getattr(model.config, "decoder_config", None), "num_channels", 0) or 0)
+
+
+def _multichannel_seq2seq(model: Any, rng: np.random.Generator
+                          ) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """Text in, ``channels`` streams of codes out: decoder_input_ids shaped (batch, time,
+    channels); the logits' rows are (batch, channel) pairs, flattened against the codes in
+    that order."""
+    cfg = model.config
+    ids, mask = _tokens(rng, min(cfg.encoder_config.vocab_size, VOCAB))
+    codes = rng.integers(3, min(cfg.decoder_config.vocab_size, VOCAB),
+                         (BATCH, LENGTH, _channels(model))).astype(np.int64)
+    start = np.full((BATCH, 1, codes.shape[2]), cfg.bos_token_id, np.int64)
+    feeds = {"input_ids": ids, "attention_mask": mask,
+             "decoder_input_ids": np.concatenate([start, codes[:, :-1]], 1),
+             "y": codes.transpose(0, 2, 1).reshape(-1)}
+    return _Logits.wrap(model, list(feeds)[:-1], tokens=True), feeds, None
+
+
 def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     torch = _torch()
     model = _model(task, model_type)
@@ -190,6 +293,10 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
             feeds = _audio_feeds(model, rng)
         feeds["y"] = rng.integers(0, LABELS, BATCH).astype(np.int64)
         return _Logits.wrap(model, list(feeds)[:-1]), feeds, torch.nn.CrossEntropyLoss()
+    if _is_audio_lm(model):
+        return _audio_lm(model, rng)
+    if _channels(model):
+        return _multichannel_seq2seq(model, rng)
     vocab = _vocab(model) if task != "seqcls" else model.config.vocab_size
     ids, mask = _tokens(rng, min(vocab, VOCAB))
     if task == "causal":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,3 +91,32 @@ def test_a_raw_exception_from_inside_ngdist_is_flagged_an_ngdist_error_is_not():
     with pytest.raises(NgdistError) as clear:  # a clear refusal, not flagged
         tfront.translate_loss(object())
     assert "raw_in_ngdist" not in sweep_check.describe(clear.value)
+
+
+@pytest.mark.parametrize("name", ["hf/imgcls/bit", "hf/speech2seq/dia", "hf/causal/axk1",
+                                  "hf/seq2seq/audioflamingo3"])
+def test_tiny_configs_build_and_feed_what_the_model_takes(name):
+    """GroupNorm groups capped (bit), a decoder of 9 code streams (dia), latent attention
+    (axk1: no kv groups), an audio language model (placeholder tokens, one per audio
+    embedding, not counted in the loss): each model runs on its feeds in eager torch, and the
+    labels hold one row per predicted token."""
+    import copy
+
+    import torch
+    from sweep_check import _tensors, loss_of
+
+    from ngdist import zoo_sweep_hf as hf
+
+    task, model_type = name.split("/")[1:]
+    module, feeds, loss_fn = hf._build(task, model_type)
+    with torch.no_grad():
+        loss = float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
+    assert np.isfinite(loss)
+    if model_type == "dia":
+        assert feeds["decoder_input_ids"].shape == (hf.BATCH, hf.LENGTH, 9)
+        assert feeds["y"].shape == (hf.BATCH * 9 * hf.LENGTH,)
+    if model_type == "audioflamingo3":
+        ids, y = feeds["input_ids"], feeds["y"].reshape(hf.BATCH, -1)
+        audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
+        assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
+        assert (y[:, :audio - 1] == -100).all() and (y[:, audio:] != hf.AUDIO_TOKEN).all()
