@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 
@@ -74,8 +74,9 @@ class CommNode:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "facts" and "facts" in self.__dict__:
-            raise AttributeError(f"comm node '{self.name}': its facts are the step plan's, set "
-                                 "once when the plan is made (runtime/plan.py build_plan)")
+            raise FrozenInstanceError(f"comm node '{self.name}': its facts are the step plan's, "
+                                      "set once when the plan is made (runtime/plan.py "
+                                      "build_plan)")
         super().__setattr__(name, value)
 
 

@@ -18,13 +18,15 @@ from collections.abc import Sequence
 
 import onnx_ir as ir
 
+from ngdist.errors import GraphError
 from ngdist.passes.analysis import comm_nodes
 
 logger = logging.getLogger(__name__)
 
 
-class Unmet(ir.passes.PreconditionError):
-    """A requirement of a pass that the graph does not meet: the pass does not apply."""
+class Unmet(ir.passes.PreconditionError, GraphError):
+    """A requirement of a pass that the graph does not meet: the pass does not apply (a
+    GraphError where the pass is run on its own, outside :class:`StepPassManager`)."""
 
 
 class CommInsertionPass(ir.passes.InPlacePass):

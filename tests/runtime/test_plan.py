@@ -118,7 +118,8 @@ def test_stacked_micro_batches_are_a_fact_of_the_plan_set_once():
     assert stacked == {"exact": True, "plain": False}
     assert not any(n.facts.stacked for n in build_plan(m, 2).comm_nodes.values())
     node = next(n for n in plan.comm_nodes.values() if n.name == "exact")
-    with pytest.raises(AttributeError, match=r"^comm node 'exact': its facts are the step "
-                                             r"plan's, set once when the plan is made"):
+    with pytest.raises(dataclasses.FrozenInstanceError,
+                       match=r"^comm node 'exact': its facts are the step plan's, set once "
+                             r"when the plan is made"):
         node.facts = dataclasses.replace(node.facts, stacked=False)
     assert node.facts.stacked
