@@ -1,10 +1,11 @@
 """Same-run A/B of the runtime: this checkout against the code before the step plan.
 
-    python benchmarks/runtime_ab.py [--before REV] [--rounds 2] [--only comm mlp cnn zoo]
-        [--out DIR] [--smoke]
+    python benchmarks/runtime_ab.py [--before REV] [--after REV] [--rounds 2]
+        [--only comm mlp cnn zoo] [--out DIR] [--smoke]
 
 ``--before`` defaults to the commit before the one that added ``ngdist/runtime/plan.py`` (the
-step plan), found in ``git log``. Its tree is exported with ``git archive`` into a temporary
+step plan), found in ``git log``; ``--after`` to this checkout as it is (with ``REV``: that
+commit's tree). A commit's tree is exported with ``git archive`` into a temporary
 folder (the repository is only read), and each benchmark runs from both trees with this
 venv's interpreter, ``PYTHONPATH`` set to the tree (checked: the ``ngdist`` each run imports
 is that tree's). The two codes alternate benchmark by benchmark, the first of each pair
@@ -67,14 +68,14 @@ def before_plan() -> str:
     return git("rev-parse", f"{added[-1]}~1")
 
 
-def export(rev: str, into: Path) -> Path:
+def export(rev: str, into: Path, name: str) -> Path:
     """The tree of ``rev`` as files under ``into`` (``git archive``: the repository is only
     read, no worktree is registered)."""
-    tar = into / "tree.tar"
+    tar = into / f"{name}.tar"
     with open(tar, "wb") as f:
         subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev], check=True,
                        stdout=f)
-    tree = into / "tree"
+    tree = into / name
     with tarfile.open(tar) as t:
         t.extractall(tree, filter="data")
     tar.unlink()
@@ -133,6 +134,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", help="the code before (default: the commit before the step plan)")
+    p.add_argument("--after", help="the code after (default: this checkout as it is)")
     p.add_argument("--rounds", type=int, default=2, help="alternating runs of each code")
     p.add_argument("--only", nargs="+", choices=list(BENCHES), default=list(BENCHES))
     p.add_argument("--out", type=Path, help="folder for every run's output")
@@ -143,10 +145,14 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="ngdist-ab-"))
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ngdist-before-") as tmp:
-        trees = {"before": export(rev, Path(tmp)), "after": ROOT}
+        trees = {"before": export(rev, Path(tmp), "before"),
+                 "after": export(git("rev-parse", args.after), Path(tmp), "after")
+                 if args.after else ROOT}
         dirty = git("status", "--porcelain", "--untracked-files=no")
-        print(f"before: {rev[:12]} (exported); after: {ROOT} at {git('rev-parse', 'HEAD')[:12]}"
-              f"{' with uncommitted changes' if dirty else ''}", flush=True)
+        after = f"{args.after} (exported)" if args.after else \
+            f"{ROOT} at {git('rev-parse', 'HEAD')[:12]}" + \
+            (" with uncommitted changes" if dirty else "")
+        print(f"before: {rev[:12]} (exported); after: {after}", flush=True)
         for bench in args.only:
             runs = []
             for i in range(rounds):
