@@ -29,7 +29,7 @@ ALLOWED = {
     ("optim/spec.py", "ValueError"): "caught in the same function, re-raised as OptionError",
     ("comm/__init__.py", "SystemExit"): "ends a rank whose peer failed (comm/exits.py)",
     ("launcher.py", "KeyboardInterrupt"): "re-raises the user's Ctrl-C",
-    ("optim/__init__.py", "NotImplementedError"): "an abstract method",
+    ("optim/base.py", "NotImplementedError"): "an abstract method",
     ("comm/shared.py", "OSError"): "caught by its caller, which falls back to MPI",
     ("ir/atomic.py", "NotADirectoryError"): "the OS's own error for a path that is a file",
     ("kernels/collectives.py", "ValueError"): "a kernel's check of what a pass built",

@@ -17,14 +17,17 @@ counterpart left in the graph (a frozen one, ``trainable=False``, is fine).
 
 Losses: ``SparseCategoricalCrossentropy`` (``from_logits=True``, or ``False`` on a model whose
 output is a Softmax: the Softmax's input becomes the logits for training, the inference graph
-keeps the probabilities) and ``MeanSquaredError``. Optimizers: ``keras.optimizers.SGD``
+keeps the probabilities) and ``MeanSquaredError`` are ngdist's own loss nodes; any other Keras
+loss or function of ``(y_true, y_pred)`` is exported with the model (keras_loss.py).
+Optimizers: ``keras.optimizers.SGD``
 (momentum, Nesterov) and ``Adam`` map exactly onto ONNX Momentum and Adam (Keras' Adam, like
 ONNX's, adds epsilon after the bias correction is folded into the learning rate);
 ``Adadelta`` is torch's formula, ``Nadam`` torch's NAdam with ``momentum_decay=1``, and
 ``RMSprop``, ``Adagrad``, ``Adamax`` have formulas of their own (``ngdist.optim.KerasRMSprop``,
-``KerasAdagrad``, ``KerasAdamax``: epsilon where Keras puts it). Keras'
-decoupled ``weight_decay``, gradient clipping, EMA, AMSGrad and learning-rate schedules have
-no counterpart and are refused.
+``KerasAdagrad``, ``KerasAdamax``: epsilon where Keras puts it); ``Adam``/``AdamW`` with
+Keras' decoupled ``weight_decay`` are ``KerasAdamW``, whose variables excluded from the decay
+(``exclude_from_weight_decay``) form a parameter group without it. Weight decay on other
+optimizers, gradient clipping, EMA, AMSGrad and learning-rate schedules are refused.
 """
 from __future__ import annotations
 
@@ -42,6 +45,9 @@ from onnx import numpy_helper
 
 from ngdist import optim
 from ngdist.errors import ArgumentError, GraphError
+from ngdist.frontends import keras_loss
+from ngdist.frontends.keras_loss import translate_loss  # noqa: F401  (the frontend's API)
+from ngdist.frontends.keras_optim import translate_optimizer
 from ngdist.ir.writeback import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -149,8 +155,11 @@ def _match(arr: np.ndarray, marked: dict[str, np.ndarray]) -> list[tuple[str, tu
 
 
 def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str] | None = None,
-           opset: int = OPSET) -> KerasExport:
-    """Converts ``model(x, training=False)`` and links every initializer to its variable."""
+           opset: int = OPSET, loss: Any = None, labels: str = "y") -> KerasExport:
+    """Converts ``model(x, training=False)`` and links every initializer to its variable.
+    With ``loss`` (a Keras loss or a function of ``(y_true, y_pred)``), the graph is that
+    loss of the model's output against an input named ``labels``, its one output
+    ``keras_loss.LOSS_OUTPUT`` (frontends/keras_loss.py)."""
     tf, keras, tf2onnx = _tf()
     if opset > OPSET:
         raise ArgumentError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
@@ -165,6 +174,13 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
         logger.warning("Keras Dropout layers export as no-ops: ngdist trains this model "
                        "without dropout")
     specs = _input_specs(model, example_inputs, input_names)
+    n_in = len(specs)
+
+    def forward(*xs: Any) -> Any:
+        return model(xs[0] if n_in == 1 else list(xs[:n_in]), training=False)
+
+    if loss is not None:
+        specs.append(keras_loss.label_spec(loss, forward, specs, labels))
     variables = [v for v in model.variables if np.dtype(v.dtype).kind == "f"]
     original = [v.numpy() for v in variables]
     rng = np.random.default_rng(20240607)
@@ -174,11 +190,18 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
             val = (rng.standard_normal(v.shape) + 3.0).astype(original[0].dtype)
             v.assign(val)
             marked[v.path] = val
-        fn = tf.function(lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False))
-        proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
+        fn = tf.function(forward if loss is None else keras_loss.loss_function(loss, forward))
+        try:
+            proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
+        except Exception as exc:  # noqa: BLE001 - tf2onnx raises anything; say what failed
+            if loss is None:
+                raise
+            raise keras_loss.not_exported(loss, f"{type(exc).__name__}: {str(exc)[:200]}")
     finally:
         for v, val in zip(variables, original):
             v.assign(val)
+    if loss is not None:
+        keras_loss.check_ops(loss, proto)
     by_path = {v.path: (v, val) for v, val in zip(variables, original)}
     exp = KerasExport(proto, [s.name for s in specs], [])
     for t in proto.graph.initializer:
@@ -199,9 +222,14 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
         new = exp.links[old].path
         _rename_value(proto.graph, old, new)
         exp.links[new] = exp.links.pop(old)
-    _canonical_names(proto.graph, set(exp.links))
+    # the loss graph's constants are its own (the deployed graph's const/N are other values)
+    _canonical_names(proto.graph, set(exp.links), "" if loss is None else "ngdist.loss/")
     outs = [o.name for o in proto.graph.output]
     exp.output_names = ["output"] if len(outs) == 1 else [f"output{i}" for i in range(len(outs))]
+    if loss is not None:
+        exp.input_names = exp.input_names[:n_in]
+        exp.output_names = [keras_loss.LOSS_OUTPUT]
+        keras_loss.share_batch_axis(proto.graph, exp.input_names[0], labels)
     for old, new in zip(outs, exp.output_names):
         _rename_value(proto.graph, old, new)
     logger.info("exported Keras model %s: %d nodes, %d linked variables", model.name,
@@ -209,7 +237,7 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     return exp
 
 
-def _canonical_names(graph: onnx.GraphProto, keep: set[str]) -> None:
+def _canonical_names(graph: onnx.GraphProto, keep: set[str], prefix: str = "") -> None:
     """Makes the names tf2onnx generates independent of the process.
 
     tf2onnx merges equal constants under whichever name a hash-ordered set yields first and
@@ -223,7 +251,7 @@ def _canonical_names(graph: onnx.GraphProto, keep: set[str]) -> None:
     for node in graph.node:
         order.extend(i for i in node.input if i in inits and i not in order)
     order += [n for n in sorted(inits) if n not in order]
-    renames = {n: f"const/{i}" for i, n in enumerate(n for n in order if n not in keep)}
+    renames = {n: f"{prefix}const/{i}" for i, n in enumerate(n for n in order if n not in keep)}
     fixed = {o.name for o in graph.output} | {i.name for i in graph.input} | keep
     counter = itertools.count()
     for node in graph.node:
@@ -271,90 +299,6 @@ def _check_links(model: Any, exp: KerasExport, marked: dict[str, np.ndarray]) ->
 
 # --------------------------------------------------------------------------- translation
 
-def _softmax_logits(proto: onnx.ModelProto, output: str) -> str | None:
-    producer = next((n for n in proto.graph.node if output in n.output), None)
-    if producer is None or producer.op_type != "Softmax":
-        return None
-    return producer.input[0]
-
-
-def translate_loss(loss: Any, proto: onnx.ModelProto, output: str) -> tuple[str | None, str]:
-    """(ngdist loss name, the value it applies to): Keras loss object or name."""
-    _, keras, _ = _tf()
-    if loss is None:
-        return None, output
-    config: dict[str, Any] = {}
-    if isinstance(loss, keras.losses.Loss):
-        config = loss.get_config()
-        name = type(loss).__name__
-    elif isinstance(loss, str):
-        name = loss
-    else:
-        raise GraphError(f"loss {loss!r} has no ngdist counterpart")
-    if name in ("SparseCategoricalCrossentropy", "sparse_categorical_crossentropy"):
-        if config.get("ignore_class") is not None:
-            raise GraphError("SparseCategoricalCrossentropy(ignore_class=...) is not supported")
-        if config.get("from_logits", False):
-            return "softmax_cross_entropy", output
-        logits = _softmax_logits(proto, output)
-        if logits is None:
-            raise GraphError("SparseCategoricalCrossentropy(from_logits=False) needs a model "
-                             "whose output is a Softmax; make the model output logits and use "
-                             "from_logits=True")
-        return "softmax_cross_entropy", logits
-    if name in ("MeanSquaredError", "mean_squared_error", "mse"):
-        return "mse", output
-    if name in ("softmax_cross_entropy", "cross_entropy"):
-        return name, output
-    raise GraphError(f"loss {name} has no ngdist counterpart; use "
-                     "SparseCategoricalCrossentropy, MeanSquaredError or None")
-
-
-def translate_optimizer(opt: Any) -> optim.Optimizer:
-    """``keras.optimizers.SGD`` / ``Adam`` / ``Adadelta`` / ``Nadam`` / ``RMSprop`` /
-    ``Adagrad`` / ``Adamax`` -> the ngdist optimizer with the same update."""
-    _, keras, _ = _tf()
-    name = type(opt).__name__
-    cfg = opt.get_config()
-    lr = cfg.get("learning_rate")
-    if not isinstance(lr, (int, float)):
-        raise GraphError(f"{name}: learning-rate schedules are not supported; use a constant "
-                         "learning rate and trainer.set_lr()")
-    unsupported = [k for k in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm")
-                   if cfg.get(k)] + (["use_ema"] if cfg.get("use_ema") else [])
-    if unsupported:
-        raise GraphError(f"{name}: {unsupported} have no ONNX counterpart (Keras' weight decay "
-                         "is decoupled); leave them unset")
-    if isinstance(opt, keras.optimizers.SGD):
-        return optim.SGD(lr=float(lr), momentum=float(cfg.get("momentum", 0.0)),
-                         nesterov=bool(cfg.get("nesterov", False)))
-    if isinstance(opt, keras.optimizers.Adam):
-        if cfg.get("amsgrad"):
-            raise GraphError("Adam(amsgrad=True) is not supported")
-        return optim.Adam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
-                          eps=float(cfg["epsilon"]))
-    if isinstance(opt, keras.optimizers.Adadelta):  # Keras' Adadelta is torch's formula
-        return optim.Adadelta(lr=float(lr), rho=float(cfg["rho"]), eps=float(cfg["epsilon"]))
-    if isinstance(opt, keras.optimizers.Nadam):  # torch's NAdam with 0.96^t: momentum_decay 1
-        return optim.NAdam(lr=float(lr), betas=(float(cfg["beta_1"]), float(cfg["beta_2"])),
-                           eps=float(cfg["epsilon"]), momentum_decay=1.0)
-    # Keras' own formulas (epsilon placed otherwise than torch's)
-    if isinstance(opt, keras.optimizers.RMSprop):
-        return optim.KerasRMSprop(lr=float(lr), alpha=float(cfg["rho"]),
-                                  eps=float(cfg["epsilon"]), momentum=float(cfg["momentum"]),
-                                  centered=bool(cfg["centered"]))
-    if isinstance(opt, keras.optimizers.Adagrad):
-        return optim.KerasAdagrad(lr=float(lr), eps=float(cfg["epsilon"]),
-                                  initial_accumulator_value=float(
-                                      cfg["initial_accumulator_value"]))
-    if isinstance(opt, keras.optimizers.Adamax):
-        return optim.KerasAdamax(lr=float(lr), eps=float(cfg["epsilon"]),
-                                 betas=(float(cfg["beta_1"]), float(cfg["beta_2"])))
-    raise GraphError(f"optimizer {name} has no ngdist counterpart; use keras.optimizers.SGD, "
-                     "Adam, Adadelta, Nadam, RMSprop, Adagrad, Adamax or an ngdist.optim "
-                     "optimizer")
-
-
 # --------------------------------------------------------------------------- training model
 
 def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET,
@@ -362,7 +306,7 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
                    input_names: Sequence[str] | None = None,
                    frozen: Sequence[str] | None = None) -> tuple[onnx.ModelProto, KerasExport]:
     """The standard ONNX training model of a Keras model (its compiled loss/optimizer if unset)."""
-    from ngdist.frontends.onnx import build_training_model
+    from ngdist.frontends.onnx import build_training_model, use_inference_graph
 
     if loss is _UNSET:
         loss = getattr(model, "loss", None) or "sparse_categorical_crossentropy"
@@ -374,13 +318,20 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
             "keras.optimizers.SGD(0.01) (here or in model.compile),")
     exp = export(model, example_inputs, input_names=input_names)
     proto = exp.model
-    kind, target = translate_loss(loss, proto, exp.output_names[0])
+    kind, target = keras_loss.translate_loss(loss, proto, exp.output_names[0])
     if isinstance(optimizer, (str, *optim.OPTIMIZERS)):
         opt = optim.from_spec(optimizer)
     else:
-        opt = translate_optimizer(optimizer)
+        opt = translate_optimizer(optimizer, model)
     frozen_set = set(frozen or [])
     params = [n for n, lk in exp.links.items() if lk.trainable and n not in frozen_set]
+    if kind is keras_loss.EXPORTED:  # the loss goes into the training graph through tf2onnx
+        train = export(model, example_inputs, input_names=input_names, loss=loss,
+                       labels=labels)
+        result = build_training_model(train.model, loss=None, labels=labels, optimizer=opt,
+                                      params=params, output=keras_loss.LOSS_OUTPUT)
+        use_inference_graph(result, proto)
+        return result, exp
     extra = target != exp.output_names[0]
     if extra:  # train on the Softmax's input; the deployed graph keeps the probabilities
         proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(target))

@@ -306,3 +306,22 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     roles.update({b: "buffer" for b in buffer_values})
     helper.set_model_props(model, {"ngdist.roles": json.dumps(roles), "ngdist.loss": loss_name})
     return model
+
+
+def use_inference_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
+    """model.graph <- ``ev``'s graph (the eval-mode export, or the model without the loss a
+    frontend exported into the training graph); keep every initializer the step reads."""
+    g = model.graph
+    eval_inits = {t.name for t in ev.graph.initializer}
+    extra = [copy.deepcopy(t) for t in g.initializer if t.name not in eval_inits]
+    graph = copy.deepcopy(ev.graph)
+    inits = {t.name: t for t in g.initializer}
+    for t in graph.initializer:
+        if t.name in inits:
+            t.CopyFrom(inits[t.name])
+    graph.initializer.extend(extra)
+    inputs = {i.name: i for i in g.input}
+    for i in graph.input:  # keep the symbolic batch axis chosen for the training graph
+        if i.name in inputs:
+            i.CopyFrom(inputs[i.name])
+    g.CopyFrom(graph)

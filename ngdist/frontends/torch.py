@@ -41,7 +41,6 @@ implementation and are ignored.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
@@ -306,7 +305,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                    ) -> tuple[onnx.ModelProto, TorchExport]:
     """The standard ONNX training model of ``module``: training-mode algorithm, eval graph.
     ``exporter``: the torch.onnx exporter tried first (see ``export``)."""
-    from ngdist.frontends.onnx import build_training_model
+    from ngdist.frontends.onnx import build_training_model, use_inference_graph
 
     if optimizer is _UNSET or optimizer is None:
         raise optim.missing_optimizer(
@@ -335,7 +334,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                                  output=torch_loss.LOSS_OUTPUT if with_loss
                                  else exp.output_names[0])
     unbiased_running_var(model)
-    _use_eval_graph(model, exp.eval)
+    use_inference_graph(model, exp.eval)
     return model, exp
 
 
@@ -358,24 +357,6 @@ def _export_with_loss(module: Any, example_inputs: Any, loss: Any, labels: str,
             softmax_output(exp.train.graph, exp.output_names[0]) is not None:
         return run(True)
     return exp
-
-
-def _use_eval_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
-    """model.graph <- the eval-mode export; keep every initializer the algorithm reads."""
-    g = model.graph
-    eval_inits = {t.name for t in ev.graph.initializer}
-    extra = [copy.deepcopy(t) for t in g.initializer if t.name not in eval_inits]
-    graph = copy.deepcopy(ev.graph)
-    inits = {t.name: t for t in g.initializer}
-    for t in graph.initializer:
-        if t.name in inits:
-            t.CopyFrom(inits[t.name])
-    graph.initializer.extend(extra)
-    inputs = {i.name: i for i in g.input}
-    for i in graph.input:  # keep the symbolic batch axis chosen for the training graph
-        if i.name in inputs:
-            i.CopyFrom(inputs[i.name])
-    g.CopyFrom(graph)
 
 
 # --------------------------------------------------------------------------- write-back

@@ -27,94 +27,18 @@ OptionError naming it.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from ngdist.errors import OptionError
-from ngdist.optim.checks import Group, checked, checked_groups
+from ngdist.optim.base import _groups_field, _Optimizer
+from ngdist.optim.checks import Group
 from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
-                                      KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
-                                      FORMULA_ATTR, MAXIMIZE_ATTR, NADAM, RADAM, RMSPROP,
-                                      SCHEDULED_ATTR, TORCH_ADAM, TORCH_ADAMW, state_kinds)
+                                      KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW, KERAS_RMSPROP,
+                                      NADAM, RADAM, RMSPROP, TORCH_ADAM, TORCH_ADAMW)
 
 logger = logging.getLogger(__name__)
-
-
-class _Optimizer:
-    """What every optimizer shares: checks, state kinds, groups (the fields are the class's)."""
-
-    op_type = ""
-    formula: str | None = None
-    step_offset = 0  # added to the step count: ONNX Momentum and Adagrad count from 0
-    maximize: bool
-    groups: tuple[Group, ...]
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            if f.name != "groups":
-                object.__setattr__(self, f.name, checked(self, f.name, f.type,
-                                                          getattr(self, f.name)))
-        object.__setattr__(self, "groups", checked_groups(self, self.groups))
-
-    def _attributes(self) -> dict[str, object]:
-        raise NotImplementedError
-
-    def attributes(self) -> dict[str, object]:
-        """The optimizer node's attributes."""
-        out = self._attributes()
-        if self.formula is not None:
-            out[FORMULA_ATTR] = self.formula
-        if self.maximize:
-            out[MAXIMIZE_ATTR] = 1
-        if self.scheduled():
-            out[SCHEDULED_ATTR] = list(self.scheduled())
-        return out
-
-    def scheduled(self) -> dict[str, float]:
-        """{node attribute: its first value} of the hyper-parameters the node reads from
-        inputs of the step (``scheduled_momentum``): none unless the optimizer has them."""
-        return {}
-
-    @property
-    def state_suffixes(self) -> tuple[str, ...]:
-        """The states of each parameter, as the suffixes of their names."""
-        return state_kinds(self.op_type, self.attributes())
-
-    def state_init(self, suffix: str) -> float:
-        """The value a state starts at (0 unless the optimizer says otherwise)."""
-        return 0.0
-
-    def param_groups(self, params: Sequence[str]) -> list[tuple[int, Any, list[str]]]:
-        """(group index, the group's optimizer without groups, its parameters of ``params``
-        in their order) for each group that has some; the parameters no group names are
-        group ``len(groups)``. A named parameter that is not in ``params`` is an OptionError."""
-        known, owner = set(params), {}
-        for i, g in enumerate(self.groups):
-            for p in g["params"]:
-                if p not in known:
-                    raise OptionError(f"{type(self).__name__} group {i} names {p!r}, which is "
-                                      f"not a trained parameter; the trained parameters are "
-                                      f"{sorted(known)}")
-                if p in owner:
-                    raise OptionError(f"{type(self).__name__}: parameter {p!r} is in groups "
-                                      f"{owner[p]} and {i}; a parameter belongs to one group")
-                owner[p] = i
-        out = []
-        for i in range(len(self.groups) + 1):
-            hyper = {k: v for k, v in self.groups[i].items() if k != "params"} \
-                if i < len(self.groups) else {}
-            mine = [p for p in params if owner.get(p, len(self.groups)) == i]
-            if mine:
-                out.append((i, dataclasses.replace(self, groups=(), **hyper), mine))  # type: ignore
-        return out
-
-
-def _groups_field() -> Any:
-    return field(default=(), hash=False)
 
 
 @dataclass(frozen=True)
@@ -368,16 +292,28 @@ class KerasAdamax(Adamax):
     formula = KERAS_ADAMAX
 
 
+@dataclass(frozen=True)
+class KerasAdamW(Adamax):
+    """Keras' ``AdamW``: x <- x - x * weight_decay * lr first (decoupled, with the current
+    learning rate), then Keras' Adam: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
+    x <- x - lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)."""
+
+    lr: float = 1e-3
+    eps: float = 1e-7
+    weight_decay: float = 0.004
+    formula = KERAS_ADAMW
+
+
 Optimizer = (SGD | Adam | Adagrad | TorchAdam | AdamW | Adamax | NAdam | RAdam | RMSprop |
-             Adadelta | KerasRMSprop | KerasAdagrad | KerasAdamax)
+             Adadelta | KerasRMSprop | KerasAdagrad | KerasAdamax | KerasAdamW)
 # every optimizer class, for isinstance checks
 OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta,
-              KerasRMSprop, KerasAdagrad, KerasAdamax)
+              KerasRMSprop, KerasAdagrad, KerasAdamax, KerasAdamW)
 # the CLI's names (``from_spec``)
 KINDS = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam, "adamw": AdamW,
          "adamax": Adamax, "nadam": NAdam, "radam": RAdam, "rmsprop": RMSprop,
          "adadelta": Adadelta, "keras_rmsprop": KerasRMSprop, "keras_adagrad": KerasAdagrad,
-         "keras_adamax": KerasAdamax}
+         "keras_adamax": KerasAdamax, "keras_adamw": KerasAdamW}
 
 
 def from_spec(spec: str | Optimizer) -> Optimizer:

@@ -4,8 +4,8 @@ A node without ``ngdist_formula`` follows ONNX's operator specification (onnx_op
 it, the node follows one of PyTorch's formulas (``common.FORMULAS``): on an ``Adam`` node
 ``torch_adam``, ``torch_adamw``, ``adamax``, ``nadam``, ``radam`` (adam_family.py), on an
 ``Adagrad`` node ``rmsprop``, ``adadelta`` (rms_family.py); Keras' own ``keras_rmsprop``,
-``keras_adagrad`` (Adagrad node) and ``keras_adamax`` (Adam node) where Keras' formula is not
-torch's. ``ngdist_amsgrad=1`` (torch Adam
+``keras_adagrad`` (Adagrad node), ``keras_adamax`` and ``keras_adamw`` (Adam node) where
+Keras' formula is not torch's. ``ngdist_amsgrad=1`` (torch Adam
 formulas) adds a third state after m and v, the running maximum of v, which then replaces v in
 the denominator. ``ngdist_maximize=1`` (any node) ascends. A node's states are
 ``common.state_kinds`` of its op and attributes, in order.
@@ -21,7 +21,8 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.optimizers import adam_family, onnx_ops, rms_family
 from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
-                                             KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_RMSPROP,
+                                             KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW,
+                                             KERAS_RMSPROP,
                                              check_formula,
                                              FORMULA_ATTR, FORMULAS, MAXIMIZE_ATTR, NADAM,
                                              OPTIMIZER_OPS, RADAM, RMSPROP, SCHEDULED_ATTR,
@@ -31,7 +32,7 @@ from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DEC
                                              state_kinds)
 
 __all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "FORMULA_ATTR", "FORMULAS",
-           "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_RMSPROP",
+           "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_ADAMW", "KERAS_RMSPROP",
            "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "SCHEDULED_ATTR",
            "TORCH_ADAM",
            "TORCH_ADAMW", "OptimizerLoweringPass", "node_state_kinds", "num_states",

@@ -16,7 +16,8 @@ from typing import Any
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext
-from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMAX, NADAM,
+from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMAX,
+                                             KERAS_ADAMW, NADAM,
                                              RADAM, TORCH_ADAM, TORCH_ADAMW, Float64, Scalars,
                                              decimal, maximized, scalar_like)
 
@@ -32,7 +33,7 @@ def _hyper(a: Mapping[str, object]) -> tuple[Any, float, float, float]:
 
 
 def _decoupled(formula: str, a: Mapping[str, object]) -> bool:
-    return formula == TORCH_ADAMW or bool(a.get(DECOUPLED_ATTR))
+    return formula in (TORCH_ADAMW, KERAS_ADAMW) or bool(a.get(DECOUPLED_ATTR))
 
 
 def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
@@ -52,6 +53,8 @@ def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
         out["bc2_sqrt"] = f.op("Where", tpos, f.op("Sqrt", bc2), one)
     elif formula in (ADAMAX, KERAS_ADAMAX):
         out["clr"] = f.op("Div", f.lr, bc1)
+    elif formula == KERAS_ADAMW:  # alpha = lr * sqrt(1 - b2^t) / (1 - b1^t)
+        out["alpha"] = f.op("Div", f.op("Mul", f.lr, f.op("Sqrt", bc2)), bc1)
     elif formula == NADAM:
         out.update(_nadam_scalars(f, b1, decimal(a.get("ngdist_momentum_decay", 4e-3)), bc2))
     else:  # RADAM
@@ -196,6 +199,20 @@ def _keras_adamax(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value,
     return [x_new, m_new, u_new]
 
 
+def _keras_adamw(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
+                 states: Sequence[ir.Value]) -> list[ir.Value]:
+    """Keras' AdamW: x *= 1 - lr wd (decoupled, before the update); m += (g - m)(1 - b1);
+    v += (g^2 - v)(1 - b2); x -= m alpha / (sqrt(v) + eps)."""
+    m, v = states
+    b1, b2, eps, _ = _hyper(a)
+    x, g = p.prelude(formula, a, x, g)
+    m_new = p.lerp(m, g, 1 - b1)
+    v_new = p.lerp(v, p.op("Mul", g, g), 1 - b2)
+    x_new = p.op("Sub", x, p.op("Div", p.op("Mul", m_new, p.scalar("alpha")),
+                                p.op("Add", p.op("Sqrt", v_new), p.c(eps))))
+    return [x_new, m_new, v_new]
+
+
 def _moments(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,
              states: Sequence[ir.Value]) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, float]:
     """NAdam's and RAdam's common start: the prelude (decay, maximize), then torch's moments
@@ -230,7 +247,7 @@ def _radam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.
 
 _ONE: dict[str, Callable[..., list[ir.Value]]] = {
     TORCH_ADAM: _torch_adam, TORCH_ADAMW: _torch_adam, ADAMAX: _adamax, NADAM: _nadam,
-    RADAM: _radam, KERAS_ADAMAX: _keras_adamax}
+    RADAM: _radam, KERAS_ADAMAX: _keras_adamax, KERAS_ADAMW: _keras_adamw}
 
 
 def lower(ctx: GradContext, formula: str, a: Mapping[str, object], r: ir.Value, t: ir.Value,

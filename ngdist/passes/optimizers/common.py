@@ -27,8 +27,10 @@ RMSPROP, ADADELTA = "rmsprop", "adadelta"  # on an Adagrad node
 ADAMAX, NADAM, RADAM = "adamax", "nadam", "radam"  # on an Adam node
 # Keras' formulas where they differ from torch's (epsilon elsewhere)
 KERAS_RMSPROP, KERAS_ADAGRAD, KERAS_ADAMAX = "keras_rmsprop", "keras_adagrad", "keras_adamax"
+KERAS_ADAMW = "keras_adamw"  # Keras' AdamW: Keras' (ONNX's) Adam after a decoupled decay
 FORMULAS = {TORCH_ADAM: "Adam", TORCH_ADAMW: "Adam", ADAMAX: "Adam", NADAM: "Adam",
-            RADAM: "Adam", KERAS_ADAMAX: "Adam", RMSPROP: "Adagrad", ADADELTA: "Adagrad",
+            RADAM: "Adam", KERAS_ADAMAX: "Adam", KERAS_ADAMW: "Adam", RMSPROP: "Adagrad",
+            ADADELTA: "Adagrad",
             KERAS_RMSPROP: "Adagrad", KERAS_ADAGRAD: "Adagrad"}  # formula -> its node
 # with the PyTorch Adam formula, AMSGrad (1): a third state per parameter, the running max of v
 AMSGRAD_ATTR = "ngdist_amsgrad"
@@ -63,6 +65,7 @@ STATE_KINDS: dict[tuple[str, str | None], Callable[[Mapping[str, object]], tuple
     ("Adagrad", KERAS_RMSPROP): _rmsprop_kinds,
     ("Adagrad", KERAS_ADAGRAD): lambda a: ("adagrad_h",),
     ("Adam", KERAS_ADAMAX): lambda a: ("adamax_m", "adamax_u"),
+    ("Adam", KERAS_ADAMW): lambda a: ("adam_m", "adam_v"),
 }
 
 
