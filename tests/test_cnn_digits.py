@@ -89,7 +89,8 @@ def test_explicit_params_cannot_include_buffers() -> None:
 
     from ngdist.errors import GraphError
     with pytest.raises(GraphError, match=r"params \['bn1.running_var'\] are running statistics"):
-        build_training_model(zoo.cnn(), params=["conv1.weight", "bn1.running_var"])
+        build_training_model(zoo.cnn(), params=["conv1.weight", "bn1.running_var"],
+                             optimizer="sgd:lr=0.01")
 
 
 def test_forward_cnn_runs_and_is_valid() -> None:

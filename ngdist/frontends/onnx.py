@@ -230,8 +230,8 @@ def _eval_mode(graph: onnx.GraphProto, running: dict[str, tuple[int, int]]) -> N
 
 
 def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
+                         optimizer: optim.Optimizer | str,
                          loss: str | None = "softmax_cross_entropy", labels: str = "y",
-                         optimizer: optim.Optimizer | str = optim.SGD(lr=0.01),
                          params: list[str] | None = None, frozen: list[str] | None = None,
                          output: str | None = None, buffers: dict[str, str] | None = None
                          ) -> onnx.ModelProto:

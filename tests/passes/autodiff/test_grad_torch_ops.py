@@ -252,7 +252,7 @@ def test_dynamo_exports_match_torch_autograd_float64(name: str) -> None:
     if name in ("group_norm", "rms_norm", "attention"):
         assert {"GroupNormalization", "RMSNormalization", "Attention"} & ops
     names = [n for n, _ in module.named_parameters()]
-    model = build_training_model(forward, params=names)
+    model = build_training_model(forward, params=names, optimizer="sgd:lr=0.01")
     _, step = split_training_model(model)
     check_step_graph(run_passes(step, "local", lower=False))
     got = run_step(model, {"x": x, "y": y})
