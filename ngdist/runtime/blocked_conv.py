@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ngdist.errors import NgdistError
 from ngdist.runtime.inplace import static_shapes
@@ -110,7 +110,7 @@ def applies(model: onnx.ModelProto, block: int) -> bool:
         any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node)
 
 
-class BlockConvs(ir.passes.FunctionalPass):
+class BlockConvs(ir.passes.InPlacePass):
     """The model's 2-D convolutions whose float32 weight is a graph input (and whose channels
     are multiples of ``block``, the CPU's NCHWc block size) on the NCHWc kernels: every
     depthwise Conv; a dense Conv (group 1) when its output holds at least
@@ -119,7 +119,8 @@ class BlockConvs(ir.passes.FunctionalPass):
     weight flipped and its channels swapped. ``shapes`` gives static shapes of the graph's
     inputs (a weight's shape must be known, and a dense one's output size). A Relu that alone
     reads a rewritten convolution's result (found through onnx_ir's uses, no readers map of
-    its own) runs inside the blocked kernel."""
+    its own) runs inside the blocked kernel. The shapes are read from the model's proto (ONNX
+    shape inference); the graph is rewritten in place."""
 
     def __init__(self, block: int, shapes: Mapping[str, Sequence[int]] | None = None) -> None:
         super().__init__()
@@ -127,15 +128,19 @@ class BlockConvs(ir.passes.FunctionalPass):
         self.shapes = shapes
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        proto = ir.to_proto(model)
-        targets = _targets(proto, self.block, self.shapes) if self.block > 4 else {}
+        targets = _targets(ir.to_proto(model), self.block, self.shapes) \
+            if self.block > 4 else {}
         if not targets:
-            return ir.passes.PassResult(ir.from_proto(proto), modified=False)
-        fused = _fusable_relus(list(model.graph), targets)
-        out = _rewritten(proto, targets, fused, self.block)
+            return ir.passes.PassResult(model, modified=False)
+        graph = model.graph
+        nodes = list(graph)  # (the proto's node order)
+        reordered: dict[tuple[str, str], ir.Value] = {}
+        for i, target in targets.items():
+            _block(graph, nodes[i], target, _fusable_relu(nodes[i]), reordered, self.block)
+        graph.opset_imports.setdefault(DOMAIN, 1)
         logger.debug("%d convolution(s) on the NCHWc kernels: %s", len(targets),
                      sorted(t.kind for t in targets.values()))
-        return ir.passes.PassResult(ir.from_proto(out), modified=True)
+        return ir.passes.PassResult(model, modified=True)
 
 
 def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[int]] | None
@@ -164,64 +169,51 @@ def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[i
     return targets
 
 
-def _rewritten(model: onnx.ModelProto, targets: Mapping[int, _Target], fused: Mapping[str, int],
-               block: int) -> onnx.ModelProto:
-    """A copy of ``model`` with the convolutions of ``targets`` on the NCHWc kernels, and the
-    Relu nodes of ``fused`` ({result: index of the Relu that alone reads it}) inside them."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    reordered: dict[tuple[str, str], str] = {}
-    new_nodes: list[onnx.NodeProto] = []
-    for i, node in enumerate(out.graph.node):
-        target = targets.get(i)
-        if target is None:
-            if i not in fused.values():
-                new_nodes.append(node)
-            continue
-        p = f"{node.output[0]}/nchwc"  # value names are unique; node names need not be
-        w = node.input[1]
-        if (w, target.kind) not in reordered:
-            nodes, inits, reordered[(w, target.kind)] = _reorder_weight(w, target, block, p)
-            new_nodes += nodes
-            out.graph.initializer.extend(inits)
-        attrs = list(node.attribute) if node.op_type == "Conv" else _as_conv(node, target)
-        channels = target.w_shape[1] if target.kind == "transposed" else target.w_shape[0]
-        conv = helper.make_node("Conv", [f"{p}/x", reordered[(w, target.kind)],
-                                         *node.input[2:]], [f"{p}/y"], name=f"{p}/conv",
-                                domain=DOMAIN)
-        conv.attribute.extend(attrs)
-        result = node.output[0]
-        relu = fused.get(result)
-        if relu is not None:  # the Relu that alone reads the result runs inside the kernel
-            conv.attribute.append(helper.make_attribute("activation", "Relu"))
-            result = out.graph.node[relu].output[0]
-        new_nodes += [
-            helper.make_node("ReorderInput", [node.input[0]], [f"{p}/x"], name=f"{p}/x",
-                             domain=DOMAIN),
-            conv,
-            helper.make_node("ReorderOutput", [f"{p}/y"], [result], name=f"{p}/out",
-                             domain=DOMAIN, channels=channels)]
-    del out.graph.node[:]
-    out.graph.node.extend(new_nodes)
-    if not any(o.domain == DOMAIN for o in out.opset_import):
-        out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return out
+def _node(op_type: str, inputs: Sequence[ir.Value | None], *attrs: ir.Attr, name: str,
+          domain: str = "", output: str | None = None) -> ir.Node:
+    """A node of one output named ``output`` (default: ``name``), its attributes typed
+    (onnx_ir's ``ir.node`` infers them through slow protocol checks)."""
+    return ir.Node(domain, op_type, inputs, attrs, name=name,
+                   outputs=[ir.Value(name=output or name)])
 
 
-def _fusable_relus(nodes: Sequence[ir.Node], targets: Mapping[int, _Target]) -> dict[str, int]:
-    """{result: index of the Relu node} for each target's result that one Relu alone reads and
-    that is no graph output: the blocked Conv applies that Relu itself. ``nodes``: the graph's
-    nodes in order (the same indices as its proto's)."""
-    index = {id(n): i for i, n in enumerate(nodes)}
-    fused = {}
-    for i in targets:
-        result = nodes[i].outputs[0]
-        uses = list(result.uses())
-        if len(uses) == 1 and not result.is_graph_output():
-            n = uses[0].node
-            if n.op_type == "Relu" and n.domain in ("", "ai.onnx") and id(n) in index:
-                fused[result.name] = index[id(n)]
-    return fused
+def _block(graph: ir.Graph, node: ir.Node, target: _Target, relu: ir.Node | None,
+           reordered: dict[tuple[str, str], ir.Value], block: int) -> None:
+    """Convolution ``node`` (and the ``relu`` that alone reads it) replaced by ReorderInput ->
+    NCHWc Conv -> ReorderOutput, with its weight reordered once per (weight, kind)."""
+    p = f"{node.outputs[0].name}/nchwc"  # value names are unique; node names need not be
+    w = node.inputs[1]
+    new: list[ir.Node] = []
+    key = (w.name, target.kind)
+    if key not in reordered:
+        weight_nodes = _reorder_weight(graph, w, target, block, p)
+        new += weight_nodes
+        reordered[key] = weight_nodes[-1].outputs[0]
+    attrs = list(node.attributes.values()) if node.op_type == "Conv" else \
+        _as_conv(node, target)
+    if relu is not None:  # the Relu that alone reads the result runs inside the kernel
+        attrs.append(ir.AttrString("activation", "Relu"))
+    channels = target.w_shape[1] if target.kind == "transposed" else target.w_shape[0]
+    x = _node("ReorderInput", [node.inputs[0]], name=f"{p}/x", domain=DOMAIN)
+    conv = _node("Conv", [x.outputs[0], reordered[key], *node.inputs[2:]], *attrs,
+                 name=f"{p}/conv", domain=DOMAIN, output=f"{p}/y")
+    out = _node("ReorderOutput", [conv.outputs[0]], ir.AttrInt64("channels", channels),
+                name=f"{p}/out", domain=DOMAIN)
+    new += [x, conv, out]
+    old = [node] if relu is None else [node, relu]
+    ir.convenience.replace_nodes_and_values(graph, node, old, new, [old[-1].outputs[0]],
+                                            [out.outputs[0]])
+
+
+def _fusable_relu(conv: ir.Node) -> ir.Node | None:
+    """The Relu that alone reads ``conv``'s result, which is no graph output (the blocked
+    Conv then applies it itself), else None."""
+    result = conv.outputs[0]
+    uses = list(result.uses())
+    if len(uses) != 1 or result.is_graph_output():
+        return None
+    n = uses[0].node
+    return n if n.op_type == "Relu" and n.domain in ("", "ai.onnx") else None
 
 
 def _kind(node: onnx.NodeProto, w_shape: Sequence[int] | None, block: int) -> str | None:
@@ -258,30 +250,30 @@ def _flipped_window(attrs: Mapping[str, Any], kernel: list[int]
     return dilations, [(k - 1) * d - p for p, k, d in zip(pads, kernel * 2, dilations * 2)]
 
 
-def _as_conv(node: onnx.NodeProto, target: _Target) -> list[onnx.AttributeProto]:
+def _as_conv(node: ir.Node, target: _Target) -> list[ir.Attr]:
     """The attributes of the Conv that computes stride-1 ``ConvTranspose`` ``node``."""
     kernel = list(target.w_shape[2:])
     dilations, pads = _flipped_window(
-        {a.name: helper.get_attribute_value(a) for a in node.attribute}, kernel)
-    return [helper.make_attribute("kernel_shape", kernel),
-            helper.make_attribute("dilations", dilations),
-            helper.make_attribute("pads", pads)]
+        {name: attr.value for name, attr in node.attributes.items()}, kernel)
+    return [ir.AttrInt64s("kernel_shape", kernel), ir.AttrInt64s("dilations", dilations),
+            ir.AttrInt64s("pads", pads)]
 
 
-def _reorder_weight(w: str, target: _Target, block: int, p: str
-                    ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
-    """Nodes (and their shape constants) that reorder weight ``w`` for the blocked Conv, and
-    the reordered value's name. Depthwise: OIHW -> OIHWBo ([C/B, B, 1, KH, KW] -> [C/B, 1,
-    KH, KW, B]); dense: OIHW -> OIHWBiBo ([O/B, Bo, I/B, Bi, KH*KW] -> [O/B, I/B, KH*KW,
-    Bi, Bo]); transposed: W [I, O, KH, KW] of the ConvTranspose read as the Conv weight [O, I,
-    KH, KW] in OIHWBiBo with its taps flipped along KH and KW."""
+def _reorder_weight(graph: ir.Graph, w: ir.Value, target: _Target, block: int, p: str
+                    ) -> list[ir.Node]:
+    """Nodes that reorder weight ``w`` for the blocked Conv (their shape constants registered
+    as initializers of ``graph``); the last one's output is the reordered weight. Depthwise:
+    OIHW -> OIHWBo ([C/B, B, 1, KH, KW] -> [C/B, 1, KH, KW, B]); dense: OIHW -> OIHWBiBo
+    ([O/B, Bo, I/B, Bi, KH*KW] -> [O/B, I/B, KH*KW, Bi, Bo]); transposed: W [I, O, KH, KW] of
+    the ConvTranspose read as the Conv weight [O, I, KH, KW] in OIHWBiBo with its taps
+    flipped along KH and KW."""
     a, b, kh, kw = target.w_shape
-    nodes: list[onnx.NodeProto] = []
-    inits: list[onnx.TensorProto] = []
 
-    def ints(name: str, values: list[int]) -> str:
-        inits.append(numpy_helper.from_array(np.array(values, np.int64), f"{p}/{name}"))
-        return f"{p}/{name}"
+    def ints(name: str, values: list[int]) -> ir.Value:
+        value = ir.Value(name=f"{p}/{name}",
+                         const_value=ir.Tensor(np.array(values, np.int64), name=f"{p}/{name}"))
+        graph.register_initializer(value)
+        return value
 
     if target.kind == "depthwise":
         split, perm, flat = [a // block, block, 1, kh, kw], [0, 2, 3, 4, 1], [a, 1, kh, kw]
@@ -291,17 +283,17 @@ def _reorder_weight(w: str, target: _Target, block: int, p: str
     else:  # [I/B, Bi, O/B, Bo, KH*KW] -> [O/B, I/B, KH*KW, Bi, Bo], the taps reversed below
         split = [a // block, block, b // block, block, kh * kw]
         perm, flat = [2, 0, 4, 1, 3], [b, a, kh, kw]
-    nodes += [
-        helper.make_node("Reshape", [w, ints("split", split)], [f"{p}/w5"], name=f"{p}/w5"),
-        helper.make_node("Transpose", [f"{p}/w5"], [f"{p}/wt"], name=f"{p}/wt", perm=perm)]
+    nodes = [_node("Reshape", [w, ints("split", split)], name=f"{p}/w5")]
+    nodes.append(_node("Transpose", [nodes[-1].outputs[0]], ir.AttrInt64s("perm", perm),
+                       name=f"{p}/wt"))
     if target.kind == "transposed":
         # flipping both spatial axes reverses the row-major taps: a Gather of whole
         # [Bi, Bo] blocks (a Slice with negative steps over KH and KW costs 2x the time)
-        nodes.append(helper.make_node("Gather", [f"{p}/wt", ints("taps", list(
-            range(kh * kw - 1, -1, -1)))], [f"{p}/wf"], name=f"{p}/wf", axis=2))
-    nodes.append(helper.make_node("Reshape", [nodes[-1].output[0], ints("flat", flat)],
-                                  [f"{p}/w"], name=f"{p}/w"))
-    return nodes, inits, f"{p}/w"
+        taps = ints("taps", list(range(kh * kw - 1, -1, -1)))
+        nodes.append(_node("Gather", [nodes[-1].outputs[0], taps], ir.AttrInt64("axis", 2),
+                           name=f"{p}/wf"))
+    nodes.append(_node("Reshape", [nodes[-1].outputs[0], ints("flat", flat)], name=f"{p}/w"))
+    return nodes
 
 
 def _inferred_shapes(model: onnx.ModelProto, known: Mapping[str, Sequence[int]]
