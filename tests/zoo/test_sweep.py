@@ -120,3 +120,14 @@ def test_tiny_configs_build_and_feed_what_the_model_takes(name):
         audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
         assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
         assert (y[:, :audio - 1] == -100).all() and (y[:, audio:] != hf.AUDIO_TOKEN).all()
+
+
+def test_a_gradient_off_in_one_slice_says_how_many_and_how_close_the_rest_are():
+    import sweep_check
+
+    exact = np.linspace(1.0, 2.0, 12).reshape(4, 3)
+    got = exact * (1 + 3e-6)
+    got[2, 1] += 0.5
+    assert sweep_check._slices(got, exact) == \
+        "; 1 of 4 slices along axis 0 off, the rest within 3.0e-06"
+    assert sweep_check._slices(got[0], exact[0]) == ""
