@@ -23,6 +23,7 @@ from ngdist.runtime import checkpoint
 from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.metrics import DEFAULT_EVERY
 from ngdist.runtime.trainer import Trainer
+from ngdist.ir.shards import file_layout
 from ngdist.sharded import compile_sharded
 
 logger = logging.getLogger(__name__)
@@ -298,7 +299,8 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     # a local trainer communicates with nobody, also on one rank of a multi-rank job
     group = LocalGroup(runtime.timeout) if strategy == "local" else world_group(runtime.timeout)
     inference, step = split_training_model(proto)
-    if getattr(chosen, "shard", "none") != "none":  # ZeRO-1/2 (ngdist/sharded.py)
+    if getattr(chosen, "shard", "none") != "none" or file_layout(inference) is not None:
+        # ZeRO-1/2/3, or a file written by ngdist rewrite --shard (ngdist/sharded.py)
         return compile_sharded(inference, step, chosen, group, gradients,  # type: ignore[arg-type]
                                runtime.as_kwargs(), write_back)
     step = run_passes(step, chosen, gradients=gradients)

@@ -17,7 +17,8 @@ from ngdist.ir.model import get_meta
 from ngdist.passes.options import AllReduceOptions
 from ngdist.passes.pipeline import run_passes
 from ngdist.passes.step_options import StepOptions
-from ngdist.runtime.sharding import ShardedState, layout
+from ngdist.ir.shards import file_layout, layout, unpack
+from ngdist.runtime.sharding import ShardedState
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -26,15 +27,24 @@ logger = logging.getLogger(__name__)
 def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduceOptions,
                     group: ProcessGroup, gradients: StepOptions, runtime: dict[str, Any],
                     write_back: Any) -> Trainer:
-    """The Trainer of ``step`` under ``chosen`` (whose ``shard`` is set) on ``group``."""
+    """The Trainer of ``step`` under ``chosen`` (whose ``shard`` is set, or the step is of a
+    file written by ``ngdist rewrite --shard``) on ``group``."""
     if runtime.get("checkpoint_dir") is not None:
         raise OptionError(f"shard={chosen.shard!r} cannot write periodic checkpoints yet; "
                           "leave checkpoint_dir= out and call trainer.save(path) on every rank "
                           "(it gathers the optimizer state into a standard model)")
+    plan = file_layout(inference)
+    if plan is not None and not isinstance(chosen, AllReduceOptions):
+        raise OptionError(f"the file is sharded by ngdist rewrite --shard, which the "
+                          f"allreduce strategy trains, not {chosen.strategy!r}; leave "
+                          "strategy= out")
     if chosen.shard_ranks not in (0, group.size):
         raise OptionError(f"shard_ranks={chosen.shard_ranks} but this job has {group.size} "
                           "ranks; leave shard_ranks out")
     chosen = dataclasses.replace(chosen, shard_ranks=group.size)
+    if plan is not None:
+        return _compile_rewritten(inference, step, plan, chosen, group, gradients, runtime,
+                                  write_back)
     meta = get_meta(step)
     full = {n: step.graph.initializers[n].const_value.numpy()
             for n in (*meta.names("state"), *meta.names("param"))
@@ -52,6 +62,29 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     return trainer
 
 
+def _compile_rewritten(inference: onnx.ModelProto, step: ir.Model, plan: dict[str, Any],
+                       chosen: AllReduceOptions, group: ProcessGroup, gradients: StepOptions,
+                       runtime: dict[str, Any], write_back: Any) -> Trainer:
+    """A sharded file's step as it is (its passes ran in ``ngdist rewrite``), each rank
+    taking its slices of the whole flats the file holds."""
+    if chosen.shard not in ("none", plan["level"]):
+        raise OptionError(f"the file is sharded (shard={plan['level']!r} for {plan['ranks']} "
+                          f"ranks by ngdist rewrite); leave shard= out, or rewrite the "
+                          f"training model with --shard {chosen.shard}")
+    if int(plan["ranks"]) != group.size:
+        raise OptionError(f"the file is sharded for {plan['ranks']} ranks (ngdist rewrite "
+                          f"--shard-ranks) but this job has {group.size}; run it on "
+                          f"{plan['ranks']} ranks or rewrite it with --shard-ranks "
+                          f"{group.size}")
+    full = unpack(step, plan)
+    step = run_passes(step, dataclasses.replace(chosen, shard="none"), gradients=gradients)
+    trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
+    state = ShardedState(plan, None)
+    state.attach(trainer, full)
+    _drop_whole_parameters(trainer, state)
+    return trainer
+
+
 def _drop_whole_parameters(trainer: Trainer, state: ShardedState) -> None:
     """ZeRO-3: the whole parameters' data dropped from the models kept as templates (the
     inference model, the step compiled from), which are filled with the gathered values when
@@ -62,6 +95,8 @@ def _drop_whole_parameters(trainer: Trainer, state: ShardedState) -> None:
             t.ClearField("raw_data")
             for f in ("float_data", "double_data", "int32_data", "int64_data"):
                 t.ClearField(f)
+    if state.plain_step is None:
+        return
     inits = state.plain_step.graph.initializers
     for n in names & set(inits):
         dtype = inits[n].const_value.dtype  # type: ignore[union-attr]

@@ -297,11 +297,12 @@ def test_refusals(options, message):
                        optimizer=ngdist.optim.SGD(lr=0.1), **options)
 
 
-def test_rewrite_refuses_shard():
+def test_rewrite_with_shard_needs_the_rank_count():
     from ngdist.passes.pipeline import rewrite
     model = ngdist.to_training_model(_mlp(), loss="softmax_cross_entropy", labels="y",
                                      optimizer=ngdist.optim.SGD(lr=0.1))
-    with pytest.raises(OptionError, match=r"shard='optimizer' is applied when training starts"):
+    with pytest.raises(OptionError, match=r"shard='optimizer' needs the rank count to size the "
+                                          r"shards: .* \(ngdist rewrite --shard-ranks N\)$"):
         rewrite(model, "allreduce", shard="optimizer")
 
 

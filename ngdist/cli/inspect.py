@@ -11,6 +11,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ngdist.ir.domain import DOMAIN, PREVIEW_TRAINING
+from ngdist.ir.shards import file_layout
+from ngdist.runtime.sharding import owners
 
 
 @dataclass
@@ -178,19 +180,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "dot is installed (Netron opens the .onnx files themselves)")
     p.add_argument("--shard", choices=("optimizer", "gradients", "parameters"),
                    help="also show the shards of every bucket under this shard= level and "
-                        "which rank owns which parameter elements")
+                        "which rank owns which parameter elements (a file of ngdist rewrite "
+                        "--shard shows its own)")
     p.add_argument("--shard-ranks", type=int, default=2, metavar="N",
                    help="with --shard: the rank count (default 2)")
     p.set_defaults(func=run)
 
 
 def shard_lines(model: onnx.ModelProto, level: str, ranks: int) -> list[str]:
-    """The shards and owners of a training model's buckets under ``shard=level`` on
-    ``ranks`` ranks (the sharding pass run as ``ngdist.compile`` runs it)."""
+    """The shards and owners of a sharded file's buckets, or of a training model's under
+    ``shard=level`` on ``ranks`` ranks (the sharding pass run as ``ngdist.compile`` runs
+    it)."""
     from ngdist.ir.model import split_training_model
     from ngdist.passes.pipeline import run_passes
-    from ngdist.runtime.sharding import layout, owners
+    from ngdist.ir.shards import layout
 
+    if file_layout(model) is not None:
+        return owners(file_layout(model))  # type: ignore[arg-type]
     if not model.training_info:
         return ["shards: none (a forward-only model has no optimizer state)"]
     _, step = split_training_model(model)
@@ -209,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     if args.explain:
         for line in explain(model):
             print(line)
-    if args.shard:
+    if args.shard or file_layout(model) is not None:  # (a file of ngdist rewrite --shard)
         for line in shard_lines(model, args.shard, args.shard_ranks):
             print(line)
     if args.dot:

@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from ngdist.errors import NgdistError
 from ngdist.ir.model import assemble_training_model, split_training_model
+from ngdist.ir.shards import layout, pack
 from ngdist.passes import accumulate, shard
 from ngdist.passes.allreduce import AllReduceInsertionPass
 from ngdist.passes.autodiff import AutodiffPass
@@ -175,8 +176,14 @@ def rewrite(model: onnx.ModelProto, strategy: str | StrategyOptions = "allreduce
             **options: object) -> onnx.ModelProto:
     """Training model -> training model with the strategy's comm ops, fully lowered.
 
-    ``strategy`` and ``options`` as for :func:`run_passes`."""
-    shard.check_rewrite(options.get("shard", getattr(strategy, "shard", "none")))
+    ``strategy`` and ``options`` as for :func:`run_passes`; with ``shard`` (and
+    ``shard_ranks``) a sharded file (ngdist/ir/shards.py), which trains on that many ranks."""
+    level = options.get("shard", getattr(strategy, "shard", "none"))
     inference, step = split_training_model(model)
+    full = shard.initial_values(step, level)
     step = run_passes(step, strategy, **options)
-    return assemble_training_model(inference, step)
+    out = assemble_training_model(inference, step)
+    plan = layout(step)
+    if plan is not None:
+        pack(out, plan, full)
+    return out

@@ -20,8 +20,8 @@ from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
                                       split_optimizer_inputs)
 from ngdist.passes.shard_params import (Gathered, bind_update, drop_parameter, insert_gathers,
                                         shard_input)
-from ngdist.passes.shard_values import drop_state as _drop_state, rank_input as _rank_input, \
-    state_input as _state_input, typed as _typed
+from ngdist.passes.shard_values import cut, drop_state as _drop_state, \
+    rank_input as _rank_input, state_input as _state_input, typed as _typed
 
 if TYPE_CHECKING:
     from ngdist.passes.step_options import StepOptions
@@ -71,10 +71,12 @@ class ShardingPass(ir.passes.InPlacePass):
     buffer of the bucketing pass, or a tensor reduced alone), with ``L`` elements and ``N``
     ranks, ``S = ceil(L / N)``:
 
-        flat g (zero-padded to N*S) -> ReduceScatter -> g shard [S]
-        flat x (padded) -> Slice [r*S, r*S + S) -> x shard       (r: ``ngdist.shard_rank``)
-        optimizer node (x shard, g shard, state shards [S]) -> new x shard, new states
-        -> AllGather [N*S] -> Slice [0, L) -> Split -> Reshape -> each updated parameter
+        flat g (zero-padded, [N, S]) -> ReduceScatter -> g shard [1, S]
+        flat x ([N, S]) -> Slice row r -> x shard                  (r: ``ngdist.shard_rank``)
+        optimizer node (x shard, g shard, state shards [1, S]) -> new x shard, new states
+        -> AllGather [N, S] -> [1, N*S] -> Slice [0, L) -> Split -> Reshape -> each parameter
+
+    (2-D flats: passes/shard_values.py says why.)
 
     One optimizer node per bucket replaces the original node, with the same attributes (every
     supported update is elementwise, so a slice of the flat buffer updates exactly as its
@@ -152,11 +154,11 @@ class ShardingPass(ir.passes.InPlacePass):
         size = -(-length // self.ranks)  # shard elements, the bucket padded to ranks * size
         at = GradContext(ctx.graph, group.bucket, ctx.opset, taken=ctx.taken)
         at.current = ctx.current
-        g_flat = _padded(at, _flat_gradients(group.bucket, members), length,
-                         size * self.ranks)
+        g_flat = _padded(at, _flat_gradients(group.bucket, members), length, self.ranks,
+                         size)
         (g_shard,) = at.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
                                  reduction="sum")
-        _typed(g_shard, [size], members[0].x.dtype)
+        _typed(g_shard, [1, size], members[0].x.dtype)
         g_shard.producer().name = f"ngdist/reducescatter/{prefix}"
         return _Shard(prefix, members, counts, length, size, g_shard)
 
@@ -167,9 +169,8 @@ class ShardingPass(ir.passes.InPlacePass):
         size = shard.size
         if self.level == "parameters":
             return shard_input(ctx.graph, shard.prefix, size, shard.members[0].x.dtype, meta)
-        start = ctx.op("Mul", rank, ctx.ints([size]))
-        x_full = _padded(ctx, [m.x for m in shard.members], shard.length, size * self.ranks)
-        return ctx.op("Slice", x_full, start, ctx.op("Add", start, ctx.ints([size])),
+        x_full = _padded(ctx, [m.x for m in shard.members], shard.length, self.ranks, size)
+        return ctx.op("Slice", x_full, rank, ctx.op("Add", rank, ctx.ints([1])),
                       ctx.ints([0]))
 
     def _update(self, ctx: GradContext, node: ir.Node, shard: _Shard, x_shard: ir.Value,
@@ -186,7 +187,7 @@ class ShardingPass(ir.passes.InPlacePass):
                             shard.g_shard, *states, num_outputs=1 + len(kinds),
                             domain=PREVIEW_TRAINING, **attrs)
         for j, k in enumerate(kinds):
-            _typed(outs[1 + j], [size], states[j].dtype)
+            _typed(outs[1 + j], [1, size], states[j].dtype)
             outs[1 + j].name = f"{shard.states[k]}.new"
             meta.binding[shard.states[k]] = outs[1 + j].name
             ctx.graph.outputs.append(outs[1 + j])
@@ -206,15 +207,17 @@ class ShardingPass(ir.passes.InPlacePass):
     def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard) -> None:
         """AllGather of the updated slices, cut back into the parameters."""
         (gathered,) = ctx.op_multi("AllGather", shard.x_new, num_outputs=1, domain=DOMAIN)
-        _typed(gathered, [shard.size * self.ranks], shard.members[0].x.dtype)
+        _typed(gathered, [self.ranks, shard.size], shard.members[0].x.dtype)
         gathered.producer().name = f"ngdist/allgather/{shard.prefix}"
-        if shard.size * self.ranks > shard.length:  # the padding cut off
-            gathered = ctx.op("Slice", gathered, ctx.ints([0]), ctx.ints([shard.length]),
-                              ctx.ints([0]))
-        pieces = [gathered] if len(shard.members) == 1 else ctx.op_multi(
-            "Split", gathered, ctx.ints(shard.counts), num_outputs=len(shard.members), axis=0)
-        for m, piece in zip(shard.members, pieces):
-            _take_over(node.outputs[m.index], ctx.op("Reshape", piece, ctx.ints(_dims(m.x))))
+
+        def emit(op: str, *inputs: ir.Value, outputs: int = 1, **attrs: object
+                 ) -> list[ir.Value]:
+            return list(ctx.op_multi(op, *inputs, num_outputs=outputs, **attrs))
+
+        params = cut(emit, gathered, shard.length, shard.counts,
+                     [_dims(m.x) for m in shard.members])
+        for m, param in zip(shard.members, params):
+            _take_over(node.outputs[m.index], param)
 
     def _layout(self, ctx: GradContext, node: ir.Node, shard: _Shard, meta: StepMeta
                 ) -> dict[str, object]:
@@ -316,17 +319,20 @@ def _order(g: ir.Value) -> int:
     return 0
 
 
-def _padded(ctx: GradContext, values: Sequence[ir.Value], length: int, total: int
-            ) -> ir.Value:
-    """The values flattened, concatenated and padded with zeros to ``total`` elements."""
-    flat = ctx.ints([-1])
-    parts = [ctx.op("Reshape", v, flat) for v in values]
-    if total > length:
+def _padded(ctx: GradContext, values: Sequence[ir.Value], length: int, ranks: int,
+            size: int) -> ir.Value:
+    """The values flattened into one row, padded with zeros to ``ranks * size`` elements and
+    cut into ``[ranks, size]`` (row r: rank r's slice)."""
+    row = ctx.ints([1, -1])
+    parts = [ctx.op("Reshape", v, row) for v in values]
+    if ranks * size > length:
         dtype = values[0].dtype
-        zeros = np.zeros(total - length, dtype.numpy() if dtype is not None else np.float32)
+        zeros = np.zeros((1, ranks * size - length),
+                         dtype.numpy() if dtype is not None else np.float32)
         parts.append(ctx.op("Constant", value=ir.tensor(zeros)))
-    out = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=0)
-    _typed(out, [total], values[0].dtype)
+    out = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)
+    out = ctx.op("Reshape", out, ctx.ints([ranks, size]))
+    _typed(out, [ranks, size], values[0].dtype)
     return out
 
 
@@ -360,7 +366,8 @@ def passes(o: AllReduceOptions) -> list[ir.passes.PassBase]:
                           "ReduceScatter sums float32 buckets); leave one of the two out")
     if o.shard_ranks < 1:
         raise OptionError(f"shard={o.shard!r} needs the rank count to size the shards: "
-                          "ngdist.compile sets shard_ranks to the job's; pass shard_ranks=N")
+                          "ngdist.compile sets shard_ranks to the job's; pass shard_ranks=N "
+                          "(ngdist rewrite --shard-ranks N)")
     return [ShardingPass(o.shard, o.shard_ranks)]
 
 
@@ -375,9 +382,12 @@ def check_gradients(o: object, gradients: StepOptions | None) -> None:
                           "accumulate=, or leave accumulate= out")
 
 
-def check_rewrite(level: object) -> None:
-    """A rewritten file cannot carry shards: their layout is set up by the trainer."""
-    if level not in (None, "none"):
-        raise OptionError(f"shard={level!r} is applied when training starts (ngdist.compile, "
-                          "ngdist train --shard), where the rank count is known and each rank "
-                          "takes its shard of the optimizer state; rewrite without --shard")
+def initial_values(step: ir.Model, level: object) -> dict[str, np.ndarray]:
+    """What ``ngdist rewrite --shard`` packs into the sharded file's whole flats: the step's
+    parameters and optimizer state before the pass (none without ``shard``)."""
+    if level in (None, "none"):
+        return {}
+    meta = get_meta(step)
+    return {n: step.graph.initializers[n].const_value.numpy()  # type: ignore[union-attr]
+            for n in (*meta.names("param"), *meta.names("state"))
+            if n in step.graph.initializers}

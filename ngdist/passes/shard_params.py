@@ -2,14 +2,15 @@
 steps, gathered where the step reads them (passes/shard.py's ShardingPass calls this).
 
 For each bucket (``L`` elements, ``N`` ranks, ``S = ceil(L / N)``) the per-parameter inputs
-give way to one flat input ``<bucket>.param`` of ``S`` elements, this rank's slice of the
+give way to one flat input ``<bucket>.param`` of ``[1, S]``, this rank's slice of the
 bucket's parameters in flat order (zero-padded), which the optimizer node updates with the
 ReduceScatter'ed gradient slice and the state slices; nothing is gathered after the update.
 
 Where the step reads a parameter, the pass inserts, before the first node that reads any
 parameter of the bucket:
 
-    <bucket>.param -> AllGather [N*S] -> Slice [0, L) -> Split -> Reshape -> each parameter
+    <bucket>.param [1, S] -> AllGather [N, S] -> [1, N*S] -> Slice [0, L) -> Split -> Reshape
+    -> each parameter
 
 once for the forward readers and once more for the backward readers (those that depend on
 the loss), so the forward's gathered copy dies at its last forward reader (the executor drops
@@ -31,7 +32,7 @@ import onnx_ir as ir
 from ngdist.errors import GraphError
 from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import StepMeta
-from ngdist.passes.shard_values import state_input, typed as _typed
+from ngdist.passes.shard_values import cut, state_input, typed as _typed
 
 
 @dataclass
@@ -142,20 +143,15 @@ def _gather(graph: ir.Graph, bucket: Gathered, readers: list[ir.Node],
 
     source = bucket.shard
     if trigger is not None:  # issued once the bucket before has begun (see module docstring)
-        flat = add("Reshape", trigger, ints([-1]))[0]
-        empty = add("Slice", flat, ints([0]), ints([0]), ints([0]))[0]
+        row = add("Reshape", trigger, ints([1, -1]))[0]
+        empty = add("Slice", row, ints([0]), ints([0]), ints([1]))[0]
         source = add("Concat", bucket.shard, add("CastLike", empty, bucket.shard)[0],
-                     axis=0)[0]
-    dtype = bucket.shard.dtype
+                     axis=1)[0]
     (gathered,) = add("AllGather", source, domain=DOMAIN)
     gathered.producer().name = f"ngdist/allgather/{bucket.prefix}/{phase}"  # type: ignore[union-attr]
-    _typed(gathered, [bucket.size * ranks], dtype)
-    if bucket.size * ranks > bucket.length:
-        gathered = add("Slice", gathered, ints([0]), ints([bucket.length]), ints([0]))[0]
-    pieces = [gathered] if len(bucket.params) == 1 else add(
-        "Split", gathered, ints(bucket.counts), outputs=len(bucket.params), axis=0)
-    for x, piece in zip(bucket.params, pieces):
-        full = add("Reshape", piece, ints([int(d) for d in x.shape.dims]))[0]  # type: ignore[union-attr]
+    _typed(gathered, [ranks, bucket.size], bucket.shard.dtype)
+    shapes = [[int(d) for d in x.shape.dims] for x in bucket.params]  # type: ignore[union-attr]
+    for x, full in zip(bucket.params, cut(add, gathered, bucket.length, bucket.counts, shapes)):
         full.shape, full.type = x.shape, x.type
         for node in readers:
             for i, v in enumerate(node.inputs):

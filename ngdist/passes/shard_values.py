@@ -1,7 +1,16 @@
-"""The graph inputs of a sharded step (passes/shard.py, passes/shard_params.py): the rank
-hyper-parameter and the flat per-bucket inputs (optimizer state, ZeRO-3 parameters), each
-with an initializer of zeros that the runtime replaces with this rank's slice."""
+"""The values of a sharded step (passes/shard.py, passes/shard_params.py): the rank
+hyper-parameter, the flat per-bucket inputs (optimizer state, ZeRO-3 parameters), each with an
+initializer of zeros that the runtime replaces with this rank's slice, and the cut of a
+gathered bucket into its parameters.
+
+A bucket's flat values are 2-D: ``[N, S]`` whole (row r is rank r's slice) and ``[1, S]`` per
+rank, so that ReduceScatter and AllGather split and join axis 0, and so that ONNX shape
+inference with data propagation (the in-place planner's, runtime/inplace.py), which treats a
+1-D tensor as shape data and spends time and memory linear in its length on each Add, Mul,
+Slice or Concat of it (2 s and GBs for a 2 M-element bucket), leaves them alone."""
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -24,10 +33,10 @@ def rank_input(graph: ir.Graph, meta: StepMeta) -> ir.Value:
 
 def state_input(graph: ir.Graph, name: str, size: int, dtype: ir.DataType | None,
                 meta: StepMeta, role: str = "state") -> ir.Value:
-    """A flat input ``name`` of ``size`` zeros with ``role``."""
+    """A flat input ``name`` of ``[1, size]`` zeros with ``role``."""
     dtype = dtype or ir.DataType.FLOAT
-    value = ir.Value(name=name, shape=ir.Shape([size]), type=ir.TensorType(dtype),
-                     const_value=ir.tensor(np.zeros(size, dtype.numpy()), name=name))
+    value = ir.Value(name=name, shape=ir.Shape([1, size]), type=ir.TensorType(dtype),
+                     const_value=ir.tensor(np.zeros((1, size), dtype.numpy()), name=name))
     graph.inputs.append(value)
     graph.register_initializer(value)
     meta.roles[name] = role
@@ -48,3 +57,22 @@ def drop_state(graph: ir.Graph, old: ir.Value, output: ir.Value, meta: StepMeta)
 def typed(value: ir.Value, dims: list[int], dtype: ir.DataType | None) -> None:
     value.shape = ir.Shape(dims)
     value.type = ir.TensorType(dtype) if dtype is not None else None
+
+
+Emit = Callable[..., list[ir.Value]]  # emit(op, *inputs, outputs=1, **attributes)
+
+
+def cut(emit: Emit, gathered: ir.Value, length: int, counts: list[int],
+        shapes: list[list[int]]) -> list[ir.Value]:
+    """A gathered bucket ``[N, S]`` cut into its parameters: one row of ``N * S``, the padding
+    sliced off, split at ``counts``, each piece reshaped to its parameter's shape."""
+    def ints(values: list[int]) -> ir.Value:
+        return emit("Constant", value=ir.tensor(np.array(values, np.int64)))[0]
+
+    ranks, size = (int(d) for d in gathered.shape.dims)  # type: ignore[union-attr]
+    row = emit("Reshape", gathered, ints([1, ranks * size]))[0]
+    if ranks * size > length:
+        row = emit("Slice", row, ints([0]), ints([length]), ints([1]))[0]
+    pieces = [row] if len(counts) == 1 else emit("Split", row, ints(counts),
+                                                 outputs=len(counts), axis=1)
+    return [emit("Reshape", piece, ints(dims))[0] for piece, dims in zip(pieces, shapes)]

@@ -1,14 +1,10 @@
 """A sharded trainer's flat shards (passes/shard.py): each rank's shard of the full optimizer
 state (ZeRO-1/2) and parameters (ZeRO-3) at start-up or on ``load_state_dict``, and the full
 per-parameter tensors gathered for ``state_dict()``, ``parameters()`` and ``trainer.save``.
-
-The step graph's ``ngdist.shard_layout`` metadata says, per bucket, which flat input of ``S``
-elements holds which parameters' state (and, ZeRO-3, which holds the parameters themselves),
-in order, ``L`` elements, zero-padded to ``N * S``. Rank r holds elements ``[r*S, r*S + S)``.
+Where each tensor lies: the step's shard layout (ngdist/ir/shards.py).
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -18,19 +14,14 @@ import onnx
 import onnx_ir as ir
 
 from ngdist.errors import NgdistError
-from ngdist.ir.domain import GRAD_SCALE, SHARD_LAYOUT, SHARD_RANK
+from ngdist.ir.domain import GRAD_SCALE, SHARD_RANK
+from ngdist.ir.shards import Flat, flats, pack, padded, pieces
 from ngdist.ir.model import assemble_training_model
 
 if TYPE_CHECKING:
     from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-def layout(step: ir.Model) -> dict[str, Any] | None:
-    """The shard layout of a step graph, None for an unsharded one."""
-    text = step.graph.metadata_props.get(SHARD_LAYOUT)
-    return json.loads(text) if text else None
 
 
 def owners(plan: dict[str, Any]) -> list[str]:
@@ -60,21 +51,17 @@ def owners(plan: dict[str, Any]) -> list[str]:
 class ShardedState:
     """Scatters and gathers the flat shards of one trainer."""
 
-    def __init__(self, plan: dict[str, Any], plain_step: ir.Model) -> None:
+    def __init__(self, plan: dict[str, Any], plain_step: ir.Model | None) -> None:
         self.plan = plan
         self.ranks = int(plan["ranks"])
         self.level = str(plan["level"])
-        self.plain_step = plain_step  # the training step as compiled from, for saved models
+        # the training step as compiled from, for saved models; None for a file written by
+        # ngdist rewrite --shard, which saves as such a file again
+        self.plain_step = plain_step
 
-    def flats(self, states: bool = True) -> Iterator[tuple[str, dict[str, Any], list[str]]]:
-        """(flat input, its bucket's layout, the per-parameter tensors it holds in order) for
-        every flat state (with ``states``) and every ZeRO-3 parameter shard."""
-        for group in self.plan["groups"]:
-            if "param" in group:
-                yield group["param"], group, [p["param"] for p in group["params"]]
-            if states:
-                for kind, name in group["states"].items():
-                    yield name, group, [p["states"][kind] for p in group["params"]]
+    def flats(self, states: bool = True) -> Iterator[Flat]:
+        """The flat inputs of this trainer (ngdist/ir/shards.py ``flats``)."""
+        return flats(self.plan, states)
 
     @property
     def parameter_names(self) -> list[str]:
@@ -103,31 +90,20 @@ class ShardedState:
                     raise NgdistError(f"no values for the parameters {names} of shard {name}")
                 continue
             size = int(group["size"])
-            flat = np.zeros(size * self.ranks, trainer.values[name].numpy().dtype)
-            offset = 0
-            for p, n in zip(group["params"], names):
-                count = int(p["count"])
-                if n in full:
-                    flat[offset:offset + count] = np.reshape(full[n], -1)
-                offset += count
-            trainer.values[name] = trainer.placement.value(
-                np.ascontiguousarray(flat[rank * size:(rank + 1) * size]))
+            flat = padded(group, names, full, trainer.values[name].numpy().dtype, self.ranks)
+            trainer.values[name] = trainer.placement.value(  # [1, S]: ngdist/ir/shards.py
+                np.ascontiguousarray(flat[rank * size:(rank + 1) * size].reshape(1, size)))
 
-    def gather(self, trainer: Trainer, flats: Iterable[tuple[str, dict[str, Any], list[str]]]
-               ) -> dict[str, np.ndarray]:
-        """Collective: every per-parameter tensor of ``flats`` (of ``self.flats``), whole, on
+    def gather(self, trainer: Trainer, chosen: Iterable[Flat]) -> dict[str, np.ndarray]:
+        """Collective: every per-parameter tensor of ``chosen`` (of ``self.flats``), whole, on
         every rank."""
         out: dict[str, np.ndarray] = {}
-        for name, group, names in flats:
+        for name, group, names in chosen:
             size = int(group["size"])
-            mine = np.ascontiguousarray(trainer.values[name].numpy())
+            mine = np.ascontiguousarray(trainer.values[name].numpy().reshape(-1))
             whole = np.empty(size * self.ranks, mine.dtype)
             trainer.group.allgather(mine, whole, f"gather {name}").wait()
-            offset = 0
-            for p, n in zip(group["params"], names):
-                count = int(p["count"])
-                out[n] = whole[offset:offset + count].reshape(p["shape"])
-                offset += count
+            out.update(pieces(whole, group, names))
         return out
 
     def expand(self, trainer: Trainer, values: dict[str, np.ndarray], states: bool = False
@@ -135,11 +111,11 @@ class ShardedState:
         """``values`` (by input name) with the flat inputs replaced by the gathered
         per-parameter tensors: the parameters' (ZeRO-3; collective there) and with ``states``
         the optimizer state's (collective)."""
-        flats = [f for f in self.flats(states) if f[0] in values]
+        chosen = [f for f in self.flats(states) if f[0] in values]
         out = {n: v for n, v in values.items() if n != SHARD_RANK}
-        for name, _, _ in flats:
+        for name, _, _ in chosen:
             del out[name]
-        out.update(self.gather(trainer, flats))
+        out.update(self.gather(trainer, chosen))
         return out
 
     def full_state(self, trainer: Trainer) -> dict[str, np.ndarray]:
@@ -161,7 +137,12 @@ class ShardedState:
 
     def full_model(self, trainer: Trainer) -> onnx.ModelProto:
         """Collective: the standard training model with the current values: the step as it
-        was compiled from (optimizer node, no comm), so it resumes under any strategy."""
+        was compiled from (optimizer node, no comm), so it resumes under any strategy; from a
+        sharded file (``ngdist rewrite --shard``), such a file with the current values."""
         values = self.expand(trainer, trainer._deployable(), states=True)
         logger.info("sharded state gathered: %d tensors", len(values))
-        return assemble_training_model(trainer.inference, self.plain_step, values)
+        if self.plain_step is not None:
+            return assemble_training_model(trainer.inference, self.plain_step, values)
+        model = assemble_training_model(trainer.inference, trainer.step_model, values)
+        pack(model, self.plan, values)
+        return model
