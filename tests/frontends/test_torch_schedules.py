@@ -194,6 +194,9 @@ nn = torch.nn
 
 def recipe(m):
     opt = torch.optim.AdamW(groups(m), lr=0.01)
+    if {one_cycle!r}:  # beta1 cycled too
+        return opt, S.OneCycleLR(opt, max_lr=0.05, total_steps=len(data()),
+                                 base_momentum=0.6, max_momentum=0.95)
     return opt, S.LambdaLR(opt, [warmup, lambda s: 0.5 ** s])
 
 
@@ -226,14 +229,14 @@ trainer.close()
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n, one_cycle", [(2, False), (4, False), (2, True)])
 def test_groups_and_a_scheduler_on_several_ranks_match_torch_on_the_global_batch(
-        ranks, tmp_path, n):
+        ranks, tmp_path, n, one_cycle):
     from pathlib import Path
 
     tests = str(Path(__file__).parent)
-    ranks(n, RANKS_SCRIPT.format(tests=tests, tests_root=str(Path(__file__).parents[1])),
-          timeout=150)
+    ranks(n, RANKS_SCRIPT.format(tests=tests, tests_root=str(Path(__file__).parents[1]),
+                                 one_cycle=one_cycle), timeout=150)
     want = np.load(tmp_path / "torch.npz")
     mine = [np.load(tmp_path / f"rank{r}.npz") for r in range(n)]
     for name in want:
