@@ -253,6 +253,10 @@ def test_distributed_sgd_argument_errors():
         DistributedSGD(creator(), num_workers=1, strategy="gossip")
     with pytest.raises(NgdistError, match="model_creator must return ngdist.compat.ray.Model"):
         DistributedSGD(lambda w, d: zoo.mlp(), num_workers=1, strategy="simple")
+    with pytest.raises(NgdistError, match=r"^the ONNX model has no training step and no "
+                                          r"optimizer was given: pass optimizer="):
+        DistributedSGD(lambda w, d: Model(zoo.mlp((64, 8, 10))), num_workers=1,
+                       strategy="simple")
     sgd = DistributedSGD(lambda w, d: Model(zoo.mlp((64, 8, 10)), optimizer=SGD),
                          num_workers=1, strategy="simple")
     with pytest.raises(NgdistError, match="this Model has no data: pass data="):

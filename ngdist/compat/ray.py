@@ -63,7 +63,8 @@ CHECKPOINT_NAME = "model.onnx"
 
 
 class Model:
-    """What ``model_creator`` returns: an ONNX model, how to train it, and its data.
+    """What ``model_creator`` returns: an ONNX model, how to train it (``optimizer`` is
+    required, as for ``ngdist.compile``), and its data.
 
     ``data``: an iterator of feed dicts (``{"x": ..., "y": ...}``) or a callable returning the
     next one; or override ``get_feed_dict``. ``get_weights`` / ``set_weights`` read and write
@@ -73,7 +74,7 @@ class Model:
 
     def __init__(self, model: onnx.ModelProto | str | os.PathLike, *,
                  loss: str | None = "softmax_cross_entropy", labels: str = "y",
-                 optimizer: optim.Optimizer | str = optim.SGD(lr=0.01),
+                 optimizer: optim.Optimizer | str | None = None,
                  params: list[str] | None = None, frozen: list[str] | None = None,
                  output: str | None = None,
                  data: Iterator[Mapping[str, np.ndarray]] | Callable[[], Mapping] | None = None
