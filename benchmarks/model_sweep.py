@@ -40,6 +40,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- model_sweep: begin -->", "<!-- model_sweep: end -->"
 SOURCES = ("torchvision", "timm", "transformers")
 TIMM_CACHE = Path(tempfile.gettempdir()) / "ngdist_timm_families.json"
+MEMORY = 8 << 30  # bytes of data a model's process may map (a crash past it, not the machine)
 
 
 def catalogue(sources: tuple[str, ...] = SOURCES, all_constructors: bool = True) -> list[Any]:
@@ -87,6 +88,7 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
 
     def limit_cpu() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
+        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY, MEMORY))
 
     wall = wall_seconds or 5 * cpu_seconds
     with tempfile.TemporaryDirectory() as tmp:

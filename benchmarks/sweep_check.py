@@ -20,6 +20,7 @@ direction on both sides; they are bounded by twice the model's largest update, n
 from __future__ import annotations
 
 import copy
+import gc
 import time
 import traceback
 from pathlib import Path
@@ -72,11 +73,23 @@ def module_inputs(feeds: dict[str, np.ndarray], loss_fn: Any) -> dict[str, np.nd
     return dict(feeds) if loss_fn is None else {k: v for k, v in feeds.items() if k != "y"}
 
 
+def to_float64(module: Any) -> Any:
+    """``module.double()``, its Hugging Face mixture-of-experts layers on the "eager" experts
+    implementation (one matmul an expert; the same function): torch's grouped_mm kernel takes
+    no float64."""
+    module.double()
+    for sub in module.modules():
+        cfg = getattr(sub, "config", None)
+        if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+            cfg._experts_implementation = "eager"
+    return module
+
+
 def torch_grads(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, float64: bool
                 ) -> tuple[float, dict[str, np.ndarray]]:
     ref = copy.deepcopy(module)
     if float64:
-        ref.double()
+        to_float64(ref)
     loss = loss_of(ref, loss_fn, _tensors(feeds, float64))
     loss.backward()
     return float(loss.detach()), {n: p.grad.numpy().astype(np.float64)
@@ -151,7 +164,7 @@ def torch_step(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_f
     moments and step count, cast to the copy's type by ``load_state_dict``)."""
     ref = copy.deepcopy(module)
     if float64:
-        ref.double()
+        to_float64(ref)
     opt = make_opt(ref.parameters())
     opt.load_state_dict(optimizer.state_dict())
     opt.zero_grad()
@@ -267,6 +280,7 @@ def check(case: Any) -> dict[str, Any]:
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
         check_gradients(module, feeds, loss_fn, out)
         check_training(module, feeds, loss_fn, "sgd", out)
+        gc.collect()  # the SGD trainer's sessions, before AdamW's are made
         trainer = check_training(module, feeds, loss_fn, "adamw", out)
         time_steps(trainer, module, feeds, loss_fn, out)
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the table

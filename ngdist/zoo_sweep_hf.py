@@ -19,6 +19,10 @@ write there, ``F.cross_entropy(logits.reshape(-1, V), labels, ignore_index=-100)
 * decoders over several code streams (Dia): decoder_input_ids of (batch, time, streams),
   labels flattened over the (sample, stream) rows of the logits.
 
+A mixture of experts' router that the model initialises to zero (afmoe) is drawn from
+N(0, 0.02) instead: at zero every expert ties, and torch and onnxruntime break top-k ties
+differently (torch.topk picks the last indices, onnxruntime's TopK the first).
+
 A config is made tiny by name: every attribute of a known width, depth, head count or
 vocabulary name present in the config (or a sub-config) is set to a small value (latent
 attention's ranks and head sizes too, with as many kv heads as heads; GroupNorm's group count
@@ -129,7 +133,13 @@ def _model(task: str, model_type: str) -> Any:
     cfg.num_labels = LABELS
     torch = _torch()
     torch.manual_seed(0)
-    return _no_dropout(cls(cfg))
+    model = cls(cfg)
+    with torch.no_grad():  # a zero router ties every expert: see the module's docstring
+        for name, param in model.named_parameters():
+            if ("router" in name or "gate" in name) and param.ndim > 1 and \
+                    not param.any():
+                param.normal_(0.0, 0.02)
+    return _no_dropout(model)
 
 
 def _tokens(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ torch) already registers for an operator is left in place and used.
   formula ``floor((x - min) * bins / (max - min))`` with the last edge inclusive, values
   outside [min, max] not counted, min = max meaning the data's own range (widened by 1 each
   way when it is one value). Not differentiable, as in torch;
+* ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`;
 * ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
   exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
@@ -89,6 +90,38 @@ def histc(g: Any, x: Any, bins: Any, low: Any, high: Any) -> Any:
     return g.op("CastLike", counts, x)
 
 
+def _size0(g: Any, x: Any) -> Any:
+    """Axis 0's size, a scalar (Gather of Shape: the exporter's folding ignores Shape's
+    start and end attributes)."""
+    return g.op("Gather", g.op("Shape", x), _const(g, 0), axis_i=0)
+
+
+def grouped_mm(g: Any, x: Any, weight: Any, offs: Any, bias: Any = None,
+               out_dtype: Any = None) -> Any:
+    """A mixture of experts' grouped product: rows ``offs[e-1]:offs[e]`` of ``x`` [S, K] times
+    ``weight[e]`` [K, N]. Each row's expert is the count of offsets at or below its index;
+    its weight is gathered and multiplied row by row ([S, 1, K] @ [S, K, N]; S x K x N
+    memory); rows past the last offset are zero, as torch leaves them."""
+    h = _helper()
+    if h._get_tensor_rank(x) != 2 or h._get_tensor_rank(weight) != 3 or h._is_none(offs) \
+            or not h._is_none(bias):
+        raise NotImplementedError("ngdist's aten::_grouped_mm symbolic takes a 2-D input, "
+                                  "3-D weights and offsets, without bias")
+    rows = g.op("Range", _const(g, 0), _size0(g, x), _const(g, 1))
+    ends = g.op("Cast", offs, to_i=7)
+    after = g.op("GreaterOrEqual", g.op("Unsqueeze", rows, _const(g, [1])),
+                 g.op("Unsqueeze", ends, _const(g, [0])))  # [S, E]: row past expert e's end
+    expert = g.op("ReduceSum", g.op("Cast", after, to_i=7), _const(g, [1]), keepdims_i=0)
+    experts = _size0(g, weight)
+    last = g.op("Sub", experts, _const(g, 1))
+    picked = g.op("Gather", weight, g.op("Min", expert, last), axis_i=0)  # [S, K, N]
+    out = g.op("MatMul", g.op("Unsqueeze", x, _const(g, [1])), picked)
+    out = g.op("Squeeze", out, _const(g, [1]))
+    inside = g.op("Less", expert, experts)
+    return g.op("Where", g.op("Unsqueeze", inside, _const(g, [1])), out,
+                g.op("CastLike", _const(g, 0.0, np.float32), out))
+
+
 def _pool_matrix(n: int, m: int) -> np.ndarray:
     """(m, n): row i averages torch's adaptive window of output i over n inputs."""
     out = np.zeros((m, n), np.float32)
@@ -121,6 +154,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::expm1": lambda _: expm1,
     "aten::diff": lambda _: diff,
     "aten::histc": lambda _: histc,
+    "aten::_grouped_mm": lambda _: grouped_mm,
     "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one

@@ -121,7 +121,7 @@ def _custom_groups() -> dict[str, object]:
     return {name: registration.registry.get_function_group(name).get(OPSET)
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
-                         "aten::adaptive_avg_pool2d")}
+                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm")}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -150,3 +150,43 @@ def test_a_symbolic_the_user_registered_is_used_and_kept():
         assert registration.registry.get_function_group("aten::expm1").get(OPSET) is users
     finally:
         torch.onnx.unregister_custom_op_symbolic("aten::expm1", OPSET)
+
+
+class Grouped(torch.nn.Module):
+    """A mixture of experts' grouped product (rows sorted by expert, cumulative offsets) as
+    Hugging Face's MoE layers call it; ``loop`` computes it one expert at a time (float64)."""
+
+    def __init__(self, loop: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 8)
+        self.experts = torch.nn.Parameter(torch.randn(4, 8, 4) * 0.3)
+        self.loop = loop
+
+    def forward(self, x, offs):
+        h = self.proj(x)
+        if not self.loop:
+            return torch._grouped_mm(h, self.experts, offs=offs)
+        out, start = torch.zeros(h.shape[0], 4, dtype=h.dtype), 0
+        for e, end in enumerate(offs.tolist()):
+            out[start:end] = h[start:end] @ self.experts[e]
+            start = end
+        return out
+
+
+def test_grouped_mm_values_and_gradients_match_a_float64_loop_over_experts():
+    x = torch.randn(7, 4)
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)  # expert 1 gets no row
+    (got,) = _ort(Grouped(), x, offs)
+    exact = Grouped(loop=True).double()(x.double(), offs).detach().numpy()
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5)
+    y = torch.randint(0, 4, (7,))
+    model, _ = tfront.training_model(Grouped(), (x, offs), loss=torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd:lr=0.1", input_names=["x", "offs"])
+    step = run_step(model, {"x": x.numpy(), "offs": offs.numpy(), "y": y.numpy()})
+    ref = Grouped(loop=True).double()
+    loss = torch.nn.functional.cross_entropy(ref(x.double(), offs), y)
+    loss.backward()
+    assert abs(float(step["loss"]) - float(loss)) < 1e-6
+    errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) < 1e-5, errors
