@@ -58,7 +58,7 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     assert plan is not None
     state = ShardedState(plan, original)
     state.attach(trainer, full)
-    _drop_whole_parameters(trainer, state)
+    _drop_copies(trainer, state)
     return trainer
 
 
@@ -81,23 +81,26 @@ def _compile_rewritten(inference: onnx.ModelProto, step: ir.Model, plan: dict[st
     trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     state = ShardedState(plan, None)
     state.attach(trainer, full)
-    _drop_whole_parameters(trainer, state)
+    _drop_copies(trainer, state)
     return trainer
 
 
-def _drop_whole_parameters(trainer: Trainer, state: ShardedState) -> None:
-    """ZeRO-3: the whole parameters' data dropped from the models kept as templates (the
-    inference model, the step compiled from), which are filled with the gathered values when
-    used, so a rank holds 1/N of them between steps."""
-    names = set(state.parameter_names)
+def _drop_copies(trainer: Trainer, state: ShardedState) -> None:
+    """The data of every tensor the trainer's values hold (or, ZeRO-3, gather) dropped from
+    the models it keeps as templates (the inference model, the step graph, the step compiled
+    from), which are filled with the current values when used: a rank holds one copy of its
+    shards, not whole copies beside them."""
+    names = set(trainer.values) | set(state.parameter_names) | \
+        {n for _, _, names in state.flats() for n in names}
     for t in trainer.inference.graph.initializer:
         if t.name in names:
             t.ClearField("raw_data")
             for f in ("float_data", "double_data", "int32_data", "int64_data"):
                 t.ClearField(f)
-    if state.plain_step is None:
-        return
-    inits = state.plain_step.graph.initializers
-    for n in names & set(inits):
-        dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
-        inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
+    for step in (trainer.step_model, state.plain_step):
+        if step is None:
+            continue
+        inits = step.graph.initializers
+        for n in names & set(inits):
+            dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
+            inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
