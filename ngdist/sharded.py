@@ -30,9 +30,10 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     """The Trainer of ``step`` under ``chosen`` (whose ``shard`` is set, or the step is of a
     file written by ``ngdist rewrite --shard``) on ``group``."""
     if runtime.get("checkpoint_dir") is not None:
-        raise OptionError(f"shard={chosen.shard!r} cannot write periodic checkpoints yet; "
-                          "leave checkpoint_dir= out and call trainer.save(path) on every rank "
-                          "(it gathers the optimizer state into a standard model)")
+        raise OptionError(f"shard={chosen.shard!r} cannot write periodic checkpoints yet (rank "
+                          "0 writes them alone from its own values, and a sharded rank holds "
+                          "only its slices); leave checkpoint_dir= out and call "
+                          "trainer.save(path) on every rank (it gathers a standard model)")
     plan = file_layout(inference)
     if plan is not None and not isinstance(chosen, AllReduceOptions):
         raise OptionError(f"the file is sharded by ngdist rewrite --shard, which the "

@@ -281,7 +281,9 @@ def test_one_process_shards_like_allreduce():
 @pytest.mark.parametrize("options, message", [
     ({"shard": "params"}, r"unknown shard 'params'; choose one of \['none', 'optimizer', "
                           r"'gradients', 'parameters'\]"),
-    ({"shard": "optimizer", "compression": "fp16"}, r"cannot be combined with compression="),
+    ({"shard": "optimizer", "compression": "fp16"},
+     r"cannot be combined with compression= yet \(the 16-bit sums with float32 accumulation "
+     r"exist as an AllReduce kernel only; the ReduceScatter sums float32 buckets\)"),
     ({"shard": "optimizer", "reproducible_micro_batch": 4},
      r"cannot be combined with reproducible_micro_batch"),
     ({"shard": "parameters", "accumulate": 2},
@@ -295,6 +297,16 @@ def test_refusals(options, message):
     with pytest.raises(OptionError, match=message):
         ngdist.compile(_mlp(), loss="softmax_cross_entropy", labels="y",
                        optimizer=ngdist.optim.SGD(lr=0.1), **options)
+
+
+def test_periodic_checkpoints_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(OptionError, match=r"^shard='parameters' cannot write periodic "
+                                          r"checkpoints yet \(rank 0 writes them alone from "
+                                          r"its own values, and a sharded rank holds only its "
+                                          r"slices\); leave checkpoint_dir= out"):
+        ngdist.compile(_mlp(), loss="softmax_cross_entropy", labels="y", shard="parameters",
+                       optimizer=ngdist.optim.SGD(lr=0.1), checkpoint_dir=tmp_path / "c",
+                       checkpoint_every=2)
 
 
 def test_rewrite_with_shard_needs_the_rank_count():

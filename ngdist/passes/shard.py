@@ -363,7 +363,9 @@ def passes(o: AllReduceOptions) -> list[ir.passes.PassBase]:
                           "no exact ReduceScatter); leave one of the two out")
     if o.compression != "none":
         raise OptionError(f"shard={o.shard!r} cannot be combined with compression= yet (the "
-                          "ReduceScatter sums float32 buckets); leave one of the two out")
+                          "16-bit sums with float32 accumulation exist as an AllReduce kernel "
+                          "only; the ReduceScatter sums float32 buckets); leave one of the "
+                          "two out")
     if o.shard_ranks < 1:
         raise OptionError(f"shard={o.shard!r} needs the rank count to size the shards: "
                           "ngdist.compile sets shard_ranks to the job's; pass shard_ranks=N "
