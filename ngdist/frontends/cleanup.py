@@ -140,11 +140,30 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
         kept.append(node)
     used = {i for n in kept for i in n.input} | {o.name for o in g.output}
     folded = [n for n in fixed if n in used]
-    g.initializer.extend(numpy_helper.from_array(fixed[n], n) for n in folded)
+    outputs = {o.name for o in g.output}
+    # a folded value is an initializer of its own name: the node output it replaces may
+    # still be computed in the other export of the module (eval mode), whose graph gets
+    # this one's initializers (one name declared twice)
+    names = {n: n if n in outputs or n.endswith("/ngdist.target") else f"{n}/ngdist.folded"
+             for n in folded}
+    g.initializer.extend(numpy_helper.from_array(fixed[n], names[n]) for n in folded)
+    for node in kept:
+        _rename_inputs(node, names)
     del g.node[:]
     g.node.extend(kept)
     _remove_dead(g)
     return len(folded)
+
+
+def _rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
+    """``node``'s inputs, and those of nodes in its subgraphs (which may read outer values),
+    renamed by ``names``."""
+    for k, name in enumerate(node.input):
+        node.input[k] = names.get(name, name)
+    for a in node.attribute:
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for inner in sub.node:
+                _rename_inputs(inner, names)
 
 
 def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:

@@ -12,6 +12,8 @@ torch) already registers for an operator is left in place and used.
   formula ``floor((x - min) * bins / (max - min))`` with the last edge inclusive, values
   outside [min, max] not counted, min = max meaning the data's own range (widened by 1 each
   way when it is one value). Not differentiable, as in torch;
+* ``aten::cumsum`` of a bool or integer tensor: cast to int64 first, as torch promotes it
+  (torch's symbolic hands ONNX's CumSum a bool tensor, which onnxruntime refuses);
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`;
 * ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
   exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
@@ -150,15 +152,36 @@ def _adaptive_avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _cumsum(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
+        from torch.onnx._internal.torchscript_exporter import _type_utils
+
+        kind = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED)
+        h = _helper()
+        if kind in _promoted() and (dtype is None or h._is_none(dtype)):
+            x = g.op("Cast", x, to_i=7)  # torch: a bool or integer cumsum is int64
+        return builtin(g, x, dim, dtype)
+
+    return symbolic
+
+
+def _promoted() -> set[Any]:
+    from torch.onnx._internal.torchscript_exporter import _type_utils as t
+
+    j = t.JitScalarType
+    return {j.BOOL, j.UINT8, j.INT8, j.INT16, j.INT}
+
+
 _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::expm1": lambda _: expm1,
     "aten::diff": lambda _: diff,
     "aten::histc": lambda _: histc,
     "aten::_grouped_mm": lambda _: grouped_mm,
     "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
+    "aten::cumsum": _cumsum,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
-_WRAPS = {"aten::adaptive_avg_pool2d"}
+_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum"}
 
 
 @contextlib.contextmanager

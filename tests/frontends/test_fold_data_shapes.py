@@ -47,3 +47,34 @@ def test_count_found_by_nonzero_is_not_folded():
     x[0, 1] = x[2, 0] = x[2, 3] = 9.0
     zeros, width = sess.run(None, {"x": x})
     assert zeros.shape == (3,) and width.tolist() == [4]
+
+
+def test_folded_values_are_initializers_named_apart_from_the_outputs_they_replace():
+    """The training export is folded further than the eval export, whose graph receives the
+    training graph's initializers: a folded value under its node output's name was declared
+    twice there (canary: '/model/model/decoder/Concat_2_output_0 is redeclared')."""
+    import copy
+
+    import onnx
+
+    consts = [numpy_helper.from_array(np.array([1], np.int64), "one"),
+              numpy_helper.from_array(np.array([2], np.int64), "two"),
+              numpy_helper.from_array(np.array([-1], np.int64), "minus_one")]
+    nodes = [helper.make_node("Shape", ["x"], ["x_shape"]),
+             helper.make_node("Slice", ["x_shape", "one", "two"], ["width"]),
+             helper.make_node("Concat", ["minus_one", "width"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["flat"]),
+             helper.make_node("Relu", ["flat"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    other = copy.deepcopy(model)  # the export that was not folded
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    assert fold_static_shapes(model, batch_feeds({"x": x})) >= 1
+    added = [t for t in model.graph.initializer if t.name not in {c.name for c in consts}]
+    assert added and all(t.name.endswith("/ngdist.folded") for t in added)
+    other.graph.initializer.extend(added)
+    onnx.checker.check_model(other, full_check=True)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(sess.run(None, {"x": x[:3]})[0], np.maximum(x[:3], 0))

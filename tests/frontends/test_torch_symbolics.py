@@ -121,7 +121,7 @@ def _custom_groups() -> dict[str, object]:
     return {name: registration.registry.get_function_group(name).get(OPSET)
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
-                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm")}
+                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum")}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -190,3 +190,14 @@ def test_grouped_mm_values_and_gradients_match_a_float64_loop_over_experts():
     assert abs(float(step["loss"]) - float(loss)) < 1e-6
     errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
     assert max(errors.values()) < 1e-5, errors
+
+
+def test_a_bool_cumsum_counts_in_int64_like_torch():
+    mask = torch.tensor([[True, False, True, True], [False, False, True, False]])
+    (got,) = _ort(Fn(lambda m: torch.cumsum(~m, dim=1)), mask)
+    expected = torch.cumsum(~mask, dim=1)
+    assert got.dtype == np.int64 and expected.dtype == torch.int64
+    np.testing.assert_array_equal(got, expected.numpy())
+    x = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    (got,) = _ort(Fn(lambda t: torch.cumsum(t, 0)), x)
+    np.testing.assert_array_equal(got, torch.cumsum(x, 0).numpy())
