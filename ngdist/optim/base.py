@@ -9,7 +9,8 @@ from typing import Any
 
 from ngdist.errors import OptionError
 from ngdist.optim.checks import Group, checked, checked_groups
-from ngdist.passes.optimizers import FORMULA_ATTR, MAXIMIZE_ATTR, SCHEDULED_ATTR, state_kinds
+from ngdist.passes.optimizers import (EXACT_ATTR, FORMULA_ATTR, MAXIMIZE_ATTR, SCHEDULED_ATTR,
+                                      exact_attr, state_kinds)
 
 
 class _Optimizer:
@@ -34,6 +35,8 @@ class _Optimizer:
     def attributes(self) -> dict[str, object]:
         """The optimizer node's attributes."""
         out = self._attributes()
+        if exact_attr(out):  # the floats' every digit (attributes are float32)
+            out[EXACT_ATTR] = exact_attr(out)
         if self.formula is not None:
             out[FORMULA_ATTR] = self.formula
         if self.maximize:
@@ -79,10 +82,6 @@ class _Optimizer:
             if mine:
                 out.append((i, dataclasses.replace(self, groups=(), **hyper), mine))  # type: ignore
         return out
-
-
-def _groups_field() -> Any:
-    return field(default=(), hash=False)
 
 
 def _groups_field() -> Any:

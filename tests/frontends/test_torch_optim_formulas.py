@@ -229,7 +229,7 @@ def test_ngdist_groups_on_a_torch_module_name_its_parameters():
 def test_a_float64_model_learns_at_every_digit_of_its_learning_rate():
     """torch keeps lr a Python float: a float64 model's update is float64 through and through,
     also after a scheduler changes it (a float32 lr was 1e-9 off after 5 AdamW steps; the
-    other hyper-parameters are exact binary fractions here, as attributes are float32)."""
+    other hyper-parameters: test_torch_optim_float64.py)."""
     def make_opt(m):
         return O.AdamW(two_groups(m, {"weight_decay": 0.0}, {"lr": 0.003}), lr=0.01,
                        betas=(0.5, 0.75), eps=2 ** -10, weight_decay=0.25)

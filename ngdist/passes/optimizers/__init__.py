@@ -21,6 +21,7 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.optimizers import adam_family, onnx_ops, rms_family
 from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
+                                             EXACT_ATTR, exact_attr,
                                              KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW,
                                              KERAS_RMSPROP,
                                              check_formula,
@@ -31,7 +32,8 @@ from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DEC
                                              scheduled_inputs, split_optimizer_inputs,
                                              state_kinds)
 
-__all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "FORMULA_ATTR", "FORMULAS",
+__all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "EXACT_ATTR", "FORMULA_ATTR",
+           "FORMULAS", "exact_attr",
            "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_ADAMW", "KERAS_RMSPROP",
            "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "SCHEDULED_ATTR",
            "TORCH_ADAM",

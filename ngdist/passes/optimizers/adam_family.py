@@ -19,17 +19,17 @@ from ngdist.passes.autodiff.registry import GradContext
 from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMAX,
                                              KERAS_ADAMW, NADAM,
                                              RADAM, TORCH_ADAM, TORCH_ADAMW, Float64, Scalars,
-                                             decimal, maximized, scalar_like)
+                                             maximized, scalar_like)
 
 Values = dict[str, ir.Value]
 
 
 def _hyper(a: Mapping[str, object]) -> tuple[Any, float, float, float]:
-    """beta1, beta2, eps, weight decay as the decimals the user wrote (beta1: the graph value
-    of a scheduled one)."""
-    b1 = a["alpha"] if isinstance(a["alpha"], ir.Value) else decimal(a["alpha"])
-    return (b1, decimal(a["beta"]), decimal(a["epsilon"]),
-            decimal(a.get("norm_coefficient") or 0.0))
+    """beta1, beta2, eps, weight decay as the user gave them (``node_attrs``; beta1: the graph
+    value of a scheduled one)."""
+    b1 = a["alpha"] if isinstance(a["alpha"], ir.Value) else float(a["alpha"])  # type: ignore
+    return (b1, float(a["beta"]), float(a["epsilon"]),  # type: ignore[arg-type]
+            float(a.get("norm_coefficient") or 0.0))  # type: ignore[arg-type]
 
 
 def _decoupled(formula: str, a: Mapping[str, object]) -> bool:
@@ -56,7 +56,8 @@ def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
     elif formula == KERAS_ADAMW:  # alpha = lr * sqrt(1 - b2^t) / (1 - b1^t)
         out["alpha"] = f.op("Div", f.op("Mul", f.lr, f.op("Sqrt", bc2)), bc1)
     elif formula == NADAM:
-        out.update(_nadam_scalars(f, b1, decimal(a.get("ngdist_momentum_decay", 4e-3)), bc2))
+        decay = float(a.get("ngdist_momentum_decay", 4e-3))  # type: ignore[arg-type]
+        out.update(_nadam_scalars(f, b1, decay, bc2))
     else:  # RADAM
         out.update(_radam_scalars(f, b2, bc1, bc2))
     return out

@@ -39,6 +39,9 @@ DECOUPLED_ATTR = "ngdist_decoupled"  # NAdam/RAdam: 1 for decoupled weight decay
 # attributes whose values the node reads from its last inputs instead, in this order (a
 # scheduled momentum: ``alpha`` of a Momentum node or of a torch_adam/torch_adamw Adam node)
 SCHEDULED_ATTR = "ngdist_scheduled"
+# every float attribute's value as the Python float it was given ("alpha=0.9", repr's digits):
+# ONNX attributes are float32, and a float64 model's update reads every digit of torch's
+EXACT_ATTR = "ngdist_exact"
 
 
 def _adam_kinds(a: Mapping[str, object]) -> tuple[str, ...]:
@@ -137,10 +140,36 @@ def onnx_default(a: defs.OpSchema.Attribute) -> object:
     return onnx.helper.get_attribute_value(d)
 
 
+def exact_attr(attributes: Mapping[str, object]) -> list[str]:
+    """``EXACT_ATTR``'s value for node attributes ``attributes``: each float's every digit."""
+    return [f"{k}={v!r}" for k, v in sorted(attributes.items()) if isinstance(v, float)]
+
+
+def exact_values(where: str, attributes: Mapping[str, object]) -> dict[str, float]:
+    """{attribute: its exact value} from ``EXACT_ATTR`` among ``attributes``; an exact value
+    that the float attribute does not round to (one of them edited) is a GraphError."""
+    out = {}
+    for item in attributes.get(EXACT_ATTR) or ():  # type: ignore[attr-defined]
+        text = item.decode() if isinstance(item, bytes) else str(item)
+        name, _, value = text.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise GraphError(f"{where}: {EXACT_ATTR} entry {text!r} is not NAME=FLOAT") from None
+        given = attributes.get(name)
+        if isinstance(given, float) and np.float32(given) != np.float32(out[name]):
+            raise GraphError(f"{where}: attribute {name!r} is {given} but {EXACT_ATTR} says "
+                             f"{out[name]}; edit both, or remove {EXACT_ATTR} to use the "
+                             "attributes (float32) alone")
+    return out
+
+
 def node_attrs(node: ir.Node) -> dict[str, object]:
     """The node's attributes by the operator's schema, defaults filled in, and its ngdist
     attributes as they are; a required one that is missing or one of the wrong kind is a
-    GraphError naming the node."""
+    GraphError naming the node. A float is its exact value (``EXACT_ATTR``) where the node
+    has one, else, on a node with ``FORMULA_ATTR``, the decimal it was written as
+    (``decimal``), else the float32 attribute (ONNX's operator)."""
     schema = defs.get_schema(node.op_type, 1, PREVIEW_TRAINING)
     out: dict[str, object] = {k: a.value for k, a in node.attributes.items()
                               if k.startswith("ngdist_")}
@@ -156,6 +185,12 @@ def node_attrs(node: ir.Node) -> dict[str, object]:
             raise GraphError(f"optimizer node {node.name!r} ({node.op_type}): attribute "
                              f"{name!r} is {value!r}, not {what}")
         out[name] = value
+    exact = exact_values(f"optimizer node {node.name!r}", out)
+    out.pop(EXACT_ATTR, None)
+    for name, value in out.items():
+        if isinstance(value, float):
+            out[name] = exact.get(name, value if out.get(FORMULA_ATTR) is None
+                                  else decimal(value))
     if node.op_type == "Momentum" and out["mode"] not in ("standard", "nesterov"):
         raise GraphError(f"optimizer node {node.name!r} (Momentum): mode is {out['mode']!r}; "
                          "the modes are 'standard' and 'nesterov'")
@@ -163,8 +198,9 @@ def node_attrs(node: ir.Node) -> dict[str, object]:
 
 
 def decimal(value: object) -> float:
-    """A float attribute as the decimal it was written as: ONNX stores attributes as float32,
-    and 1 - float32(0.999) is 1.3e-5 off PyTorch's 1 - 0.999 (its betas are Python floats)."""
+    """A float attribute as the decimal it was written as (a node without ``EXACT_ATTR``):
+    ONNX stores attributes as float32, and 1 - float32(0.999) is 1.3e-5 off PyTorch's
+    1 - 0.999 (its betas are Python floats)."""
     return float(str(np.float32(value)))  # the shortest decimal that rounds to it
 
 
@@ -194,11 +230,12 @@ class Scalars:
         if key not in self._cache:
             rank = self._key(x)[1]
             shape = [1] * rank if rank is not None else []
-            if x.dtype is not None:  # float32 first: the values CastLike of a float32 gave
-                arr = np.full(shape, value, np.float32).astype(x.dtype.numpy())
+            if x.dtype is not None:  # rounded once from the Python float to x's type
+                arr = np.full(shape, value, np.float64).astype(x.dtype.numpy())
                 self._cache[key] = self.ctx.op("Constant", value=ir.tensor(arr))
             else:
-                self._cache[key] = self.ctx.const(np.full(shape, value, np.float32), like=x)
+                self._cache[key] = self.ctx.const(np.full(shape, value), like=x,
+                                                   dtype=np.float64)
         return self._cache[key]
 
     def hyper(self, value: float | ir.Value, x: ir.Value) -> ir.Value:

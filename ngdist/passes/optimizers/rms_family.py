@@ -15,14 +15,14 @@ import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext
 from ngdist.passes.optimizers.common import (ADADELTA, KERAS_ADAGRAD, KERAS_RMSPROP, RMSPROP,
-                                             Scalars, decimal, maximized)
+                                             Scalars, maximized)
 
 
 def _prelude(ctx: GradContext, k: Scalars, a: Mapping[str, object], x: ir.Value,
              g: ir.Value) -> ir.Value:
     """The gradient after maximize and L2 weight decay."""
     g = maximized(ctx, a, g)
-    wd = decimal(a.get("norm_coefficient") or 0.0)
+    wd = float(a.get("norm_coefficient") or 0.0)
     return ctx.op("Add", g, ctx.op("Mul", k.exact(wd, x), x)) if wd else g
 
 
@@ -31,8 +31,8 @@ def _rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Value
     """sq = alpha sq + (1 - alpha) g^2; centered: ga.lerp_(g, 1 - alpha), avg = sqrt(sq - ga^2),
     else sqrt(sq); avg += eps; momentum: buf = momentum buf + g / avg, x -= lr buf; else
     x -= lr g / avg. New x, sq (, buf) (, ga)."""
-    alpha, eps = decimal(a.get("ngdist_alpha", 0.99)), decimal(a["epsilon"])
-    momentum = decimal(a.get("ngdist_momentum", 0.0))
+    alpha, eps = float(a.get("ngdist_alpha", 0.99)), float(a["epsilon"])
+    momentum = float(a.get("ngdist_momentum", 0.0))
     centered = bool(a.get("ngdist_centered", 0))
     sq, *rest = states
     buf = rest.pop(0) if momentum else None
@@ -60,7 +60,7 @@ def _adadelta(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Valu
               x: ir.Value, g: ir.Value, states: Sequence[ir.Value]) -> list[ir.Value]:
     """sq = rho sq + (1 - rho) g^2; delta = sqrt(acc + eps) / sqrt(sq + eps) g;
     acc = rho acc + (1 - rho) delta^2; x -= lr delta. New x, sq, acc."""
-    rho, eps = decimal(a.get("ngdist_rho", 0.9)), decimal(a["epsilon"])
+    rho, eps = float(a.get("ngdist_rho", 0.9)), float(a["epsilon"])
     sq, acc = states
     g = _prelude(ctx, k, a, x, g)
     sq_new = ctx.op("Add", ctx.op("Mul", sq, k.exact(rho, x)),
@@ -78,8 +78,8 @@ def _keras_rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir
     """Keras: sq = rho sq + (1 - rho) g^2; centered: ga = rho ga + (1 - rho) g, den = sq - ga^2
     + eps, else sq + eps; inc = lr g / sqrt(den); momentum: m = momentum m + inc, x -= m; else
     x -= inc. New x, sq (, m) (, ga)."""
-    rho, eps = decimal(a.get("ngdist_alpha", 0.9)), decimal(a["epsilon"])
-    momentum = decimal(a.get("ngdist_momentum", 0.0))
+    rho, eps = float(a.get("ngdist_alpha", 0.9)), float(a["epsilon"])
+    momentum = float(a.get("ngdist_momentum", 0.0))
     sq, *rest = states
     m = rest.pop(0) if momentum else None
     ga = rest.pop(0) if a.get("ngdist_centered", 0) else None
@@ -107,7 +107,7 @@ def _keras_adagrad(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir
     (h,) = states
     g = _prelude(ctx, k, a, x, g)
     h_new = ctx.op("Add", h, ctx.op("Mul", g, g))
-    den = ctx.op("Sqrt", ctx.op("Add", h_new, k.exact(decimal(a["epsilon"]), x)))
+    den = ctx.op("Sqrt", ctx.op("Add", h_new, k.exact(float(a["epsilon"]), x)))
     return [ctx.op("Sub", x, ctx.op("Div", ctx.op("Mul", g, lr), den)), h_new]
 
 
@@ -120,7 +120,7 @@ def lower(ctx: GradContext, formula: str, a: Mapping[str, object], r: ir.Value, 
           ) -> tuple[list[ir.Value], list[list[ir.Value]]]:
     """New parameters and new states (one list per state kind) of an RMSprop/Adadelta node."""
     k = Scalars(ctx)
-    decay = decimal(a.get("decay_factor") or 0.0)
+    decay = float(a.get("decay_factor") or 0.0)
     new_x: list[ir.Value] = []
     new_s: list[list[ir.Value]] = [[] for _ in states]
     for i, (x, g) in enumerate(zip(xs, gs)):
