@@ -153,6 +153,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              "AdamW err | ngdist / torch |", "|---|---|---|---|---:|---:|---:|---:|"]
     for r in sorted(rows, key=lambda r: r["name"]):
         cause = "" if r["status"] == "pass" else f"{r.get('stage', '')}: {r.get('error', '')}"
+        if r.get("first_batch"):
+            cause += f" (on a second batch; the first: {r['first_batch']})"
         if r.get("raw_in_ngdist"):
             cause += f" (raised inside ngdist at {r['raw_in_ngdist']})"
         cause = cause.replace("|", "\\|")

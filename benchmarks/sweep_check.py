@@ -16,6 +16,8 @@ ill-conditioned there: the table gives torch's worst float32 error per model), o
 1e-4 of torch's float32 result (both float32 programs took the same side of a kink). AdamW:
 entries whose float64 gradient is within float32's error of zero step by ~lr in rounding's
 direction on both sides; they are bounded by twice the model's largest update, not compared.
+A gradient off in one slice alone (one output channel: an activation within float32's error
+of a ReLU kink) is checked again on a second batch of float inputs, the first failure kept.
 """
 from __future__ import annotations
 
@@ -137,6 +139,27 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
         raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
                          f"{own[bad]:.1e}){_slices(got[f'{bad}.grad'], g64[bad])}")
     return g64, g32
+
+
+def gradients_or_second_batch(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
+                              out: dict[str, Any]) -> dict[str, np.ndarray]:
+    """``check_gradients``; where it fails in one slice of one tensor alone (the rest of that
+    tensor within bound) and the batch has float inputs, once more on a second batch of
+    those (the same shapes, seed 1), which the later stages then use: an activation within
+    float32's error of a kink is one point of input space, a wrong rule fails there too.
+    The first batch's failure stays in the row (``first_batch``)."""
+    try:
+        check_gradients(module, feeds, loss_fn, out)
+        return feeds
+    except StageError as exc:
+        if "; 1 of " not in str(exc) or not any(v.dtype.kind == "f" for v in feeds.values()):
+            raise
+        out["first_batch"] = str(exc)
+    rng = np.random.default_rng(1)
+    feeds = {k: rng.standard_normal(v.shape).astype(v.dtype) if v.dtype.kind == "f" else v
+             for k, v in feeds.items()}
+    check_gradients(module, feeds, loss_fn, out)
+    return feeds
 
 
 def _slices(got: np.ndarray, exact: np.ndarray) -> str:
@@ -278,7 +301,7 @@ def check(case: Any) -> dict[str, Any]:
         module, feeds, loss_fn = case.make()
         with torch.no_grad():  # a model that does not take the sweep's inputs is not built
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
-        check_gradients(module, feeds, loss_fn, out)
+        feeds = gradients_or_second_batch(module, feeds, loss_fn, out)
         check_training(module, feeds, loss_fn, "sgd", out)
         gc.collect()  # the SGD trainer's sessions, before AdamW's are made
         trainer = check_training(module, feeds, loss_fn, "adamw", out)

@@ -14,6 +14,8 @@ torch) already registers for an operator is left in place and used.
   way when it is one value). Not differentiable, as in torch;
 * ``aten::cumsum`` of a bool or integer tensor: cast to int64 first, as torch promotes it
   (torch's symbolic hands ONNX's CumSum a bool tensor, which onnxruntime refuses);
+* ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
+  (timm's halonet): :func:`_unfold`;
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`;
 * ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
   exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
@@ -152,6 +154,34 @@ def _adaptive_avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _unfold(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.unfold(d, size, step)`` where axis d's extent is unknown at export: window
+    starts ``range(0, (L - size) // step + 1) * step`` plus offsets ``range(size)``, one
+    Gather along d ([.., windows, size, ..]), the offsets' axis moved last (torch's layout).
+    A static extent keeps torch's symbolic."""
+    def symbolic(g: Any, x: Any, dimension: Any, size: Any, step: Any) -> Any:
+        h = _helper()
+        sizes, rank = h._get_tensor_sizes(x), h._get_tensor_rank(x)
+        d, k, st = (h._get_const(v, "i", n) for v, n in ((dimension, "dimension"),
+                                                          (size, "size"), (step, "step")))
+        d = d % rank if rank else d
+        if rank is None or (sizes is not None and isinstance(sizes[d], int)):
+            return builtin(g, x, dimension, size, step)
+        extent = g.op("Gather", g.op("Shape", x), _const(g, d), axis_i=0)
+        windows = g.op("Add", g.op("Div", g.op("Sub", extent, _const(g, k)), _const(g, st)),
+                       _const(g, 1))
+        starts = g.op("Mul", g.op("Range", _const(g, 0), windows, _const(g, 1)),
+                      _const(g, st))
+        idx = g.op("Add", g.op("Unsqueeze", starts, _const(g, [1])),
+                   g.op("Unsqueeze", g.op("Range", _const(g, 0), _const(g, k), _const(g, 1)),
+                        _const(g, [0])))
+        picked = g.op("Gather", x, idx, axis_i=d)  # axes d, d + 1: windows, offsets
+        perm = [a for a in range(rank + 1) if a != d + 1] + [d + 1]
+        return g.op("Transpose", picked, perm_i=perm)
+
+    return symbolic
+
+
 def _cumsum(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
         from torch.onnx._internal.torchscript_exporter import _type_utils
@@ -179,9 +209,10 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::_grouped_mm": lambda _: grouped_mm,
     "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
     "aten::cumsum": _cumsum,
+    "aten::unfold": _unfold,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
-_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum"}
+_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold"}
 
 
 @contextlib.contextmanager

@@ -121,7 +121,7 @@ def _custom_groups() -> dict[str, object]:
     return {name: registration.registry.get_function_group(name).get(OPSET)
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
-                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum")}
+                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum", "aten::unfold")}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -201,3 +201,40 @@ def test_a_bool_cumsum_counts_in_int64_like_torch():
     x = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     (got,) = _ort(Fn(lambda t: torch.cumsum(t, 0)), x)
     np.testing.assert_array_equal(got, torch.cumsum(x, 0).numpy())
+
+
+class Unfold(torch.nn.Module):
+    """Tensor.unfold twice, as timm's halonet cuts blocks: the second along an axis whose
+    extent the exporter cannot see (its symbolic's Loop hides the first's output sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(2, 3, 1)
+        self.fc = torch.nn.Linear(3 * 2 * 3, 4)
+
+    def forward(self, x):
+        blocks = self.conv(x).unfold(2, 2, 1).unfold(3, 3, 2)  # [N, 3, H-1, (W-3)//2+1, 2, 3]
+        return self.fc((blocks * blocks.flip(-1)).mean((2, 3)).flatten(1))
+
+
+def test_unfold_along_axes_of_unknown_extent_matches_torch_at_every_size():
+    """Exported with the spatial axes dynamic (their extents unknown, as the exporter sees
+    halonet's), run at sizes other than the example's."""
+    module = Unfold()
+    dynamic = {"x": {0: "N", 2: "H", 3: "W"}}
+    with pytest.raises(Exception, match="input size not accessible"):
+        torch.onnx.export(module, (torch.randn(2, 2, 3, 6),), io.BytesIO(), dynamo=False,
+                          opset_version=OPSET, input_names=["x"], dynamic_axes=dynamic)
+    buf = io.BytesIO()
+    with lent_symbolics(OPSET):
+        torch.onnx.export(module, (torch.randn(2, 2, 3, 6),), buf, dynamo=False,
+                          opset_version=OPSET, input_names=["x"], dynamic_axes=dynamic)
+    sess = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"])
+    for shape in ((2, 2, 3, 6), (3, 2, 5, 9), (1, 2, 2, 3)):
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            exact = module.double()(x.double()).numpy()
+        module.float()
+        np.testing.assert_allclose(sess.run(None, {"x": x.numpy()})[0], exact, rtol=0,
+                                   atol=1e-5)
