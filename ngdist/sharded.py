@@ -105,3 +105,11 @@ def _drop_copies(trainer: Trainer, state: ShardedState) -> None:
         for n in names & set(inits):
             dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
             inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
+    # fresh copies: a tensor read from a proto keeps the whole proto it came from alive (the
+    # protobuf arena), so one constant left would keep every dropped tensor's memory
+    inference = onnx.ModelProto()
+    inference.ParseFromString(trainer.inference.SerializeToString())
+    trainer.inference = inference
+    trainer.step_model = ir.from_proto(ir.to_proto(trainer.step_model))
+    if state.plain_step is not None:
+        state.plain_step = ir.from_proto(ir.to_proto(state.plain_step))
