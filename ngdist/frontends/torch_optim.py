@@ -8,9 +8,9 @@ implementation and are ignored, as are the keys schedulers add (``initial_lr``, 
 
 ``lr_source`` reads the learning rate of every group back at each step, so that a
 ``torch.optim.lr_scheduler`` stepping the torch optimizer is followed; so is the momentum
-(beta1) of SGD, Adam and AdamW that OneCycleLR or CyclicLR cycles (``scheduled_momentum``,
-seen by the ``max_momentum`` those schedulers put in every group). A scheduler that changes
-another hyper-parameter is refused when it does.
+(RMSprop, SGD) or beta1 (Adam, AdamW, Adamax, NAdam, RAdam) that OneCycleLR or CyclicLR cycles
+(``scheduled_momentum``, seen by the ``max_momentum`` those schedulers put in every group). A
+scheduler that changes another hyper-parameter is refused when it does.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 
 from ngdist import optim
 from ngdist.errors import GraphError, OptionError
+from ngdist.frontends.optim_nodes import mu_product_name
 from ngdist.ir.hyper import lr_name, momentum_name
 
 # torch class name -> the ngdist optimizer with its formula
@@ -93,11 +94,10 @@ def translate_optimizer(opt: Any, module: Any = None) -> optim.Optimizer:
 def _cycled_momentum(name: str, cls: type) -> bool:
     """True for an optimizer whose momentum (beta1) a scheduler cycles (OneCycleLR and
     CyclicLR mark its groups with ``max_momentum``) when ngdist follows it, else an error."""
-    if cls not in (optim.SGD, optim.TorchAdam, optim.AdamW):
-        raise OptionError(f"torch.optim.{name}: a scheduler cycles its "
-                          f"{'momentum' if cls is optim.RMSprop else 'beta1'} "
-                          "(cycle_momentum=True); ngdist follows a cycled momentum for SGD, "
-                          "Adam and AdamW: pass cycle_momentum=False to the scheduler")
+    if "scheduled_momentum" not in {f.name for f in dataclasses.fields(cls)}:
+        raise OptionError(f"torch.optim.{name}: a scheduler cycles its momentum "
+                          "(cycle_momentum=True), which it has not; pass cycle_momentum=False "
+                          "to the scheduler")
     return True
 
 
@@ -147,9 +147,9 @@ def lr_source(opt: Any, compiled: optim.Optimizer) -> Callable[[], dict[str, flo
                 raise OptionError(
                     f"param group {i} of the torch optimizer changed {changed} since "
                     f"ngdist.compile ({', '.join(f'{k}: {want[k]} -> {now[k]}' for k in changed)})"
-                    "; ngdist follows a scheduler's learning rate, and the momentum (beta1) of "
-                    "SGD, Adam and AdamW that OneCycleLR or CyclicLR cycles when the scheduler "
-                    "is made before ngdist.compile")
+                    "; ngdist follows a scheduler's learning rate, and the momentum (beta1) "
+                    "that OneCycleLR or CyclicLR cycles when the scheduler is made before "
+                    "ngdist.compile")
             out[lr_name(i)] = float(given["lr"])
             if cycled:
                 out[momentum_name(i)] = float(given["betas"][0] if "betas" in given
@@ -201,7 +201,17 @@ def write_optimizer_state(values: Mapping[str, Any], steps: int, params: Mapping
         if kinds and name != "SGD":
             state["step"] = torch.tensor(float(steps))
         if kinds and name == "NAdam":
-            b1, decay, product = group["betas"][0], group["momentum_decay"], 1.0
-            for i in range(1, steps + 1):
-                product *= b1 * (1.0 - 0.5 * 0.96 ** (i * decay))
-            state["mu_product"] = torch.tensor(product)
+            state["mu_product"] = torch.tensor(_mu_product(values, opt, group, steps))
+
+
+def _mu_product(values: Mapping[str, Any], opt: Any, group: Mapping[str, Any], steps: int
+                ) -> float:
+    """NAdam's mu_product after ``steps`` steps: the step's state under a scheduled beta1,
+    else the product of every step's mu from the group's beta1."""
+    index = next(i for i, g in enumerate(opt.param_groups) if g is group)
+    if mu_product_name(index) in values:
+        return float(values[mu_product_name(index)])
+    b1, decay, product = group["betas"][0], group["momentum_decay"], 1.0
+    for i in range(1, steps + 1):
+        product *= b1 * (1.0 - 0.5 * 0.96 ** (i * decay))
+    return product

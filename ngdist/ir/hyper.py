@@ -3,9 +3,9 @@
 Each parameter group of the optimizer (``ngdist.optim``, torch's ``param_groups``) is one
 optimizer node whose learning rate is a value of role ``hyper``: ``ngdist.lr`` for group 0,
 ``ngdist.lr.<i>`` for group i. The frontends name them so, the trainer sets them
-(``trainer.set_lr``, a followed torch scheduler). A group whose momentum (SGD) or beta1 (Adam,
-AdamW) a torch scheduler cycles reads it from ``ngdist.momentum`` / ``ngdist.momentum.<i>``
-likewise.
+(``trainer.set_lr``, a followed torch scheduler). A group whose momentum (SGD, RMSprop) or
+beta1 (Adam, AdamW, Adamax, NAdam, RAdam) a torch scheduler cycles reads it from
+``ngdist.momentum`` / ``ngdist.momentum.<i>`` likewise.
 """
 from __future__ import annotations
 

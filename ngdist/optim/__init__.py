@@ -17,10 +17,10 @@ parameter groups as torch's ``param_groups``, e.g. ``AdamW(lr=1e-3, weight_decay
 groups=[{"params": ["fc.bias", "norm.weight"], "weight_decay": 0.0}])``: group i has the
 optimizer's hyper-parameters with the group's own values in their place, and the parameters no
 group names form one more group, last, with the optimizer's values. Each group is one optimizer
-node with its own learning rate input (``ngdist.ir.hyper.lr_name``). ``SGD`` and ``TorchAdam``/
-``AdamW`` take ``scheduled_momentum=True``: the momentum (beta1) is an input of the step too
-(``ngdist.ir.hyper.momentum_name``), which the trainer follows from a torch optimizer whose
-scheduler cycles it (OneCycleLR, CyclicLR).
+node with its own learning rate input (``ngdist.ir.hyper.lr_name``). ``SGD``, ``TorchAdam``,
+``AdamW``, ``Adamax``, ``NAdam``, ``RAdam`` and ``RMSprop`` take ``scheduled_momentum=True``:
+the momentum (beta1) is an input of the step too (``ngdist.ir.hyper.momentum_name``), which
+the trainer follows from a torch optimizer whose scheduler cycles it (OneCycleLR, CyclicLR).
 
 A hyper-parameter of the wrong type (``SGD(lr="0.05")``) or out of torch's range is an
 OptionError naming it.
@@ -36,7 +36,8 @@ from ngdist.optim.checks import Group
 from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
                                       KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW, KERAS_RMSPROP,
-                                      NADAM, RADAM, RMSPROP, TORCH_ADAM, TORCH_ADAMW)
+                                      MU_PRODUCT, NADAM, RADAM, RMSPROP, SCHEDULED_ATTR,
+                                      TORCH_ADAM, TORCH_ADAMW)
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +58,13 @@ class SGD(_Optimizer):
     groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Momentum"
-
-    def scheduled(self) -> dict[str, float]:
-        return {"alpha": float(self.momentum)} if self.scheduled_momentum else {}
+    momentum_attr = "alpha"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise OptionError("SGD(nesterov=True): Nesterov momentum requires momentum > 0 "
                               "and dampening 0")
-        if self.scheduled_momentum and self.momentum <= 0:
-            raise OptionError("SGD(scheduled_momentum=True): a scheduled momentum starts "
-                              "above 0 (torch's schedulers start it at max_momentum)")
 
     def _attributes(self) -> dict[str, object]:
         # ONNX Momentum: v <- alpha * v + beta * g' with beta taken as 1 on the first step
@@ -142,9 +138,7 @@ class TorchAdam(_Optimizer):
     op_type = "Adam"
     formula = TORCH_ADAM
     step_offset = 1  # T is torch's step count: 1 on the first step
-
-    def scheduled(self) -> dict[str, float]:
-        return {"alpha": float(self.betas[0])} if self.scheduled_momentum else {}
+    momentum_attr = "alpha"
 
     def _attributes(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -176,11 +170,13 @@ class Adamax(_Optimizer):
     eps: float = 1e-8
     weight_decay: float = 0.0
     maximize: bool = False
+    scheduled_momentum: bool = False
     groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adam"
     formula = ADAMAX
     step_offset = 1
+    momentum_attr = "alpha"
 
     def _attributes(self) -> dict[str, object]:
         return {"alpha": float(self.betas[0]), "beta": float(self.betas[1]),
@@ -200,6 +196,14 @@ class NAdam(Adamax):
     def _attributes(self) -> dict[str, object]:
         return {**super()._attributes(), "ngdist_momentum_decay": float(self.momentum_decay),
                 DECOUPLED_ATTR: int(self.decoupled_weight_decay)}
+
+    def attributes(self) -> dict[str, object]:
+        """With a scheduled beta1, the node also reads torch's ``mu_product`` (the product of
+        every step's mu, each from that step's beta1) as its last input, ``MU_PRODUCT``."""
+        out = super().attributes()
+        if self.scheduled():
+            out[SCHEDULED_ATTR] = [*out[SCHEDULED_ATTR], MU_PRODUCT]  # type: ignore[misc]
+        return out
 
 
 @dataclass(frozen=True)
@@ -229,10 +233,12 @@ class RMSprop(_Optimizer):
     momentum: float = 0.0
     centered: bool = False
     maximize: bool = False
+    scheduled_momentum: bool = False
     groups: tuple[Group, ...] = _groups_field()
 
     op_type = "Adagrad"
     formula = RMSPROP
+    momentum_attr = "ngdist_momentum"
 
     def _attributes(self) -> dict[str, object]:
         return {"decay_factor": 0.0, "epsilon": float(self.eps),
@@ -271,6 +277,7 @@ class KerasRMSprop(RMSprop):
     alpha: float = 0.9
     eps: float = 1e-7
     formula = KERAS_RMSPROP
+    momentum_attr = None  # Keras has no scheduler that cycles it
 
 
 @dataclass(frozen=True)
@@ -290,6 +297,7 @@ class KerasAdamax(Adamax):
     lr: float = 1e-3
     eps: float = 1e-7
     formula = KERAS_ADAMAX
+    momentum_attr = None  # Keras has no scheduler that cycles it
 
 
 @dataclass(frozen=True)
@@ -302,6 +310,7 @@ class KerasAdamW(Adamax):
     eps: float = 1e-7
     weight_decay: float = 0.004
     formula = KERAS_ADAMW
+    momentum_attr = None  # Keras has no scheduler that cycles it
 
 
 Optimizer = (SGD | Adam | Adagrad | TorchAdam | AdamW | Adamax | NAdam | RAdam | RMSprop |

@@ -19,6 +19,9 @@ class _Optimizer:
     op_type = ""
     formula: str | None = None
     step_offset = 0  # added to the step count: ONNX Momentum and Adagrad count from 0
+    # the node attribute holding the momentum (beta1) that ``scheduled_momentum=True`` makes an
+    # input of the step; None: the optimizer has none that torch's schedulers cycle
+    momentum_attr: str | None = None
     maximize: bool
     groups: tuple[Group, ...]
 
@@ -28,6 +31,23 @@ class _Optimizer:
                 object.__setattr__(self, f.name, checked(self, f.name, f.type,
                                                           getattr(self, f.name)))
         object.__setattr__(self, "groups", checked_groups(self, self.groups))
+        if getattr(self, "scheduled_momentum", False):
+            self._check_scheduled()
+
+    def _check_scheduled(self) -> None:
+        name = type(self).__name__
+        if self.momentum_attr is None:
+            raise OptionError(f"{name}(scheduled_momentum=True): {name} has no momentum that "
+                              "ngdist follows from a scheduler (SGD, TorchAdam, AdamW, Adamax, "
+                              "NAdam, RAdam and RMSprop have)")
+        if not self._momentum() > 0:
+            raise OptionError(f"{name}(scheduled_momentum=True): a scheduled momentum (beta1) "
+                              "starts above 0 (torch's schedulers start it at max_momentum)")
+
+    def _momentum(self) -> float:
+        """The momentum (beta1) that ``momentum_attr`` holds."""
+        betas = getattr(self, "betas", None)
+        return float(betas[0]) if betas is not None else float(getattr(self, "momentum"))
 
     def _attributes(self) -> dict[str, object]:
         raise NotImplementedError
@@ -47,8 +67,10 @@ class _Optimizer:
 
     def scheduled(self) -> dict[str, float]:
         """{node attribute: its first value} of the hyper-parameters the node reads from
-        inputs of the step (``scheduled_momentum``): none unless the optimizer has them."""
-        return {}
+        inputs of the step: the momentum (beta1) with ``scheduled_momentum=True``."""
+        if not getattr(self, "scheduled_momentum", False) or self.momentum_attr is None:
+            return {}
+        return {self.momentum_attr: self._momentum()}
 
     @property
     def state_suffixes(self) -> tuple[str, ...]:

@@ -190,6 +190,11 @@ def test_the_translation_names_every_hyper_parameter():
      r"unknown key 'weight_decy' for AdamW group 0; did you mean 'weight_decay'"),
     (lambda: ngdist.optim.SGD(groups=[{"params": ["w"], "lr": "1"}]),
      r"SGD\(lr='1'\): lr takes a number, not a str"),
+    (lambda: ngdist.optim.RMSprop(scheduled_momentum=True),
+     r"^RMSprop\(scheduled_momentum=True\): a scheduled momentum \(beta1\) starts above 0"),
+    (lambda: ngdist.optim.KerasAdamax(scheduled_momentum=True),
+     r"^KerasAdamax\(scheduled_momentum=True\): KerasAdamax has no momentum that ngdist "
+     r"follows from a scheduler"),
 ])
 def test_a_wrong_hyper_parameter_is_an_option_error_naming_it(make, message):
     with pytest.raises(OptionError, match=message):

@@ -98,6 +98,21 @@ CYCLED = {  # OneCycleLR's and CyclicLR's default cycle_momentum=True, two group
     "cyclic_sgd": (lambda m: O.SGD(groups(m), lr=0.1, momentum=0.9, dampening=0.1),
                    lambda o: S.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=3,
                                         base_momentum=0.5, max_momentum=0.9)),
+    # RMSprop's momentum, then beta1: down to 0 and back, where torch skips the buffer
+    "one_cycle_rmsprop_centered": (
+        lambda m: O.RMSprop(groups(m), lr=0.01, momentum=0.9, centered=True),
+        lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS, base_momentum=0.0,
+                               max_momentum=0.9)),
+    "cyclic_adamax": (lambda m: O.Adamax(groups(m), lr=0.01),
+                      lambda o: S.CyclicLR(o, base_lr=0.01, max_lr=0.05, step_size_up=3,
+                                           base_momentum=0.5, max_momentum=0.95)),
+    "one_cycle_nadam": (lambda m: O.NAdam(groups(m), lr=0.01, momentum_decay=0.05),
+                        lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS,
+                                               base_momentum=0.5, max_momentum=0.95)),
+    "one_cycle_radam_decoupled": (
+        lambda m: O.RAdam(groups(m), lr=0.01, betas=(0.9, 0.9), decoupled_weight_decay=True),
+        lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS, base_momentum=0.6,
+                               max_momentum=0.95)),
 }
 
 
@@ -107,9 +122,9 @@ def _momentum(group: dict) -> float:
 
 @pytest.mark.parametrize("name", sorted(CYCLED))
 def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
-    """The momentum (SGD) or beta1 (AdamW) of each group is an input of the step, read from
-    the torch optimizer at each step like the learning rate: every step's parameters match
-    torch float64's."""
+    """The momentum (SGD, RMSprop) or beta1 (AdamW, Adamax, NAdam, RAdam) of each group is an
+    input of the step, read from the torch optimizer at each step like the learning rate:
+    every step's parameters match torch float64's."""
     make_opt, make_sched = CYCLED[name]
     ref, module = make_model(), make_model()
     ref_opt, opt = make_opt(ref), make_opt(module)
@@ -135,15 +150,14 @@ def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
 
 def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
     module = make_model()
-    opt = O.RMSprop(module.parameters(), lr=0.01, momentum=0.9)
-    S.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
+    opt = O.Adagrad(module.parameters(), lr=0.01)  # torch's schedulers refuse to cycle it
+    opt.param_groups[0]["max_momentum"] = 0.9
     with pytest.raises(OptionError) as info:
         ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
                        loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local")
     assert str(info.value) == (
-        "torch.optim.RMSprop: a scheduler cycles its momentum (cycle_momentum=True); ngdist "
-        "follows a cycled momentum for SGD, Adam and AdamW: pass cycle_momentum=False to the "
-        "scheduler")
+        "torch.optim.Adagrad: a scheduler cycles its momentum (cycle_momentum=True), which it "
+        "has not; pass cycle_momentum=False to the scheduler")
     # made after compile, the scheduler's first change of the momentum is refused
     opt = O.SGD(module.parameters(), lr=0.1, momentum=0.9)
     trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
@@ -153,9 +167,9 @@ def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
     with pytest.raises(OptionError, match=r"^param group 0 of the torch optimizer changed "
                                           r"\['momentum'\] since ngdist.compile \(momentum: "
                                           r"0.9 -> 0.95\); ngdist follows a scheduler's "
-                                          r"learning rate, and the momentum \(beta1\) of SGD, "
-                                          r"Adam and AdamW that OneCycleLR or CyclicLR cycles "
-                                          r"when the scheduler is made before ngdist.compile$"):
+                                          r"learning rate, and the momentum \(beta1\) that "
+                                          r"OneCycleLR or CyclicLR cycles when the scheduler is "
+                                          r"made before ngdist.compile$"):
         trainer.step({"input": x, "y": y})
 
 

@@ -21,7 +21,8 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.optimizers import adam_family, onnx_ops, rms_family
 from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
-                                             EXACT_ATTR, exact_attr,
+                                             EXACT_ATTR, MU_PRODUCT, SCHEDULED_FORMULAS,
+                                             exact_attr,
                                              KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW,
                                              KERAS_RMSPROP,
                                              check_formula,
@@ -33,7 +34,7 @@ from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DEC
                                              state_kinds)
 
 __all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "EXACT_ATTR", "FORMULA_ATTR",
-           "FORMULAS", "exact_attr",
+           "FORMULAS", "MU_PRODUCT", "exact_attr",
            "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_ADAMW", "KERAS_RMSPROP",
            "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "SCHEDULED_ATTR",
            "TORCH_ADAM",
@@ -41,9 +42,6 @@ __all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "EXACT_ATTR",
            "onnx_default", "split_optimizer_inputs", "state_kinds"]
 
 logger = logging.getLogger(__name__)
-
-# the formulas whose alpha (momentum, beta1) may be a scheduled input, by node
-_SCHEDULED_FORMULAS = {"Momentum": (None,), "Adam": (TORCH_ADAM, TORCH_ADAMW), "Adagrad": ()}
 
 
 def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
@@ -55,12 +53,12 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
                          f"{FORMULA_ATTR} {TORCH_ADAM!r} or {TORCH_ADAMW!r} (AMSGrad is "
                          "implemented with PyTorch's Adam formula)")
     scheduled = scheduled_inputs(node)
-    if scheduled and (set(scheduled) != {"alpha"} or formula not in _SCHEDULED_FORMULAS[
-            node.op_type]):
-        raise GraphError(f"optimizer node {node.name!r}: {SCHEDULED_ATTR} "
-                         f"{sorted(scheduled)} is read by Momentum nodes and by Adam nodes of "
-                         f"{FORMULA_ATTR} {TORCH_ADAM!r} or {TORCH_ADAMW!r}, as 'alpha' only")
-    a.update(scheduled)  # alpha: the graph value of this step's momentum (beta1)
+    allowed = SCHEDULED_FORMULAS.get((node.op_type, formula), ())
+    if scheduled and tuple(scheduled) != allowed:
+        raise GraphError(f"optimizer node {node.name!r} ({node.op_type}, {FORMULA_ATTR}="
+                         f"{formula!r}): {SCHEDULED_ATTR} is {list(scheduled)}; this formula "
+                         f"reads {list(allowed) or 'none'} from inputs")
+    a.update(scheduled)  # the graph value of this step's momentum (beta1)
     r, t, groups = split_optimizer_inputs(node)
     xs, gs, states = groups[0], groups[1], groups[2:]
     if formula is None:

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext
 from ngdist.passes.optimizers.common import (ADAMAX, DECOUPLED_ATTR, KERAS_ADAMAX,
-                                             KERAS_ADAMW, NADAM,
+                                             KERAS_ADAMW, MU_PRODUCT, NADAM,
                                              RADAM, TORCH_ADAM, TORCH_ADAMW, Float64, Scalars,
                                              maximized, scalar_like)
 
@@ -57,30 +57,40 @@ def _scalars(f: Float64, formula: str, a: Mapping[str, object]) -> Values:
         out["alpha"] = f.op("Div", f.op("Mul", f.lr, f.op("Sqrt", bc2)), bc1)
     elif formula == NADAM:
         decay = float(a.get("ngdist_momentum_decay", 4e-3))  # type: ignore[arg-type]
-        out.update(_nadam_scalars(f, b1, decay, bc2))
+        out.update(_nadam_scalars(f, b1, decay, bc2, a.get(MU_PRODUCT)))  # type: ignore
     else:  # RADAM
         out.update(_radam_scalars(f, b2, bc1, bc2))
     return out
 
 
-def _nadam_mu(f: Float64, b1: float, decay: float, step: ir.Value) -> ir.Value:
+def _nadam_mu(f: Float64, b1: float | ir.Value, decay: float, step: ir.Value) -> ir.Value:
     """beta1 * (1 - 0.5 * 0.96^(step * momentum_decay)), elementwise over ``step``."""
-    return f.op("Mul", f.c(b1), f.op("Sub", f.c(1.0), f.op("Mul", f.c(0.5), f.op(
+    return f.op("Mul", f.scalar(b1), f.op("Sub", f.c(1.0), f.op("Mul", f.c(0.5), f.op(
         "Pow", f.c(0.96), f.op("Mul", step, f.c(decay))))))
 
 
-def _nadam_scalars(f: Float64, b1: float, decay: float, bc2: ir.Value) -> Values:
-    """torch's mu, mu_next and mu_product = mu_1 ... mu_t. The product is taken over the
-    first min(t, cap) steps: mu_i <= beta1, so past ``cap`` it is below 2^-60 and 1 - it is 1
-    in float64 (torch's own running product ends in the same 1)."""
-    mu = _nadam_mu(f, b1, decay, f.t)
-    mu_next = _nadam_mu(f, b1, decay, f.op("Add", f.t, f.c(1.0)))
+def _nadam_product(f: Float64, b1: float, decay: float) -> ir.Value:
+    """mu_1 ... mu_t of a constant beta1, taken over the first min(t, cap) steps: mu_i <= beta1,
+    so past ``cap`` it is below 2^-60 and 1 - it is 1 in float64 (torch's own running product
+    ends in the same 1)."""
     last = f.t
     if 0.0 <= b1 < 1.0:
         cap = 1 if b1 == 0.0 else math.ceil(-60 * math.log(2) / math.log(b1))
         last = f.op("Min", f.t, f.c(float(cap)))
     steps = f.op("Range", f.c(1.0), f.op("Add", last, f.c(1.0)), f.c(1.0))
-    product = f.ctx.op("ReduceProd", _nadam_mu(f, b1, decay, steps), keepdims=0)
+    return f.ctx.op("ReduceProd", _nadam_mu(f, b1, decay, steps), keepdims=0)
+
+
+def _nadam_scalars(f: Float64, b1: float | ir.Value, decay: float, bc2: ir.Value,
+                   product: ir.Value | None) -> Values:
+    """torch's mu, mu_next (both from this step's beta1) and mu_product = mu_1 ... mu_t: the
+    node's input ``MU_PRODUCT`` when beta1 is scheduled, else computed from the step."""
+    mu = _nadam_mu(f, b1, decay, f.t)
+    mu_next = _nadam_mu(f, b1, decay, f.op("Add", f.t, f.c(1.0)))
+    if product is None:
+        product = _nadam_product(f, b1, decay)  # type: ignore[arg-type]
+    else:
+        product = f.scalar(product)
     one, neg_lr = f.c(1.0), f.op("Neg", f.lr)
     return {"bc2": bc2,
             "grad_coef": f.op("Div", f.op("Mul", neg_lr, f.op("Sub", one, mu)),
@@ -137,6 +147,13 @@ class _Param:
         """m.lerp_(g, w) = m + w (g - m)."""
         return self.op("Add", m, self.op("Mul", self.op("Sub", g, m), self.c(w)))
 
+    def first_moment(self, m: ir.Value, g: ir.Value, b1: float | ir.Value) -> ir.Value:
+        """m.lerp_(g, 1 - b1), b1 this step's (a scheduled one: its graph value)."""
+        if not isinstance(b1, ir.Value):
+            return self.lerp(m, g, 1 - b1)
+        return self.op("Add", m, self.op("Mul", self.op("Sub", g, m),
+                                         self.scalar("one_minus_b1")))
+
     def second_moment(self, v: ir.Value, g: ir.Value, b2: float) -> ir.Value:
         """v * b2 + (1 - b2) g^2."""
         return self.op("Add", self.op("Mul", v, self.c(b2)),
@@ -181,7 +198,7 @@ def _adamax(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir
     m, u = states
     b1, b2, eps, _ = _hyper(a)
     x, g = p.prelude(formula, a, x, g)
-    m_new = p.lerp(m, g, 1 - b1)
+    m_new = p.first_moment(m, g, b1)
     u_new = p.op("Max", p.op("Mul", u, p.c(b2)), p.op("Add", p.op("Abs", g), p.c(eps)))
     x_new = p.op("Sub", x, p.op("Mul", p.op("Div", m_new, u_new), p.scalar("clr")))
     return [x_new, m_new, u_new]
@@ -221,7 +238,7 @@ def _moments(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: i
     m, v = states
     b1, b2, eps, _ = _hyper(a)
     x, g = p.prelude(formula, a, x, g)
-    return x, g, p.lerp(m, g, 1 - b1), p.second_moment(v, g, b2), eps
+    return x, g, p.first_moment(m, g, b1), p.second_moment(v, g, b2), eps
 
 
 def _nadam(p: _Param, formula: str, a: Mapping[str, object], x: ir.Value, g: ir.Value,

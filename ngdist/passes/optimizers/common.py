@@ -37,8 +37,18 @@ AMSGRAD_ATTR = "ngdist_amsgrad"
 MAXIMIZE_ATTR = "ngdist_maximize"  # 1: the update ascends (the gradient is negated first)
 DECOUPLED_ATTR = "ngdist_decoupled"  # NAdam/RAdam: 1 for decoupled weight decay (AdamW's)
 # attributes whose values the node reads from its last inputs instead, in this order (a
-# scheduled momentum: ``alpha`` of a Momentum node or of a torch_adam/torch_adamw Adam node)
+# scheduled momentum: ``alpha`` (beta1) of a Momentum node or of an Adam node of torch's,
+# ``ngdist_momentum`` of an RMSprop node; NAdam's also ``MU_PRODUCT``)
 SCHEDULED_ATTR = "ngdist_scheduled"
+# NAdam with a scheduled beta1: torch's mu_product, mu_1 ... mu_t, each mu_i from the beta1 of
+# step i (a state of the step, updated before the node reads it)
+MU_PRODUCT = "ngdist_mu_product"
+# (op, formula) -> the attributes it may read from inputs (SCHEDULED_ATTR), in order
+SCHEDULED_FORMULAS: dict[tuple[str, str | None], tuple[str, ...]] = {
+    ("Momentum", None): ("alpha",), ("Adam", TORCH_ADAM): ("alpha",),
+    ("Adam", TORCH_ADAMW): ("alpha",), ("Adam", ADAMAX): ("alpha",),
+    ("Adam", RADAM): ("alpha",), ("Adam", NADAM): ("alpha", MU_PRODUCT),
+    ("Adagrad", RMSPROP): ("ngdist_momentum",)}
 # every float attribute's value as the Python float it was given ("alpha=0.9", repr's digits):
 # ONNX attributes are float32, and a float64 model's update reads every digit of torch's
 EXACT_ATTR = "ngdist_exact"

@@ -31,11 +31,11 @@ def _rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Value
     """sq = alpha sq + (1 - alpha) g^2; centered: ga.lerp_(g, 1 - alpha), avg = sqrt(sq - ga^2),
     else sqrt(sq); avg += eps; momentum: buf = momentum buf + g / avg, x -= lr buf; else
     x -= lr g / avg. New x, sq (, buf) (, ga)."""
-    alpha, eps = float(a.get("ngdist_alpha", 0.99)), float(a["epsilon"])
-    momentum = float(a.get("ngdist_momentum", 0.0))
+    alpha, eps = float(a.get("ngdist_alpha", 0.99)), float(a["epsilon"])  # type: ignore
+    momentum = a.get("ngdist_momentum", 0.0)  # a float, or the scheduled momentum's value
     centered = bool(a.get("ngdist_centered", 0))
     sq, *rest = states
-    buf = rest.pop(0) if momentum else None
+    buf = rest.pop(0) if isinstance(momentum, ir.Value) or momentum else None
     ga = rest.pop(0) if centered else None
     g = _prelude(ctx, k, a, x, g)
     sq_new = ctx.op("Add", ctx.op("Mul", sq, k.exact(alpha, x)),
@@ -48,8 +48,15 @@ def _rmsprop(ctx: GradContext, k: Scalars, a: Mapping[str, object], lr: ir.Value
         avg = ctx.op("Sqrt", sq_new)
     avg = ctx.op("Add", avg, k.exact(eps, x))
     step = ctx.op("Div", g, avg)
-    if buf is not None:
-        step = ctx.op("Add", ctx.op("Mul", buf, k.exact(momentum, x)), step)
+    if isinstance(momentum, ir.Value):  # torch: the buffer only while momentum > 0
+        on = k.memo(("rms_on", momentum.name), x, lambda: k.shape(ctx.op(
+            "Greater", momentum, ctx.op("CastLike", ctx.const(0.0), momentum)), x))
+        buf = ctx.op("Where", on, ctx.op("Add", ctx.op("Mul", buf, k.cast(momentum, x)), step),
+                     buf)
+        out.append(buf)
+        step = ctx.op("Where", on, buf, step)
+    elif buf is not None:
+        step = ctx.op("Add", ctx.op("Mul", buf, k.exact(float(momentum), x)), step)
         out.append(step)
     if ga is not None:
         out.append(ga)
