@@ -98,7 +98,10 @@ CYCLED = {  # OneCycleLR's and CyclicLR's default cycle_momentum=True, two group
     "cyclic_sgd": (lambda m: O.SGD(groups(m), lr=0.1, momentum=0.9, dampening=0.1),
                    lambda o: S.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=3,
                                         base_momentum=0.5, max_momentum=0.9)),
-    # RMSprop's momentum, then beta1: down to 0 and back, where torch skips the buffer
+    # down to momentum 0 and back: torch leaves the buffer alone on that step
+    "one_cycle_sgd_dampening_to_zero": (
+        lambda m: O.SGD(groups(m), lr=0.1, momentum=0.9, dampening=0.3),
+        lambda o: S.OneCycleLR(o, max_lr=0.5, total_steps=STEPS, base_momentum=0.0)),
     "one_cycle_rmsprop_centered": (
         lambda m: O.RMSprop(groups(m), lr=0.01, momentum=0.9, centered=True),
         lambda o: S.OneCycleLR(o, max_lr=0.05, total_steps=STEPS, base_momentum=0.0,
@@ -146,6 +149,13 @@ def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
     assert len({tuple(m) for m in momenta}) > 2  # the schedule moves the momentum
     values = trainer.state_dict()
     assert [float(values[n]) for n in ("ngdist.momentum", "ngdist.momentum.1")] == momenta[-1]
+    # the state written back is torch's (NAdam's mu_product: torch's is float32)
+    trainer.to_torch(optimizer=opt)
+    for mine, theirs in zip(module.parameters(), ref.parameters()):
+        state, want = opt.state[mine], ref_opt.state[theirs]
+        assert set(state) == set(want)
+        for key in want:
+            assert np.abs(np.asarray(state[key]) - np.asarray(want[key])).max() <= 1e-6, key
 
 
 def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():

@@ -39,6 +39,11 @@ def _one(ctx: GradContext, k: Scalars, op_type: str, a: Mapping[str, object], tp
             ctx.op("Add", ctx.op("Mul", k.hyper(alpha, x), v), scaled)  # type: ignore
         step = v_new if a["mode"] == "standard" else \
             ctx.op("Add", greg, ctx.op("Mul", k.hyper(alpha, x), v_new))  # type: ignore
+        if isinstance(alpha, ir.Value):  # torch.optim.SGD: no buffer on a step of momentum 0
+            on = k.memo(("momentum_on", alpha.name), x, lambda: k.shape(ctx.op(
+                "Greater", alpha, ctx.op("CastLike", ctx.const(0.0), alpha)), x))
+            v_new = ctx.op("Where", on, v_new, v)
+            step = ctx.op("Where", on, step, greg)
         return [ctx.op("Sub", x, ctx.op("Mul", lr, step)), v_new]
     if op_type == "Adagrad":
         (h,) = states
