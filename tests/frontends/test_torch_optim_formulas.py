@@ -121,11 +121,7 @@ def test_each_optimizer_follows_torch_step_by_step(name):
     # the state written back into a torch optimizer is torch's, and torch goes on from it
     user_opt = CASES[name](module)
     trainer.to_torch(optimizer=user_opt)
-    for mine, theirs in zip(module.parameters(), ref.parameters()):
-        state, want = user_opt.state[mine], ref_opt.state[theirs]
-        assert set(state) == set(want)
-        for key in want:
-            assert np.abs(np.asarray(state[key]) - np.asarray(want[key])).max() <= 1e-5, key
+    assert_same_state(user_opt, module, ref_opt, ref, 1e-5)
     x, y = data()[0]
     for m, o in ((module, user_opt), (ref, ref_opt)):
         o.zero_grad()
@@ -133,6 +129,16 @@ def test_each_optimizer_follows_torch_step_by_step(name):
         o.step()
     for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
         assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-5, pname
+
+
+def assert_same_state(opt, module: nn.Module, ref_opt, ref: nn.Module, tol: float) -> None:
+    """``opt``'s state of each parameter of ``module`` is ``ref_opt``'s of ``ref``'s, key for
+    key, within ``tol``."""
+    for mine, theirs in zip(module.parameters(), ref.parameters()):
+        state, want = opt.state[mine], ref_opt.state[theirs]
+        assert set(state) == set(want)
+        for key in want:
+            assert np.abs(np.asarray(state[key]) - np.asarray(want[key])).max() <= tol, key
 
 
 def test_two_groups_are_two_optimizer_nodes_with_their_own_constants():

@@ -18,8 +18,8 @@ S = torch.optim.lr_scheduler
 
 import ngdist  # noqa: E402
 from ngdist.errors import OptionError  # noqa: E402
-from test_torch_optim_formulas import (data as formula_data, make_model,  # noqa: E402
-                                        step_both)
+from test_torch_optim_formulas import (assert_same_state, data as formula_data,  # noqa: E402
+                                        make_model, step_both)
 
 STEPS = 10
 
@@ -151,11 +151,7 @@ def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
     assert [float(values[n]) for n in ("ngdist.momentum", "ngdist.momentum.1")] == momenta[-1]
     # the state written back is torch's (NAdam's mu_product: torch's is float32)
     trainer.to_torch(optimizer=opt)
-    for mine, theirs in zip(module.parameters(), ref.parameters()):
-        state, want = opt.state[mine], ref_opt.state[theirs]
-        assert set(state) == set(want)
-        for key in want:
-            assert np.abs(np.asarray(state[key]) - np.asarray(want[key])).max() <= 1e-6, key
+    assert_same_state(opt, module, ref_opt, ref, 1e-6)
 
 
 def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
