@@ -105,3 +105,40 @@ def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, n):
             # every bucket gathered for the forward and again for the backward (a bucket of
             # biases alone, read by no backward node, only once)
             assert len(mine["shards"]) < mine["gathers"] <= 2 * len(mine["shards"])
+
+
+def test_each_gather_is_freed_before_the_next_and_issued_one_bucket_ahead():
+    """The step plan on 2 ranks (runtime/plan.py, no MPI needed): every bucket's forward
+    gather dies before its backward gather is issued, and the forward gathers are spread over
+    the forward pass (a layer's buckets, then its compute), not all issued at the start."""
+    import onnx_ir as ir
+
+    import ngdist
+    from ngdist import zoo
+    from ngdist.ir.model import get_meta, split_training_model
+    from ngdist.passes.pipeline import run_passes
+    from ngdist.runtime.partition import CommCall
+    from ngdist.runtime.plan import build_plan
+
+    model = ngdist.to_training_model(zoo.mlp((64, 32, 16, 10), seed=0), labels="y",
+                                     loss="softmax_cross_entropy",
+                                     optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
+    _, step = split_training_model(model)
+    step = run_passes(step, "allreduce", shard="parameters", shard_ranks=2, bucket_bytes=2048)
+    plan = build_plan(ir.to_proto(step), 2, overlap=False, donate=get_meta(step).binding)
+    gathers = {i.node.name: i for i in plan.items if isinstance(i, CommCall)
+               and i.node.op_type == "AllGather"}
+    forward = sorted(i.index for n, i in gathers.items() if n.endswith("/fwd"))
+    assert len(forward) >= 3, sorted(gathers)
+    for name, item in gathers.items():
+        if name.endswith("/fwd") and name[:-4] + "/bwd" in gathers:
+            assert plan.last_use[item.node.output[0]] < gathers[name[:-4] + "/bwd"].index, name
+    # the buckets (fc0.weight, fc0.bias, fc1.weight, fc1.bias, fc2.*) are gathered one layer
+    # at a time: a layer's weight and bias (one first reader) together, then compute
+    runs = [[forward[0]]]
+    for a, b in zip(forward, forward[1:]):
+        if any(not isinstance(plan.items[k], CommCall) for k in range(a + 1, b)):
+            runs.append([])
+        runs[-1].append(b)
+    assert [len(r) for r in runs] == [2, 2, 1], runs
+    assert forward[0] > 0  # after the step's first compute, not before everything
