@@ -198,11 +198,12 @@ def test_kvstore_create_valid_options_still_work():
 @pytest.mark.parametrize("spec, message", [
     ("sgd:learning_rate=0.1",
      "unknown key 'learning_rate' for optimizer 'sgd' in 'sgd:learning_rate=0.1'; did you mean "
-     "'lr'? Valid keys of sgd: dampening, lr, maximize, momentum, nesterov, weight_decay"),
+     "'lr'? Valid keys of sgd: dampening, lr, maximize, momentum, nesterov, "
+     "scheduled_momentum, weight_decay"),
     ("sgd:lr=0.1,momentun=0.9",
      "unknown key 'momentun' for optimizer 'sgd' in 'sgd:lr=0.1,momentun=0.9'; did you mean "
      "'momentum'? Valid keys of sgd: dampening, lr, maximize, momentum, nesterov, "
-     "weight_decay"),
+     "scheduled_momentum, weight_decay"),
     ("adam:gamma=2",
      "unknown key 'gamma' for optimizer 'adam' in 'adam:gamma=2'. Valid keys of adam: betas, "
      "eps, lr, maximize, weight_decay"),
@@ -214,8 +215,9 @@ def test_kvstore_create_valid_options_still_work():
                        "BETA1/BETA2"),
     ("lbfgs:lr=0.1",
      "unknown optimizer 'lbfgs' in 'lbfgs:lr=0.1'; choose one of ['adadelta', 'adagrad', "
-     "'adam', 'adamax', 'adamw', 'keras_adagrad', 'keras_adamax', 'keras_rmsprop', 'nadam', "
-     "'radam', 'rmsprop', 'sgd', 'torch_adam']"),
+     "'adam', 'adamax', 'adamw', 'keras_adadelta', 'keras_adagrad', 'keras_adamax', "
+     "'keras_adamw', 'keras_nadam', 'keras_rmsprop', 'keras_sgd', 'nadam', 'radam', 'rmsprop', "
+     "'sgd', 'torch_adam']"),
 ])
 def test_optimizer_spec_errors_name_the_valid_keys(spec, message):
     with pytest.raises(OptionError) as exc:

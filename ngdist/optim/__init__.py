@@ -22,6 +22,9 @@ node with its own learning rate input (``ngdist.ir.hyper.lr_name``). ``SGD``, ``
 the momentum (beta1) is an input of the step too (``ngdist.ir.hyper.momentum_name``), which
 the trainer follows from a torch optimizer whose scheduler cycles it (OneCycleLR, CyclicLR).
 
+``KerasSGD``, ``KerasRMSprop``... (optim/keras_formulas.py) are Keras' optimizers, whose
+``weight_decay`` is Keras' decoupled decay before the update.
+
 A hyper-parameter of the wrong type (``SGD(lr="0.05")``) or out of torch's range is an
 OptionError naming it.
 """
@@ -35,7 +38,6 @@ from ngdist.optim.base import _groups_field, _Optimizer
 from ngdist.optim.checks import Group
 from ngdist.optim.spec import parse_spec
 from ngdist.passes.optimizers import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
-                                      KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW, KERAS_RMSPROP,
                                       MU_PRODUCT, NADAM, RADAM, RMSPROP, SCHEDULED_ATTR,
                                       TORCH_ADAM, TORCH_ADAMW)
 
@@ -267,62 +269,23 @@ class Adadelta(_Optimizer):
                 "norm_coefficient": float(self.weight_decay), "ngdist_rho": float(self.rho)}
 
 
-@dataclass(frozen=True)
-class KerasRMSprop(RMSprop):
-    """Keras' ``RMSprop`` (``alpha`` is its rho): epsilon inside the square root,
-    sqrt(sq + eps), and the learning rate inside the momentum buffer, m <- momentum m +
-    lr g / sqrt(sq + eps); x <- x - m."""
-
-    lr: float = 1e-3
-    alpha: float = 0.9
-    eps: float = 1e-7
-    formula = KERAS_RMSPROP
-    momentum_attr = None  # Keras has no scheduler that cycles it
-
-
-@dataclass(frozen=True)
-class KerasAdagrad(Adagrad):
-    """Keras' ``Adagrad``: x <- x - lr g / sqrt(h + eps), the sums starting at 0.1."""
-
-    lr: float = 1e-3
-    eps: float = 1e-7
-    initial_accumulator_value: float = 0.1
-    formula = KERAS_ADAGRAD
-
-
-@dataclass(frozen=True)
-class KerasAdamax(Adamax):
-    """Keras' ``Adamax``: u <- max(b2 u, |g|); x <- x - lr / (1 - b1^t) m / (u + eps)."""
-
-    lr: float = 1e-3
-    eps: float = 1e-7
-    formula = KERAS_ADAMAX
-    momentum_attr = None  # Keras has no scheduler that cycles it
-
-
-@dataclass(frozen=True)
-class KerasAdamW(Adamax):
-    """Keras' ``AdamW``: x <- x - x * weight_decay * lr first (decoupled, with the current
-    learning rate), then Keras' Adam: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
-    x <- x - lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)."""
-
-    lr: float = 1e-3
-    eps: float = 1e-7
-    weight_decay: float = 0.004
-    formula = KERAS_ADAMW
-    momentum_attr = None  # Keras has no scheduler that cycles it
-
+# Keras' own formulas and Keras' decoupled weight decay (optim/keras_formulas.py)
+from ngdist.optim.keras_formulas import (KerasAdadelta, KerasAdagrad, KerasAdamax,  # noqa: E402
+                                         KerasAdamW, KerasNadam, KerasRMSprop, KerasSGD)
 
 Optimizer = (SGD | Adam | Adagrad | TorchAdam | AdamW | Adamax | NAdam | RAdam | RMSprop |
-             Adadelta | KerasRMSprop | KerasAdagrad | KerasAdamax | KerasAdamW)
+             Adadelta | KerasRMSprop | KerasAdagrad | KerasAdamax | KerasAdamW | KerasSGD |
+             KerasAdadelta | KerasNadam)
 # every optimizer class, for isinstance checks
 OPTIMIZERS = (SGD, Adam, Adagrad, TorchAdam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta,
-              KerasRMSprop, KerasAdagrad, KerasAdamax, KerasAdamW)
+              KerasRMSprop, KerasAdagrad, KerasAdamax, KerasAdamW, KerasSGD, KerasAdadelta,
+              KerasNadam)
 # the CLI's names (``from_spec``)
 KINDS = {"sgd": SGD, "adam": Adam, "adagrad": Adagrad, "torch_adam": TorchAdam, "adamw": AdamW,
          "adamax": Adamax, "nadam": NAdam, "radam": RAdam, "rmsprop": RMSprop,
          "adadelta": Adadelta, "keras_rmsprop": KerasRMSprop, "keras_adagrad": KerasAdagrad,
-         "keras_adamax": KerasAdamax, "keras_adamw": KerasAdamW}
+         "keras_adamax": KerasAdamax, "keras_adamw": KerasAdamW, "keras_sgd": KerasSGD,
+         "keras_adadelta": KerasAdadelta, "keras_nadam": KerasNadam}
 
 
 def from_spec(spec: str | Optimizer) -> Optimizer:

@@ -9,8 +9,8 @@ from typing import Any
 
 from ngdist.errors import OptionError
 from ngdist.optim.checks import Group, checked, checked_groups
-from ngdist.passes.optimizers import (EXACT_ATTR, FORMULA_ATTR, MAXIMIZE_ATTR, SCHEDULED_ATTR,
-                                      exact_attr, state_kinds)
+from ngdist.passes.optimizers import (EXACT_ATTR, FORMULA_ATTR, KERAS_DECAY_ATTR, MAXIMIZE_ATTR,
+                                      SCHEDULED_ATTR, exact_attr, state_kinds)
 
 
 class _Optimizer:
@@ -22,6 +22,9 @@ class _Optimizer:
     # the node attribute holding the momentum (beta1) that ``scheduled_momentum=True`` makes an
     # input of the step; None: the optimizer has none that torch's schedulers cycle
     momentum_attr: str | None = None
+    # weight_decay is Keras' decoupled decay before the update (KERAS_DECAY_ATTR), not the
+    # node's norm_coefficient
+    keras_decay = False
     maximize: bool
     groups: tuple[Group, ...]
 
@@ -55,6 +58,9 @@ class _Optimizer:
     def attributes(self) -> dict[str, object]:
         """The optimizer node's attributes."""
         out = self._attributes()
+        if self.keras_decay:
+            out[KERAS_DECAY_ATTR] = out["norm_coefficient"]
+            out["norm_coefficient"] = 0.0
         if exact_attr(out):  # the floats' every digit (attributes are float32)
             out[EXACT_ATTR] = exact_attr(out)
         if self.formula is not None:

@@ -1,6 +1,6 @@
 """Keras losses other than ngdist's own nodes are exported with the model through tf2onnx, and
-Keras' AdamW (with ``exclude_from_weight_decay``) is followed: each against TensorFlow's own
-training step (``tf.GradientTape`` and the Keras optimizer), float32."""
+Keras' weight decay on every optimizer (with ``exclude_from_weight_decay``) is followed: each
+against TensorFlow's own training step (``tf.GradientTape`` and the Keras optimizer), float32."""
 from __future__ import annotations
 
 import os
@@ -115,6 +115,45 @@ def test_adamw_follows_keras_with_variables_excluded_from_weight_decay():
         0.05, weight_decay=0.5, beta_1=0.8, epsilon=1e-6), one_hot=False)
     assert max(np.abs(a.numpy() - b.numpy()).max() for a, b in
                zip(plain.trainable_variables, ref.trainable_variables)) > 1e-3
+
+
+KERAS_DECAYED = {  # every optimizer the frontend translates, with Keras' weight_decay
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.8, nesterov=True,
+                                                 weight_decay=0.5),
+    "sgd": lambda: keras.optimizers.SGD(0.05, weight_decay=0.5),
+    "rmsprop_centered_momentum": lambda: keras.optimizers.RMSprop(
+        0.01, rho=0.8, momentum=0.5, centered=True, epsilon=1e-4, weight_decay=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05, epsilon=1e-4, weight_decay=0.5),
+    "adamax": lambda: keras.optimizers.Adamax(0.01, beta_1=0.8, epsilon=1e-4, weight_decay=0.5),
+    "nadam": lambda: keras.optimizers.Nadam(0.01, beta_1=0.8, epsilon=1e-6, weight_decay=0.5),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0, epsilon=1e-6, weight_decay=0.5),
+    "adam": lambda: keras.optimizers.Adam(0.01, epsilon=1e-6, weight_decay=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERAS_DECAYED))
+def test_keras_weight_decay_follows_tensorflow_on_every_optimizer(name):
+    """Keras' decoupled decay x <- x - x * wd * lr before the update, the biases excluded
+    (exclude_from_weight_decay: a group without it): TensorFlow's step within 1e-5."""
+    def make_opt():
+        opt = KERAS_DECAYED[name]()
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        return opt
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model, ref, _, _ = train_both(make_mlp, loss, make_opt, one_hot=False)
+    start = make_mlp()
+    for a, b, c in zip(model.trainable_variables, ref.trainable_variables,
+                       start.trainable_variables):
+        assert max_rel_err(a.numpy() - c.numpy(), b.numpy() - c.numpy()) <= 1e-5, a.path
+        assert max_rel_err(a.numpy(), b.numpy()) <= 1e-5, a.path
+    got = kfront.translate_optimizer(make_opt(), make_mlp())
+    assert got.weight_decay == 0.5 and [g["weight_decay"] for g in got.groups] == [0.0]
+    # the decay matters: without it the kernels end elsewhere
+    plain, _, _, _ = train_both(make_mlp, loss, lambda: type(make_opt())(
+        **{**make_opt().get_config(), "weight_decay": None}), one_hot=False)
+    assert max(np.abs(a.numpy() - b.numpy()).max() for a, b in
+               zip(plain.trainable_variables, ref.trainable_variables)) > 1e-4
 
 
 def test_a_loss_tf2onnx_cannot_export_is_refused_with_the_reason():

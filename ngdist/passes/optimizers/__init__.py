@@ -5,7 +5,8 @@ it, the node follows one of PyTorch's formulas (``common.FORMULAS``): on an ``Ad
 ``torch_adam``, ``torch_adamw``, ``adamax``, ``nadam``, ``radam`` (adam_family.py), on an
 ``Adagrad`` node ``rmsprop``, ``adadelta`` (rms_family.py); Keras' own ``keras_rmsprop``,
 ``keras_adagrad`` (Adagrad node), ``keras_adamax`` and ``keras_adamw`` (Adam node) where
-Keras' formula is not torch's. ``ngdist_amsgrad=1`` (torch Adam
+Keras' formula is not torch's; ``ngdist_keras_weight_decay`` (any node) is Keras' decoupled
+weight decay, applied to the parameters before the formula. ``ngdist_amsgrad=1`` (torch Adam
 formulas) adds a third state after m and v, the running maximum of v, which then replaces v in
 the denominator. ``ngdist_maximize=1`` (any node) ascends. A node's states are
 ``common.state_kinds`` of its op and attributes, in order.
@@ -21,8 +22,9 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.passes.autodiff.registry import GradContext, attr
 from ngdist.passes.optimizers import adam_family, onnx_ops, rms_family
 from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DECOUPLED_ATTR,
-                                             EXACT_ATTR, MU_PRODUCT, SCHEDULED_FORMULAS,
-                                             exact_attr,
+                                             EXACT_ATTR, KERAS_DECAY_ATTR, MU_PRODUCT,
+                                             SCHEDULED_FORMULAS, Scalars, exact_attr,
+                                             keras_decayed,
                                              KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW,
                                              KERAS_RMSPROP,
                                              check_formula,
@@ -34,7 +36,7 @@ from ngdist.passes.optimizers.common import (ADADELTA, ADAMAX, AMSGRAD_ATTR, DEC
                                              state_kinds)
 
 __all__ = ["ADADELTA", "ADAMAX", "AMSGRAD_ATTR", "DECOUPLED_ATTR", "EXACT_ATTR", "FORMULA_ATTR",
-           "FORMULAS", "MU_PRODUCT", "exact_attr",
+           "FORMULAS", "KERAS_DECAY_ATTR", "MU_PRODUCT", "exact_attr",
            "KERAS_ADAGRAD", "KERAS_ADAMAX", "KERAS_ADAMW", "KERAS_RMSPROP",
            "MAXIMIZE_ATTR", "NADAM", "OPTIMIZER_OPS", "RADAM", "RMSPROP", "SCHEDULED_ATTR",
            "TORCH_ADAM",
@@ -60,7 +62,9 @@ def _lower_one(ctx: GradContext, node: ir.Node) -> list[ir.Value]:
                          f"reads {list(allowed) or 'none'} from inputs")
     a.update(scheduled)  # the graph value of this step's momentum (beta1)
     r, t, groups = split_optimizer_inputs(node)
-    xs, gs, states = groups[0], groups[1], groups[2:]
+    k = Scalars(ctx)
+    xs = [keras_decayed(ctx, k, a, r, x) for x in groups[0]]  # Keras' decay comes first
+    gs, states = groups[1], groups[2:]
     if formula is None:
         new_x, new_s = onnx_ops.lower(ctx, node.op_type, a, r, t, xs, gs, states)
     elif node.op_type == "Adam":

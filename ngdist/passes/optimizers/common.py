@@ -49,6 +49,8 @@ SCHEDULED_FORMULAS: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("Adam", TORCH_ADAMW): ("alpha",), ("Adam", ADAMAX): ("alpha",),
     ("Adam", RADAM): ("alpha",), ("Adam", NADAM): ("alpha", MU_PRODUCT),
     ("Adagrad", RMSPROP): ("ngdist_momentum",)}
+# Keras' weight decay on any node: x <- x - x * decay * lr before the update
+KERAS_DECAY_ATTR = "ngdist_keras_weight_decay"
 # every float attribute's value as the Python float it was given ("alpha=0.9", repr's digits):
 # ONNX attributes are float32, and a float64 model's update reads every digit of torch's
 EXACT_ATTR = "ngdist_exact"
@@ -311,6 +313,16 @@ def scalar_like(k: Scalars, name: str, scalars: Mapping[str, ir.Value], like: ir
     """The float64 scalar ``scalars[name]`` in the type and rank of ``like`` (memoized)."""
     return k.memo(("f64", name, id(scalars)), like,
                   lambda: k.shape(k.ctx.op("CastLike", scalars[name], like), like))
+
+
+def keras_decayed(ctx: GradContext, k: Scalars, a: Mapping[str, object], r: ir.Value,
+                  x: ir.Value) -> ir.Value:
+    """x - x * decay * lr (Keras' ``_apply_weight_decay``) under ``KERAS_DECAY_ATTR``, else x."""
+    decay = a.get(KERAS_DECAY_ATTR) or 0.0
+    if not decay:
+        return x
+    return ctx.op("Sub", x, ctx.op("Mul", ctx.op("Mul", x, k.const(decay, x)),  # type: ignore
+                                   k.cast(r, x)))
 
 
 def maximized(ctx: GradContext, a: Mapping[str, object], g: ir.Value) -> ir.Value:
