@@ -91,8 +91,7 @@ def _drop_copies(trainer: Trainer, state: ShardedState) -> None:
     the models it keeps as templates (the inference model, the step graph, the step compiled
     from), which are filled with the current values when used: a rank holds one copy of its
     shards, not whole copies beside them."""
-    names = set(trainer.values) | set(state.parameter_names) | \
-        {n for _, _, names in state.flats() for n in names}
+    names = set(trainer.values) | state.whole_names()
     for t in trainer.inference.graph.initializer:
         if t.name in names:
             t.ClearField("raw_data")

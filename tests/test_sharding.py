@@ -299,6 +299,28 @@ def test_refusals(options, message):
                        optimizer=ngdist.optim.SGD(lr=0.1), **options)
 
 
+def test_one_process_state_dict_round_trip_and_unknown_names():
+    """A sharded trainer's state_dict holds per-parameter tensors; loading them into a fresh
+    one continues bit for bit; a name it does not hold is a KeyError naming it."""
+    def make():
+        return ngdist.compile(_mlp(), loss="softmax_cross_entropy", labels="y",
+                              shard="parameters", optimizer=ngdist.optim.AdamW(lr=0.01))
+    batches = _digits(4, ranks=1)
+    t, u = make(), make()
+    for x, y in batches[:2]:
+        t.step({"x": x, "y": y})
+    state = t.state_dict()
+    assert {"fc0.weight", "fc0.weight.adam_m", "fc1.bias.adam_v"} <= set(state)
+    u.load_state_dict(state)
+    for x, y in batches[2:]:
+        t.step({"x": x, "y": y})
+        u.step({"x": x, "y": y})
+    for k, v in t.parameters().items():
+        assert u.parameters()[k].tobytes() == v.tobytes(), k
+    with pytest.raises(KeyError, match=r"unknown names in state: \['fc9.weight'\]"):
+        u.load_state_dict({"fc9.weight": np.zeros(3, np.float32)})
+
+
 def test_periodic_checkpoints_are_refused_with_the_reason(tmp_path):
     with pytest.raises(OptionError, match=r"^shard='parameters' cannot write periodic "
                                           r"checkpoints yet \(rank 0 writes them alone from "

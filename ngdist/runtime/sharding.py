@@ -123,12 +123,14 @@ class ShardedState:
         values = {n: v.numpy().copy() for n, v in trainer.values.items() if n != GRAD_SCALE}
         return self.expand(trainer, values, states=True)
 
+    def whole_names(self) -> set[str]:
+        """The per-parameter tensors the flat inputs hold."""
+        return {n for _, _, names in self.flats() for n in names}
+
     def load_state(self, trainer: Trainer, state: Mapping[str, np.ndarray]) -> None:
-        """``trainer.load_state_dict`` of full tensors: each rank takes its slices."""
-        flat = {n for _, _, names in self.flats() for n in names}
-        unknown = set(state) - set(trainer.values) - flat
-        if unknown:
-            raise KeyError(f"unknown names in state: {sorted(unknown)}")
+        """``trainer.load_state_dict`` of full tensors (names checked by the caller): each
+        rank takes its slices."""
+        flat = self.whole_names()
         for n, v in state.items():
             if n not in flat:
                 trainer.values[n] = trainer.placement.value(

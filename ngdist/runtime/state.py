@@ -89,12 +89,13 @@ class StateAccess:
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         state = {n: v for n, v in state.items() if n != GRAD_SCALE}  # a fact of this job
         sharding = getattr(self, "sharding", None)
+        whole = sharding.whole_names() if sharding is not None else set()
+        unknown = set(state) - set(self.values) - whole
+        if unknown:
+            raise KeyError(f"unknown names in state: {sorted(unknown)}")
         if sharding is not None:  # whole tensors: each rank takes its slices
             sharding.load_state(self, state)
             return
-        unknown = set(state) - set(self.values)
-        if unknown:
-            raise KeyError(f"unknown names in state: {sorted(unknown)}")
         for n, v in state.items():
             self.values[n] = self.placement.value(
                 np.array(v, dtype=self.values[n].numpy().dtype))
