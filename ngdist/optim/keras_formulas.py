@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ngdist.optim import Adadelta, Adagrad, Adamax, NAdam, RMSprop, SGD
+from ngdist.optim.torch_formulas import SGD, Adadelta, Adagrad, Adamax, NAdam, RMSprop
 from ngdist.passes.optimizers import KERAS_ADAGRAD, KERAS_ADAMAX, KERAS_ADAMW, KERAS_RMSPROP
 
 
