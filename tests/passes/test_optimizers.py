@@ -3,6 +3,8 @@ own optimizer ops against the ONNX reference evaluator, the formulas surviving s
 ``ngdist inspect`` showing the groups, and malformed optimizer nodes refused."""
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 
 import numpy as np
@@ -285,22 +287,26 @@ def test_a_schedule_resumed_from_a_checkpoint_scales_the_compiled_rates(tmp_path
 
 def test_a_scheduled_momentum_is_an_input_of_the_step_and_refused_under_ps():
     """``scheduled_momentum``: the momentum (beta1) is a step value, and a new value trains as
-    an optimizer compiled with it does (to float64 rounding where its constants are binary
-    fractions); ps rebuilds the optimizer node without it, and says so."""
-    for opt, other in ((ngdist.optim.SGD(lr=0.1, momentum=0.9, scheduled_momentum=True),
-                        ngdist.optim.SGD(lr=0.1, momentum=0.5)),
-                       (ngdist.optim.AdamW(lr=0.01, betas=(0.9, 0.75), scheduled_momentum=True),
-                        ngdist.optim.AdamW(lr=0.01, betas=(0.5, 0.75)))):  # exact constants
-        scheduled, fixed = (ngdist.compile(forward(), loss="mse", optimizer=o, strategy="local")
-                            for o in (opt, other))
+    an optimizer compiled with it does (to float64 rounding); ps rebuilds the optimizer node
+    without it, and says so."""
+    o = ngdist.optim
+    for make, key in ((lambda m: o.SGD(lr=0.1, momentum=m), "momentum"),
+                      (lambda m: o.AdamW(lr=0.01, betas=(m, 0.75)), "betas"),
+                      (lambda m: o.RMSprop(lr=0.01, momentum=m, centered=True), "momentum"),
+                      (lambda m: o.Adamax(lr=0.01, betas=(m, 0.75)), "betas"),
+                      (lambda m: o.NAdam(lr=0.01, betas=(m, 0.75)), "betas"),
+                      (lambda m: o.RAdam(lr=0.01, betas=(m, 0.75)), "betas")):
+        opt = dataclasses.replace(make(0.9), scheduled_momentum=True)
+        scheduled, fixed = (ngdist.compile(forward(), loss="mse", optimizer=x, strategy="local")
+                            for x in (opt, make(0.5)))
         assert float(scheduled.values["ngdist.momentum"].numpy()) == 0.9
         scheduled.values["ngdist.momentum"] = scheduled.placement.value(np.array(0.5))
         for x, y in batches(3):
             for tr in (scheduled, fixed):
                 tr.step({"x": x, "y": y})
         got, want = scheduled.state_dict(), fixed.state_dict()
-        assert max(np.abs(got[k] - want[k]).max() for k in want) <= 1e-12
-        with pytest.raises(GraphError, match=r"reads \['alpha'\] from its last inputs but has "
-                                             r"\d+ inputs.*not under ps or shard= \(there: "
+        assert max(np.abs(got[k] - want[k]).max() for k in want) <= 1e-12, key
+        with pytest.raises(GraphError, match=r"reads \['[a-z_]+'.*\] from its last inputs but "
+                                             r"has \d+ inputs.*not under ps or shard= \(there: "
                                              r"OneCycleLR\(\.\.\., cycle_momentum=False\)\)$"):
             ngdist.compile(forward(), loss="mse", optimizer=opt, strategy="ps")
