@@ -27,7 +27,7 @@ import onnx
 
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends.torch_attention import sdpa_export
-from ngdist.frontends.torch_symbolics import lent_symbolics
+from ngdist.frontends.torch_symbolics import dynamo_translations, lent_symbolics
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ def _dynamo(module: Any, args: tuple[Any, ...], training: bool, input_names: lis
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamic_shapes=_leading_dims(module, args),
                                     dynamo=True, opset_version=opset, input_names=input_names,
-                                    output_names=output_names, optimize=False, verbose=False)
+                                    output_names=output_names, optimize=False, verbose=False,
+                                    custom_translation_table=dynamo_translations())
     return program.model_proto
 
 

@@ -16,7 +16,9 @@ torch) already registers for an operator is left in place and used.
   (torch's symbolic hands ONNX's CumSum a bool tensor, which onnxruntime refuses);
 * ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
   (timm's halonet): :func:`_unfold`;
-* ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`;
+* ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`, and
+  for the dynamo exporter the same as an ONNX Script translation of
+  ``transformers::grouped_mm_fallback`` (:func:`dynamo_translations`);
 * ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
   exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
@@ -124,6 +126,37 @@ def grouped_mm(g: Any, x: Any, weight: Any, offs: Any, bias: Any = None,
     inside = g.op("Less", expert, experts)
     return g.op("Where", g.op("Unsqueeze", inside, _const(g, [1])), out,
                 g.op("CastLike", _const(g, 0.0, np.float32), out))
+
+
+def _grouped_mm_onnxscript(x: Any, weight: Any, offs: Any) -> Any:
+    """:func:`grouped_mm` for the dynamo exporter (an ONNX Script function it traces)."""
+    from onnxscript import opset18 as op
+
+    def ints(*v: int) -> Any:
+        return op.Constant(value_ints=list(v))
+
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    rows = op.Range(zero, op.Gather(op.Shape(x), zero, axis=0), one)
+    after = op.GreaterOrEqual(op.Unsqueeze(rows, ints(1)),
+                              op.Unsqueeze(op.Cast(offs, to=7), ints(0)))
+    expert = op.ReduceSum(op.Cast(after, to=7), ints(1), keepdims=0)
+    experts = op.Gather(op.Shape(weight), zero, axis=0)
+    picked = op.Gather(weight, op.Min(expert, op.Sub(experts, one)), axis=0)
+    out = op.Squeeze(op.MatMul(op.Unsqueeze(x, ints(1)), picked), ints(1))
+    inside = op.Unsqueeze(op.Less(expert, experts), ints(1))
+    return op.Where(inside, out, op.CastLike(op.Constant(value_float=0.0), out))
+
+
+def dynamo_translations() -> dict[Any, Callable[..., Any]]:
+    """The dynamo exporter's translations ngdist adds: Hugging Face's
+    ``transformers::grouped_mm_fallback`` (what its MoE layers call under torch.export),
+    where that op is registered in this process."""
+    import torch
+
+    try:
+        return {torch.ops.transformers.grouped_mm_fallback.default: _grouped_mm_onnxscript}
+    except (AttributeError, RuntimeError):
+        return {}  # transformers' MoE layers are not imported
 
 
 def _pool_matrix(n: int, m: int) -> np.ndarray:

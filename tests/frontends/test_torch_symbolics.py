@@ -238,3 +238,33 @@ def test_unfold_along_axes_of_unknown_extent_matches_torch_at_every_size():
         module.float()
         np.testing.assert_allclose(sess.run(None, {"x": x.numpy()})[0], exact, rtol=0,
                                    atol=1e-5)
+
+
+class HFGrouped(Grouped):
+    """The same product through transformers' own op, as its MoE layers call it under
+    torch.export (the dynamo exporter)."""
+
+    def forward(self, x, offs):
+        import transformers.integrations.moe  # noqa: F401 - registers the op
+
+        if self.loop:
+            return super().forward(x, offs)
+        return torch.ops.transformers.grouped_mm_fallback(self.proj(x), self.experts, offs)
+
+
+def test_the_dynamo_exporter_translates_transformers_grouped_mm_gradients_match_float64():
+    import transformers.integrations.moe  # noqa: F401
+
+    x, y = torch.randn(7, 4), torch.randint(0, 4, (7,))
+    offs = torch.tensor([2, 2, 5, 7], dtype=torch.int32)
+    model, exp = tfront.training_model(HFGrouped(), (x, offs), loss=torch.nn.CrossEntropyLoss(),
+                                       optimizer="sgd:lr=0.1", input_names=["x", "offs"],
+                                       exporter="dynamo")
+    assert exp.exporter == "dynamo"
+    step = run_step(model, {"x": x.numpy(), "offs": offs.numpy(), "y": y.numpy()})
+    ref = HFGrouped(loop=True).double()
+    loss = torch.nn.functional.cross_entropy(ref(x.double(), offs), y)
+    loss.backward()
+    assert abs(float(step["loss"]) - float(loss)) < 1e-6
+    errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) < 1e-5, errors
