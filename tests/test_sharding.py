@@ -386,7 +386,7 @@ def test_ngdist_train_shard_saves_a_standard_model(train_files):
 
 JOIN = COMMON + r"""
 out = {}
-for shard in ("none", "optimizer"):
+for shard in ("none", "optimizer", "parameters"):
     t = make(shard, "sgd")
     with t.join():  # rank 0 runs out after 3 batches, rank 1 takes 5
         for i in range(3 if t.rank == 0 else 5):
@@ -400,11 +400,14 @@ np.savez(f"join{t.rank}.npz", **out)
 
 @pytest.mark.mpi
 def test_uneven_inputs_join_a_sharded_step_as_an_allreduce_one(ranks, tmp_path):
-    """A rank that ran out answers with zero gradients and still updates its shard."""
+    """A rank that ran out answers with zero gradients and still updates its shard (ZeRO-3:
+    and still gathers every bucket with the others)."""
     ranks(2, JOIN, timeout=200)
     got = [dict(np.load(tmp_path / f"join{r}.npz")) for r in range(2)]
     for k, v in got[0].items():
         assert got[1][k].tobytes() == v.tobytes(), k
-        if k.startswith("optimizer."):
-            np.testing.assert_allclose(v, got[0][k.replace("optimizer.", "none.", 1)], rtol=0,
+        level = k.split(".", 1)[0]
+        if level != "none":
+            np.testing.assert_allclose(v, got[0][k.replace(f"{level}.", "none.", 1)], rtol=0,
                                        atol=1e-6, err_msg=k)
+    assert sum(k.startswith("parameters.") for k in got[0]) == 4
