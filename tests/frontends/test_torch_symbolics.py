@@ -26,6 +26,14 @@ def _ort(module: torch.nn.Module, *args: torch.Tensor) -> list[np.ndarray]:
     return sess.run(None, {i.name: a.numpy() for i, a in zip(sess.get_inputs(), args)})
 
 
+def _agree(step: dict, ref: torch.nn.Module, loss: torch.Tensor) -> None:
+    """ngdist's one-step loss and gradients (``step``) against torch float64 autograd."""
+    loss.backward()
+    assert abs(float(step["loss"]) - float(loss)) < 1e-6
+    errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) < 1e-5, errors
+
+
 class Fn(torch.nn.Module):
     def __init__(self, fn) -> None:
         super().__init__()
@@ -110,11 +118,7 @@ def test_gradients_through_the_lent_symbolics_match_torch_float64():
     got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
     ref = Lent().double()
     ref.load_state_dict(module.state_dict())
-    loss = torch.nn.functional.cross_entropy(ref(x.double()), y)
-    loss.backward()
-    assert abs(float(got["loss"]) - float(loss)) < 1e-6
-    errors = gradient_errors(got, {n: p.grad.numpy() for n, p in ref.named_parameters()})
-    assert max(errors.values()) < 1e-5, errors
+    _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
 
 
 def _custom_groups() -> dict[str, object]:
@@ -185,11 +189,7 @@ def test_grouped_mm_values_and_gradients_match_a_float64_loop_over_experts():
                                      optimizer="sgd:lr=0.1", input_names=["x", "offs"])
     step = run_step(model, {"x": x.numpy(), "offs": offs.numpy(), "y": y.numpy()})
     ref = Grouped(loop=True).double()
-    loss = torch.nn.functional.cross_entropy(ref(x.double(), offs), y)
-    loss.backward()
-    assert abs(float(step["loss"]) - float(loss)) < 1e-6
-    errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
-    assert max(errors.values()) < 1e-5, errors
+    _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double(), offs), y))
 
 
 def test_a_bool_cumsum_counts_in_int64_like_torch():
@@ -263,8 +263,4 @@ def test_the_dynamo_exporter_translates_transformers_grouped_mm_gradients_match_
     assert exp.exporter == "dynamo"
     step = run_step(model, {"x": x.numpy(), "offs": offs.numpy(), "y": y.numpy()})
     ref = HFGrouped(loop=True).double()
-    loss = torch.nn.functional.cross_entropy(ref(x.double(), offs), y)
-    loss.backward()
-    assert abs(float(step["loss"]) - float(loss)) < 1e-6
-    errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
-    assert max(errors.values()) < 1e-5, errors
+    _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double(), offs), y))
