@@ -374,14 +374,15 @@ def _train_cli(tmp_path, *args: str) -> dict[str, np.ndarray]:
 @pytest.mark.mpi
 def test_ngdist_train_shard_saves_a_standard_model(train_files):
     plain = _train_cli(train_files, "--save", "plain.onnx")
-    sharded = _train_cli(train_files, "--shard", "gradients", "--save", "sharded.onnx")
-    # the same tensors (per-parameter momentum); the file holds the model as compiled from,
-    # without the gradient prescale, a hyper-parameter the comm passes add
-    assert sorted(sharded) == sorted(set(plain) - {"ngdist.grad_scale"})
-    for k, v in sharded.items():
-        v = plain[k]
-        assert sharded[k].shape == v.shape, k
-        np.testing.assert_allclose(sharded[k], v, rtol=0, atol=1e-5, err_msg=k)
+    for level in ("gradients", "parameters"):
+        sharded = _train_cli(train_files, "--shard", level, "--save", f"{level}.onnx")
+        # the same tensors (per-parameter momentum); the file holds the model as compiled
+        # from, without the gradient prescale, a hyper-parameter the comm passes add
+        assert sorted(sharded) == sorted(set(plain) - {"ngdist.grad_scale"})
+        for k, v in sharded.items():
+            v = plain[k]
+            assert sharded[k].shape == v.shape, k
+            np.testing.assert_allclose(sharded[k], v, rtol=0, atol=1e-5, err_msg=f"{level} {k}")
 
 
 JOIN = COMMON + r"""
