@@ -28,6 +28,7 @@ CI_MODELS = {
     "tv/mobilenet_v3_small": "tv/mobilenetv3",
     "hf/seqcls/bert": "hf/seqcls/bert",
     "hf/causal/llama": "hf/causal/llama",
+    "hf/causal/afmoe": "hf/causal/afmoe",  # mixture of experts: histc, grouped_mm, top-k
     "hf/imgcls/beit": "hf/imgcls/beit",
     "hf/audiocls/audio-spectrogram-transformer": "hf/audiocls/audio-spectrogram-transformer",
 }
