@@ -201,8 +201,9 @@ class ShardingPass(ir.passes.InPlacePass):
         bind_update(ctx.graph, x_shard, shard.x_new, meta)  # type: ignore[arg-type]
         for m in shard.members:
             drop_parameter(ctx.graph, m.x, node.outputs[m.index], meta)
-        return Gathered(shard.prefix, x_shard, [m.x for m in shard.members],  # type: ignore[arg-type]
-                        shard.counts, shard.length, shard.size)
+        params = [m.x for m in shard.members]
+        return Gathered(shard.prefix, x_shard, params, shard.counts,  # type: ignore[arg-type]
+                        shard.length, shard.size)
 
     def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard) -> None:
         """AllGather of the updated slices, cut back into the parameters."""

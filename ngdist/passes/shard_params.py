@@ -148,7 +148,9 @@ def _gather(graph: ir.Graph, bucket: Gathered, readers: list[ir.Node],
         source = add("Concat", bucket.shard, add("CastLike", empty, bucket.shard)[0],
                      axis=1)[0]
     (gathered,) = add("AllGather", source, domain=DOMAIN)
-    gathered.producer().name = f"ngdist/allgather/{bucket.prefix}/{phase}"  # type: ignore[union-attr]
+    node = gathered.producer()
+    assert node is not None
+    node.name = f"ngdist/allgather/{bucket.prefix}/{phase}"
     _typed(gathered, [ranks, bucket.size], bucket.shard.dtype)
     shapes = [[int(d) for d in x.shape.dims] for x in bucket.params]  # type: ignore[union-attr]
     for x, full in zip(bucket.params, cut(add, gathered, bucket.length, bucket.counts, shapes)):
