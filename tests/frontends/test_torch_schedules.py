@@ -18,6 +18,7 @@ S = torch.optim.lr_scheduler
 
 import ngdist  # noqa: E402
 from ngdist.errors import OptionError  # noqa: E402
+from test_torch_optim_float64 import float64_default  # noqa: E402
 from test_torch_optim_formulas import (assert_same_state, data as formula_data,  # noqa: E402
                                         make_model, step_both)
 
@@ -137,21 +138,22 @@ def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
     inputs = {v.name for v in trainer.step_model.graph.initializers.values()}
     assert {"ngdist.momentum", "ngdist.momentum.1"} <= inputs
     momenta = []
-    with warnings.catch_warnings():
+    # float64 through and through (torch's NAdam keeps mu_product in the default dtype):
+    # within 1e-12 measured, 4.4e-11 for centered RMSprop, whose sq - avg^2 cancels
+    with warnings.catch_warnings(), float64_default():
         warnings.simplefilter("error")  # no "scheduler.step() before optimizer.step()"
         for x, y in data():
             momenta.append([_momentum(g) for g in ref_opt.param_groups])
             step_both(ref, ref_opt, ref_sched, trainer, sched, x, y)
             trainer.to_torch()
             for (pname, mine), theirs in zip(module.named_parameters(), ref.parameters()):
-                assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-8, \
+                assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-10, \
                     (pname, len(momenta))
     assert len({tuple(m) for m in momenta}) > 2  # the schedule moves the momentum
     values = trainer.state_dict()
     assert [float(values[n]) for n in ("ngdist.momentum", "ngdist.momentum.1")] == momenta[-1]
-    # the state written back is torch's (NAdam's mu_product: torch's is float32)
-    trainer.to_torch(optimizer=opt)
-    assert_same_state(opt, module, ref_opt, ref, 1e-6)
+    trainer.to_torch(optimizer=opt)  # the state written back is torch's
+    assert_same_state(opt, module, ref_opt, ref, 1e-9)  # (RMSprop's buffers reach 7)
 
 
 def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
