@@ -182,7 +182,7 @@ import ngdist
 sys.path.insert(0, sys.argv[1])
 import test_sharding as T
 
-for shard in ("none", "optimizer"):
+for shard in ("none", "optimizer", "parameters"):
     model, opt = T.grouped_model()
     t = ngdist.compile(model, torch.zeros(2, 6, dtype=torch.float64), shard=shard,
                        loss=torch.nn.CrossEntropyLoss(), optimizer=opt, timeout=60)
@@ -194,7 +194,7 @@ for shard in ("none", "optimizer"):
                for k in ("exp_avg", "exp_avg_sq")}
     np.savez(f"{shard}{t.rank}.npz", **t.parameters(), **moments)
     t.close()
-for shard in ("none", "gradients"):  # BatchNorm: buffer averages in the gradients' bucket
+for shard in ("none", "gradients", "parameters"):  # BatchNorm: buffers in the bucket
     model = T.batchnorm_model()
     t = ngdist.compile(model, torch.zeros(2, 6), shard=shard, timeout=60,
                        loss=torch.nn.CrossEntropyLoss(),
@@ -242,13 +242,14 @@ def test_parameter_groups_and_buffers_sharing_a_bucket(ranks, tmp_path):
     expected = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     expected.update({f"{i}.{k}": opt.state[p][k].numpy() for i, p in
                      enumerate(model.parameters()) for k in ("exp_avg", "exp_avg_sq")})
-    got = [dict(np.load(tmp_path / f"optimizer{r}.npz")) for r in range(2)]
     plain = dict(np.load(tmp_path / "none0.npz"))
-    for k, v in expected.items():
-        assert got[1][k].tobytes() == got[0][k].tobytes(), k
-        np.testing.assert_allclose(got[0][k], plain[k], rtol=0, atol=1e-12, err_msg=k)
-        # (the learning rate is a float32 hyper-parameter: 1e-9 off torch's in 5 steps)
-        np.testing.assert_allclose(got[0][k], v, rtol=0, atol=1e-8, err_msg=k)
+    for level in ("optimizer", "parameters"):
+        got = [dict(np.load(tmp_path / f"{level}{r}.npz")) for r in range(2)]
+        for k, v in expected.items():
+            assert got[1][k].tobytes() == got[0][k].tobytes(), k
+            np.testing.assert_allclose(got[0][k], plain[k], rtol=0, atol=1e-12, err_msg=k)
+            # (the learning rate is a float32 hyper-parameter: 1e-9 off torch's in 5 steps)
+            np.testing.assert_allclose(got[0][k], v, rtol=0, atol=1e-8, err_msg=k)
     # buffer averages that shared the gradients' bucket stay averaged, by an AllReduce of
     # their own: the gradients are not also sent whole (ReduceScatter + AllGather of them
     # count as their AllReduce: comm/group.py)
@@ -259,6 +260,11 @@ def test_parameter_groups_and_buffers_sharing_a_bucket(ranks, tmp_path):
         if k in sharded:
             np.testing.assert_allclose(sharded[k], v, rtol=0, atol=1e-12, err_msg=k)
     assert sharded["1.running_var"].tobytes() == plain["1.running_var"].tobytes()
+    zero3 = dict(np.load(tmp_path / "bn.parameters0.npz"))  # gathered for the forward pass
+    zero3.pop("sent")
+    assert sorted(zero3) == sorted(plain)
+    for k, v in plain.items():
+        np.testing.assert_allclose(zero3[k], v, rtol=0, atol=1e-6, err_msg=k)
 
 
 def _mlp() -> onnx.ModelProto:
