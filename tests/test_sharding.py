@@ -4,7 +4,9 @@ allreduce after 20 steps (1e-5 with SGD and momentum, 1e-4 with AdamW) on 2 and 
 torch float64 on 2; the ranks' parameters are the same bytes; each rank's optimizer state is
 1/N of allreduce's; the bytes a step sends; ZeRO-2's gradient bucket dropped after its
 ReduceScatter; ``trainer.save`` writes a standard model that resumes under plain allreduce and
-sharded on 2 ranks and on one process; the refusals."""
+sharded on 2 ranks and on one process; parameter groups, BatchNorm buffers, ``join()`` and
+``ngdist train --shard`` also under ZeRO-3 (``shard="parameters"``; its own tests are in
+test_sharding_params.py); ``ngdist inspect --shard``; the refusals."""
 from __future__ import annotations
 
 import json
