@@ -156,6 +156,34 @@ def test_a_scheduler_that_cycles_momentum_or_beta1_is_followed(name):
     assert_same_state(opt, module, ref_opt, ref, 1e-9)  # (RMSprop's buffers reach 7)
 
 
+def test_nadams_mu_product_moves_once_per_update_under_accumulation():
+    """accumulate=2 on the same batch twice is torch's step on it: the scheduled beta1's
+    mu_product (a state of the step) moves on updates only, as torch's."""
+    make_opt, make_sched = CYCLED["one_cycle_nadam"]
+    ref, module = make_model(), make_model()
+    ref_opt, opt = make_opt(ref), make_opt(module)
+    ref_sched, sched = make_sched(ref_opt), make_sched(opt)
+    trainer = ngdist.compile(module, torch.zeros(2, 6, dtype=torch.float64),
+                             loss=nn.CrossEntropyLoss(), optimizer=opt, strategy="local",
+                             accumulate=2)
+    with float64_default():
+        for x, y in data():
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(ref(torch.from_numpy(x)),
+                                        torch.from_numpy(y)).backward()
+            ref_opt.step()
+            ref_sched.step()
+            for _ in range(2):
+                trainer.step({"input": x, "y": y})
+            sched.step()
+    trainer.to_torch(optimizer=opt)
+    for mine, theirs in zip(module.parameters(), ref.parameters()):
+        assert np.abs(mine.detach().numpy() - theirs.detach().numpy()).max() <= 1e-10
+    assert_same_state(opt, module, ref_opt, ref, 1e-10)
+    assert float(trainer.state_dict()["ngdist.mu_product"]) == \
+        float(ref_opt.state[ref[0].weight]["mu_product"])
+
+
 def test_a_cycled_momentum_is_refused_where_ngdist_does_not_follow_it():
     module = make_model()
     opt = O.Adagrad(module.parameters(), lr=0.01)  # torch's schedulers refuse to cycle it
