@@ -5,8 +5,7 @@ Keras' weight decay is decoupled and comes before the update: x <- x - x * weigh
 (keras ``BaseOptimizer._apply_weight_decay``), with the current learning rate. On these
 classes ``weight_decay`` is that decay (``KERAS_DECAY_ATTR`` on the node, the lowering applies
 it before any formula); ``KerasSGD``, ``KerasAdadelta`` and ``KerasNadam`` are ngdist's
-``SGD``, ``Adadelta`` and ``NAdam`` (the formulas Keras' share) with Keras' decay. ``KerasAdamW``
-keeps its own formula (``keras_adamw``: the decay is its ``norm_coefficient``).
+``SGD``, ``Adadelta`` and ``NAdam`` (the formulas Keras' share) with Keras' decay.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ class KerasAdamax(_Keras, Adamax):
 
 
 @dataclass(frozen=True)
-class KerasAdamW(Adamax):
+class KerasAdamW(_Keras, Adamax):
     """Keras' ``AdamW``: x <- x - x * weight_decay * lr first (decoupled, with the current
     learning rate), then Keras' Adam: m += (g - m)(1 - b1); v += (g^2 - v)(1 - b2);
     x <- x - lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + eps)."""
@@ -64,7 +63,6 @@ class KerasAdamW(Adamax):
     eps: float = 1e-7
     weight_decay: float = 0.004
     formula = KERAS_ADAMW
-    momentum_attr = None  # Keras has no scheduler that cycles it (its decay: the formula's)
 
 
 @dataclass(frozen=True)

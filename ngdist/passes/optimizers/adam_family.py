@@ -33,6 +33,8 @@ def _hyper(a: Mapping[str, object]) -> tuple[Any, float, float, float]:
 
 
 def _decoupled(formula: str, a: Mapping[str, object]) -> bool:
+    # (a keras_adamw node's norm_coefficient: Keras' decay as files before
+    # ngdist_keras_weight_decay held it)
     return formula in (TORCH_ADAMW, KERAS_ADAMW) or bool(a.get(DECOUPLED_ATTR))
 
 
