@@ -40,7 +40,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- model_sweep: begin -->", "<!-- model_sweep: end -->"
 SOURCES = ("torchvision", "timm", "transformers")
 TIMM_CACHE = Path(tempfile.gettempdir()) / "ngdist_timm_families.json"
-MEMORY = 8 << 30  # bytes of data a model's process may map (a crash past it, not the machine)
+MEMORY = 8 << 30  # bytes a model's process may hold resident (a failed row past it)
 
 
 def catalogue(sources: tuple[str, ...] = SOURCES, all_constructors: bool = True) -> list[Any]:
@@ -77,10 +77,12 @@ def find_case(name: str, family: str) -> Any:
 def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | None = None
             ) -> dict[str, Any]:
     """``name`` checked in a subprocess limited to ``cpu_seconds`` of CPU time (the machine's
-    load does not count against a model), and to ``wall_seconds`` (default 5x that) of wall
-    time (a hang blocks without using CPU); a limit reached or a crash is a failed row."""
+    load does not count against a model), to ``wall_seconds`` (default 5x that) of wall
+    time (a hang blocks without using CPU) and to ``MEMORY`` bytes resident (checked twice a
+    second: the machine is shared); a limit reached or a crash is a failed row."""
     import resource
     import signal
+    import time
 
     row: dict[str, Any] = {"name": name, "family": family, "status": "fail",
                            "source": {"tv": "torchvision", "timm": "timm"}.get(
@@ -88,27 +90,48 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
 
     def limit_cpu() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
-        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY, MEMORY))
 
     wall = wall_seconds or 5 * cpu_seconds
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
+        result, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--one", name, "--family", family,
                "--result", str(result)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=wall, env=env,
-                                  cwd=tmp, preexec_fn=limit_cpu)
-        except subprocess.TimeoutExpired:
-            return {**row, "stage": "timeout",
-                    "error": f"no result within {wall:.0f} s of wall time"}
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=tmp, preexec_fn=limit_cpu)
+            stop = None
+            deadline = time.monotonic() + wall
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    stop = {"stage": "timeout", "error": f"no result within {wall:.0f} s of "
+                                                          "wall time"}
+                elif _resident(proc.pid) > MEMORY:
+                    stop = {"stage": "memory", "error": f"more than {MEMORY >> 20} MiB "
+                                                        "resident"}
+                if stop:
+                    proc.kill()
+                    proc.wait()
+                    return {**row, **stop}
+                time.sleep(0.5)
         if result.exists():
             return json.loads(result.read_text())
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
-        tail = " ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-400:]
+        tail = " ".join(log.read_text().strip().splitlines()[-3:])[-400:]
         return {**row, "stage": "crash", "error": f"exit {proc.returncode}: {tail}"}
+
+
+def _resident(pid: int) -> int:
+    """Bytes resident of process ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0
 
 
 def _one(args: argparse.Namespace) -> None:

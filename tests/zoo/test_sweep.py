@@ -161,3 +161,13 @@ def test_one_slice_off_is_checked_again_on_a_second_batch_more_is_a_failure(monk
     message = message.replace("; 2 of 8", "; 1 of 8")
     with pytest.raises(sweep_check.StageError):  # token ids only: no second batch to draw
         sweep_check.gradients_or_second_batch(None, {"ids": feeds["y"]}, None, {})
+
+
+def test_a_model_past_its_memory_or_wall_time_is_a_failed_row(monkeypatch):
+    monkeypatch.setattr(model_sweep, "MEMORY", 1 << 20)  # the interpreter alone holds more
+    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 60)
+    assert (row["status"], row["stage"], row["error"]) == \
+        ("fail", "memory", "more than 1 MiB resident")
+    monkeypatch.setattr(model_sweep, "MEMORY", 8 << 30)
+    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 1)
+    assert (row["stage"], row["error"]) == ("timeout", "no result within 1 s of wall time")
