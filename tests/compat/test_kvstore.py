@@ -227,10 +227,13 @@ def test_compile_with_kvstore_picks_the_strategy_and_optimizer(monkeypatch):
     assert _comm_ops(trainer) == {"AllReduce"}
     assert trainer.state_dict()["ngdist.lr"] == np.float32(0.3)
     trainer.close()
-    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("dist_allreduce"))) == \
-        {"AllReduce"}
-    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("pushsum"))) == {"PushSum"}
-    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("local"))) == set()
+    sgd = ngdist.optim.SGD(lr=0.1)
+    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("dist_allreduce"),
+                                    optimizer=sgd)) == {"AllReduce"}
+    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("pushsum"),
+                                    optimizer=sgd)) == {"PushSum"}
+    assert _comm_ops(ngdist.compile(model, kvstore=kvstore.create("local"),
+                                    optimizer=sgd)) == set()
     with pytest.raises(KVStoreError) as exc:
         ngdist.compile(model, kvstore=kvstore.create("local"), strategy="pushsum")
     assert str(exc.value) == ("strategy='pushsum' conflicts with kvstore type 'local', which "
