@@ -112,15 +112,21 @@ def test_maximize_on_an_onnx_op_is_the_reference_op_on_the_negated_gradient(opt,
         assert np.abs(got[name] - x0).max() > 1e-3, name
 
 
-def test_a_formula_and_its_groups_survive_save_and_load(tmp_path):
-    opt = ngdist.optim.RMSprop(lr=0.01, centered=True, momentum=0.5,
-                               groups=[{"params": ["fc1.bias"], "alpha": 0.5}])
+@pytest.mark.parametrize("opt", [
+    ngdist.optim.RMSprop(lr=0.01, centered=True, momentum=0.5,
+                         groups=[{"params": ["fc1.bias"], "alpha": 0.5}]),
+    # a scheduled beta1: its value, NAdam's mu_product and the exact floats are in the file
+    ngdist.optim.NAdam(lr=0.01, betas=(0.1234567891234, 0.75), scheduled_momentum=True,
+                       groups=[{"params": ["fc1.bias"], "lr": 0.02}]),
+], ids=["rmsprop", "nadam_scheduled"])
+def test_a_formula_and_its_groups_survive_save_and_load(tmp_path, opt):
     straight = train(opt, 3).state_dict()
     trainer = train(opt, 2)
-    trainer.save(tmp_path / "rms.onnx")
-    resumed = ngdist.compile(tmp_path / "rms.onnx", strategy="local")
+    trainer.save(tmp_path / "opt.onnx")
+    resumed = ngdist.compile(tmp_path / "opt.onnx", strategy="local")
     x, y = batches(3)[2]
     resumed.step({"x": x, "y": y})
+    assert set(resumed.state_dict()) == set(straight)
     for k, v in straight.items():
         np.testing.assert_array_equal(resumed.state_dict()[k], v, err_msg=k)
 
