@@ -51,6 +51,11 @@ class ExecutionError(NgdistError):
     """onnxruntime failed while running a compute segment (the message names the segment)."""
 
 
+class OutOfMemoryError(ExecutionError, MemoryError):
+    """onnxruntime could not allocate a buffer of the step (the message names the segment, the
+    memory limit in force and what to do)."""
+
+
 class LaunchError(NgdistError):
     """A rank of ``ngdist.launch`` failed (the message names the rank and its error), or the
     function cannot be sent to the ranks. ``rank``: the rank that failed, when one did;

@@ -7,6 +7,7 @@ the memory a comm kernel asked its input to be written into (``memory_for``).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -14,15 +15,33 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from ngdist.errors import ExecutionError, NgdistError
+from ngdist.errors import ExecutionError, NgdistError, OutOfMemoryError
 from ngdist.ir.model import IR_VERSION
 from ngdist.runtime.inplace_planner import ORT_TYPES, InPlacePlanner
 from ngdist.runtime.partition import Segment
 from ngdist.runtime.plan import StepPlan
 from ngdist.runtime.cuda import run_options
-from ngdist.runtime.sessions import Placement, make_session
+from ngdist.runtime.sessions import Placement, arena_limit_mb, make_session
 
 Env = MutableMapping[str, ort.OrtValue]
+
+
+# onnxruntime's BFC arena refusing an allocation (a limit reached, or no memory left)
+_ARENA_FULL = re.compile(r"(?:Failed to allocate memory for requested buffer of size|is "
+                         r"smaller than requested bytes of) (\d+)")
+
+
+def out_of_memory(where: str, exc: Exception) -> OutOfMemoryError:
+    """The error of an allocation onnxruntime refused in ``where``: the limit in force and
+    what to do."""
+    found = _ARENA_FULL.search(str(exc))
+    asked = found.group(1) if found else "?"
+    limit = arena_limit_mb()
+    held = f"onnxruntime's CPU arena is limited to {limit} MiB (NGDIST_CPU_ARENA_MAX_MB)" \
+        if limit is not None else "this process has no more memory"
+    return OutOfMemoryError(f"out of memory in {where}: {held} and the step asked for "
+                            f"{asked} bytes more; raise the limit, shard the parameters "
+                            "over the ranks (shard='parameters'), or use smaller batches")
 
 
 def ends(seg: Segment) -> str:
@@ -95,6 +114,8 @@ class SegmentRunner:
         try:
             self.sessions[seg.index].run_with_iobinding(binding, self.run_options)
         except Exception as exc:
+            if _ARENA_FULL.search(str(exc)):
+                raise out_of_memory(f"segment {seg.index} ({describe(seg)})", exc) from None
             raise ExecutionError(f"while executing segment {seg.index} "
                                  f"({describe(seg)}): {exc}") from None
         outs = binding.get_outputs()[:len(seg.outputs)]

@@ -3,6 +3,7 @@
 A :class:`Placement` says where a trainer's values live and run: ``cpu``, or ``cuda`` with a
 device id. ``make_session`` builds an ``InferenceSession`` for a model on that placement with
 ngdist's options (threads, quiet logging, the CPU memory arena unless ``NGDIST_CPU_ARENA=0``,
+one arena of at most ``NGDIST_CPU_ARENA_MAX_MB`` MiB shared by the process's sessions when set,
 graph optimisations), so that no part of the package builds sessions its own way.
 """
 from __future__ import annotations
@@ -133,7 +134,33 @@ def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
+    if arena_limit_mb() is not None and opts.enable_cpu_mem_arena:
+        _register_limited_arena(arena_limit_mb())  # type: ignore[arg-type]
+        opts.add_session_config_entry("session.use_env_allocators", "1")
     return opts
+
+
+def arena_limit_mb() -> int | None:
+    """``NGDIST_CPU_ARENA_MAX_MB``: the most MiB onnxruntime's CPU arena may hold in this
+    process, all sessions together (one arena shared by them); None when unset."""
+    text = os.environ.get("NGDIST_CPU_ARENA_MAX_MB", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise NgdistError(f"NGDIST_CPU_ARENA_MAX_MB={text!r}: give a whole number of MiB "
+                          "(at least 1), or unset it for an arena without a limit")
+    return int(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _register_limited_arena(mb: int) -> None:
+    """One CPU arena of at most ``mb`` MiB registered with onnxruntime's environment, which
+    sessions with ``session.use_env_allocators`` share; it grows by what is asked
+    (kSameAsRequested), so its size is what the step holds, not the next power of two."""
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
+                             ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, ort.OrtArenaCfg(mb * 2**20, 1, -1, -1))
+    logger.info("onnxruntime CPU arena shared by the sessions, at most %d MiB", mb)
 
 
 @functools.lru_cache(maxsize=1)
