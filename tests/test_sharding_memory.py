@@ -80,3 +80,29 @@ def test_a_malformed_limit_is_refused(monkeypatch, text):
 def test_no_limit_when_unset(monkeypatch):
     monkeypatch.delenv("NGDIST_CPU_ARENA_MAX_MB", raising=False)
     assert arena_limit_mb() is None
+
+
+def test_the_step_graph_fingerprint_leaves_the_values_out():
+    """Ranks compare their step graphs by these bytes: the structure and the constants, not
+    the values of the parameters, optimizer state and hyperparameters (rank 0's are
+    broadcast), read field by field from the step proto (no whole copy of it)."""
+    import onnx
+    import onnx_ir as ir
+    from onnx import numpy_helper
+
+    import ngdist
+    from ngdist import zoo
+
+    tr = ngdist.compile(zoo.mlp((64, 256, 10), seed=0), strategy="local",
+                        optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
+    proto = ir.to_proto(tr.step_model)
+    held = {n for n, role in tr.meta.roles.items() if role != "data"}
+    before = tr._graph_fingerprint(proto)
+    assert len(before) < 20_000  # the 64 x 256 weight alone is 65 KB
+    for t in proto.graph.initializer:
+        if t.name in held:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + 1, t.name))
+    assert tr._graph_fingerprint(proto) == before
+    proto.graph.node[0].attribute.append(onnx.helper.make_attribute("alpha", 2.0))
+    assert tr._graph_fingerprint(proto) != before
+    tr.close()
