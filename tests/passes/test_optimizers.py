@@ -138,7 +138,8 @@ def test_inspect_shows_the_groups(tmp_path, capsys):
                                                "weight_decay": 0.0}])
     path = tmp_path / "adamw.onnx"
     onnx.save(ngdist.to_training_model(forward(), loss="mse", optimizer=opt), path)
-    inspect.run(argparse.Namespace(file=str(path), explain=False, dot=None))
+    inspect.run(argparse.Namespace(file=str(path), explain=False, dot=None, shard=None,
+                                   shard_ranks=None))
     out = capsys.readouterr().out.splitlines()
     at = out.index("optimizer: 2 group(s)")
     assert out[at + 1:at + 5] == [
