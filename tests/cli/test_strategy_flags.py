@@ -78,7 +78,7 @@ def test_optimizer_spec_with_an_unknown_key(files, capsys):
         "ngdist: error: unknown key 'learning_rate' for optimizer 'sgd' in "
         "'sgd:learning_rate=0.1'; did you mean 'lr'? Valid keys of sgd: dampening, lr, "
         "maximize, momentum, "
-        "nesterov, weight_decay")
+        "nesterov, scheduled_momentum, weight_decay")
 
 
 def test_rewrite_of_a_forward_only_model_needs_an_optimizer(files, capsys):
