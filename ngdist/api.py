@@ -299,6 +299,7 @@ def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
     # a local trainer communicates with nobody, also on one rank of a multi-rank job
     group = LocalGroup(runtime.timeout) if strategy == "local" else world_group(runtime.timeout)
     inference, step = split_training_model(proto)
+    del proto  # the trainer keeps no whole copy of the values (runtime/state.py): nor does this
     if getattr(chosen, "shard", "none") != "none" or file_layout(inference) is not None:
         # ZeRO-1/2/3, or a file written by ngdist rewrite --shard (ngdist/sharded.py)
         return compile_sharded(inference, step, chosen, group, gradients,  # type: ignore[arg-type]

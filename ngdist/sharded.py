@@ -7,7 +7,6 @@ import dataclasses
 import logging
 from typing import Any
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -19,6 +18,7 @@ from ngdist.passes.pipeline import run_passes
 from ngdist.passes.step_options import StepOptions
 from ngdist.ir.shards import file_layout, layout, unpack
 from ngdist.runtime.sharding import ShardedState
+from ngdist.runtime.state import release_freed_memory, without_data
 from ngdist.runtime.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
     assert plan is not None
     state = ShardedState(plan, original)
     state.attach(trainer, full)
+    del full, original
     _drop_copies(trainer, state)
     return trainer
 
@@ -82,33 +83,16 @@ def _compile_rewritten(inference: onnx.ModelProto, step: ir.Model, plan: dict[st
     trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     state = ShardedState(plan, None)
     state.attach(trainer, full)
+    del full
     _drop_copies(trainer, state)
     return trainer
 
 
 def _drop_copies(trainer: Trainer, state: ShardedState) -> None:
     """The data of every tensor the trainer's values hold (or, ZeRO-3, gather) dropped from
-    the models it keeps as templates (the inference model, the step graph, the step compiled
-    from), which are filled with the current values when used: a rank holds one copy of its
-    shards, not whole copies beside them."""
+    the models it keeps as templates (runtime/state.py), the step compiled from included."""
     names = set(trainer.values) | state.whole_names()
-    for t in trainer.inference.graph.initializer:
-        if t.name in names:
-            t.ClearField("raw_data")
-            for f in ("float_data", "double_data", "int32_data", "int64_data"):
-                t.ClearField(f)
-    for step in (trainer.step_model, state.plain_step):
-        if step is None:
-            continue
-        inits = step.graph.initializers
-        for n in names & set(inits):
-            dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
-            inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
-    # fresh copies: a tensor read from a proto keeps the whole proto it came from alive (the
-    # protobuf arena), so one constant left would keep every dropped tensor's memory
-    inference = onnx.ModelProto()
-    inference.ParseFromString(trainer.inference.SerializeToString())
-    trainer.inference = inference
-    trainer.step_model = ir.from_proto(ir.to_proto(trainer.step_model))
+    trainer._drop_template_data(names)
     if state.plain_step is not None:
-        state.plain_step = ir.from_proto(ir.to_proto(state.plain_step))
+        state.plain_step = without_data(state.plain_step, names)
+    release_freed_memory()

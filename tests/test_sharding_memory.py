@@ -82,10 +82,11 @@ def test_no_limit_when_unset(monkeypatch):
     assert arena_limit_mb() is None
 
 
-def test_the_step_graph_fingerprint_leaves_the_values_out():
-    """Ranks compare their step graphs by these bytes: the structure and the constants, not
-    the values of the parameters, optimizer state and hyperparameters (rank 0's are
-    broadcast), read field by field from the step proto (no whole copy of it)."""
+def test_the_executors_step_proto_leaves_the_values_out():
+    """The step proto the executor's plan keeps (and whose graph ranks compare) holds the
+    structure and the constants, not the values of the parameters, optimizer state and
+    hyperparameters (rank 0's are broadcast; the trainer feeds them), copied field by field
+    from the step proto (no whole copy of it)."""
     import onnx
     import onnx_ir as ir
     from onnx import numpy_helper
@@ -97,12 +98,58 @@ def test_the_step_graph_fingerprint_leaves_the_values_out():
                         optimizer=ngdist.optim.SGD(lr=0.1, momentum=0.9))
     proto = ir.to_proto(tr.step_model)
     held = {n for n, role in tr.meta.roles.items() if role != "data"}
-    before = tr._graph_fingerprint(proto)
+    def fingerprint(p):
+        return tr._without_values(p).SerializeToString(deterministic=True)
+
+    before = fingerprint(proto)
     assert len(before) < 20_000  # the 64 x 256 weight alone is 65 KB
     for t in proto.graph.initializer:
         if t.name in held:
             t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) + 1, t.name))
-    assert tr._graph_fingerprint(proto) == before
+    assert fingerprint(proto) == before
     proto.graph.node[0].attribute.append(onnx.helper.make_attribute("alpha", 2.0))
-    assert tr._graph_fingerprint(proto) != before
+    assert fingerprint(proto) != before
+    tr.close()
+
+
+def _data_bytes(t) -> int:
+    return len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + \
+        8 * (len(t.int64_data) + len(t.double_data))
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_trainers_keep_no_whole_copy_of_their_values(shard):
+    """Every trainer (not only sharded ones) drops the data of the values it holds from its
+    templates (the inference model and the step graph), hyperparameters aside; what it saves,
+    predicts and schedules is filled from its values: the same bytes as the values."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    import ngdist
+    from ngdist import zoo
+
+    tr = ngdist.compile(zoo.mlp((64, 256, 10), seed=0), strategy="allreduce", shard=shard,
+                        optimizer=ngdist.optim.AdamW(lr=0.01), intra_op_threads=1, timeout=60)
+    held = {n for n, r in tr.meta.roles.items() if r not in ("data", "hyper")}
+    assert held and held <= set(tr.values)
+    assert all(_data_bytes(t) == 0 for t in tr.inference.graph.initializer if t.name in held)
+    for name, v in tr.step_model.graph.initializers.items():
+        if name in held:
+            assert v.const_value.size == 0, name  # type: ignore[union-attr]
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((8, 64)).astype(np.float32), "y": rng.integers(0, 10, 8)}
+    tr.set_lr_schedule(lambda s: 0.5)  # its base rate read from the step graph
+    for _ in range(3):
+        tr.step(feed)
+    assert tr.lr == {0: pytest.approx(0.005)}
+    state = tr.state_dict()
+    step = tr.to_onnx()
+    saved = {t.name: numpy_helper.to_array(t) for t in step.graph.initializer}
+    for t in step.training_info[0].algorithm.initializer:
+        saved[t.name] = numpy_helper.to_array(t)
+    assert set(state) <= set(saved)
+    for name, value in state.items():
+        assert saved[name].tobytes() == value.tobytes(), name
+    sess = ngdist.runtime.sessions.make_session(tr.inference_model())
+    assert np.array_equal(tr.predict({"x": feed["x"]})[0], sess.run(None, {"x": feed["x"]})[0])
     tr.close()

@@ -22,6 +22,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -208,7 +209,7 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         alg, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
         ir_version=IR_VERSION)
     try:
-        step_proto = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(step_proto))
+        step_proto = _shapes_inferred(step_proto)
     except Exception as exc:  # shapes help the autodiff; they are not required
         logger.debug("shape inference of the step graph failed: %s", exc)
     try:
@@ -221,9 +222,44 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
                          f"{cause}); the file is damaged or was not written by an ONNX "
                          "exporter") from None
     set_meta(step, StepMeta(roles, binding, loss))
-    inference = copy.deepcopy(model)
-    del inference.training_info[:]
+    inference = copy_fields(model, onnx.ModelProto(), ("training_info",))
     return inference, step
+
+
+TENSOR_DATA = ("raw_data", "float_data", "int32_data", "int64_data", "double_data")
+_LARGE = 1 << 16  # bytes: no shape input (Reshape's, Pad's, Resize's) is this large
+
+
+def copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:
+    """``dst`` with every field of the protobuf message ``src`` but those named in ``skip``
+    (a copy that leaves out, e.g., tensor data without copying it first)."""
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if field.is_repeated:
+            getattr(dst, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+    return dst
+
+
+def _shapes_inferred(step: onnx.ModelProto) -> onnx.ModelProto:
+    """``step`` with ONNX's shapes (and fill_same_shape_outputs'), inferred on a copy whose
+    large initializers hold no data: inference serialises and parses the model, four whole
+    copies of the parameters and optimizer state at start-up otherwise."""
+    light = copy_fields(step, onnx.ModelProto(), ("graph",))
+    copy_fields(step.graph, light.graph, ("initializer",))
+    for t in step.graph.initializer:
+        if t.ByteSize() > _LARGE:
+            copy_fields(t, light.graph.initializer.add(), TENSOR_DATA)
+        else:
+            light.graph.initializer.append(t)
+    inferred = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(light))
+    del inferred.graph.initializer[:]
+    inferred.graph.initializer.extend(step.graph.initializer)
+    return inferred
 
 
 def assemble_training_model(inference: onnx.ModelProto, step: ir.Model,

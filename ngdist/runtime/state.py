@@ -4,6 +4,8 @@ or ModelProto), ps's owners' optimizer state gathered, and the write-back into t
 or Keras model compiled from."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
 from collections.abc import Mapping
@@ -16,7 +18,7 @@ import onnxruntime as ort
 
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_SCALE
-from ngdist.ir.model import StepMeta, assemble_training_model, save_proto
+from ngdist.ir.model import TENSOR_DATA, StepMeta, assemble_training_model, save_proto
 from ngdist.ir.writeback import WriteBack
 from ngdist.runtime import ps_server
 from ngdist.runtime.executor import Executor
@@ -24,6 +26,26 @@ from ngdist.runtime.replicas import ReplicatedExecutor
 from ngdist.runtime.sessions import Placement
 
 logger = logging.getLogger(__name__)
+
+
+def without_data(step: ir.Model, names: set[str]) -> ir.Model:
+    """A fresh copy of ``step`` whose initializers ``names`` hold empty tensors."""
+    inits = step.graph.initializers
+    for n in names & set(inits):
+        dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
+        inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
+    return ir.from_proto(ir.to_proto(step))
+
+
+def release_freed_memory() -> None:
+    """Collects garbage and hands the C heap's free pages back to the system (glibc's
+    ``malloc_trim``; nothing elsewhere): start-up's whole-model copies are freed, but without
+    it the process keeps their pages resident."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 class StateAccess:
@@ -42,6 +64,24 @@ class StateAccess:
     _sessions: tuple[int, dict[str | None, ort.InferenceSession]]
     _state_synced_at: int
     _write_back: WriteBack | None
+
+    def _drop_template_data(self, names: set[str]) -> None:
+        """The data of ``names`` (values the trainer holds) dropped from the models it keeps
+        as templates (the inference model, the step graph), which are filled with the current
+        values when used: a rank holds one copy of its values, not a whole copy beside them.
+        Hyperparameters stay (set_lr_schedule reads its base from the step graph)."""
+        names = {n for n in names if self.meta.roles.get(n) != "hyper"}
+        for t in self.inference.graph.initializer:
+            if t.name in names:
+                for f in TENSOR_DATA:
+                    t.ClearField(f)
+        # fresh copies: a tensor read from a proto keeps the whole proto it came from alive
+        # (the protobuf arena), so one constant left would keep every dropped tensor's memory
+        inference = onnx.ModelProto()
+        inference.ParseFromString(self.inference.SerializeToString())
+        self.inference = inference
+        self.step_model = without_data(self.step_model, names)
+        release_freed_memory()
 
     def parameters(self) -> dict[str, np.ndarray]:
         """Copies of the trainable parameters (de-biased under pushsum), by initializer name.

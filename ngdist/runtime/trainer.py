@@ -28,7 +28,8 @@ from ngdist.comm import ProcessGroup, exits, world_group
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
-from ngdist.ir.model import debias_map, get_meta, split_training_model
+from ngdist.ir.model import (TENSOR_DATA, copy_fields, debias_map, get_meta,
+                              split_training_model)
 from ngdist.runtime import accumulate, checkpoint, ps_server
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.step_executor import StepExecutor, make_executor
@@ -69,23 +70,6 @@ class StepStats:
         return self.samples / self.step_time if self.step_time > 0 else float("nan")
 
 
-_TENSOR_DATA = ("raw_data", "float_data", "int64_data", "int32_data", "double_data")
-
-
-def _fields_but(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:
-    """``dst`` with every field of the protobuf message ``src`` but those named in ``skip``."""
-    for field, value in src.ListFields():
-        if field.name in skip:
-            continue
-        if field.is_repeated:
-            getattr(dst, field.name).extend(value)
-        elif field.message_type is not None:
-            getattr(dst, field.name).CopyFrom(value)
-        else:
-            setattr(dst, field.name, value)
-    return dst
-
-
 def _default_threads(group: ProcessGroup) -> int:
     """The cores of this host per rank of the job on it."""
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
@@ -118,11 +102,11 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self._write_back = write_back  # frontends: how to_torch / to_keras write values back
         self._start_placement(device, cuda)
         inference, step = split_training_model(model) if step is None else (model, step)
-        self.inference = inference
-        self.step_model = step
+        self.inference, self.step_model = inference, step
         self.meta = get_meta(step)
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
-        proto = ir.to_proto(step)
+        full = ir.to_proto(step)
+        proto = self._without_values(full)  # what the plan keeps alive holds no value's data
         threads = intra_op_threads or _default_threads(self.group)
         if overlap is None:  # a comm thread waiting on MPI spins: only beside a spare core
             overlap = _default_threads(self.group) > 1
@@ -143,13 +127,13 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self._sessions: tuple[int, dict[str | None, ort.InferenceSession]] = (-1, {})
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every = checkpoint_every
-        self.checkpoint_keep = checkpoint_keep
-        self._start_state(proto, trace)
+        self.checkpoint_every, self.checkpoint_keep = checkpoint_every, checkpoint_keep
+        self._start_state(full, proto, trace)
+        del full  # (the template drop below hands its pages back)
         self._start_metrics(log_dir, log_every)
         self._start_ps(ps_serve)
-        # accumulate=k: micro-steps between the updates (runtime/accumulate.py)
-        self._accumulation = accumulate.attach(self, step, threads, StepStats)
+        self._accumulation = accumulate.attach(self, step, threads, StepStats)  # accumulate=k
+        self._drop_template_data(set(self.values))  # runtime/state.py
         logger.info("trainer ready: rank %d/%d (%s), backend %s, %d segments, %d comm nodes",
                     self.group.rank, self.group.size, self.role, self.group.backend,
                     self.executor.segment_count, len(self.executor.comm_nodes))
@@ -169,14 +153,16 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
             self._own_group = made if made is not self.group else None
             self.group = made
 
-    def _start_state(self, proto: onnx.ModelProto, trace: Path | None) -> None:
-        """Collective: every rank holds the same graph (structure and constants) and timeline
-        setting, then rank 0's values (or the newest checkpoint's), broadcast in host memory
-        before they are placed."""
-        graph = proto.graph
+    def _start_state(self, full: onnx.ModelProto, proto: onnx.ModelProto,
+                     trace: Path | None) -> None:
+        """Collective: every rank holds the same graph (structure and constants: ``proto``,
+        ``full`` without the values' data) and timeline setting, then rank 0's values (or the
+        newest checkpoint's, else ``full``'s), broadcast in host memory before they are
+        placed."""
+        graph = full.graph
         if self.checkpoint_dir is not None:
             checkpoint.check_checkpointable(graph, self.group.size)
-        self.group.check_same(self._graph_fingerprint(proto), "step graph")
+        self.group.check_same(proto.graph.SerializeToString(deterministic=True), "step graph")
         self.group.check_same(str(trace).encode(), f"timeline setting ({trace or 'off'})")
         if trace is not None:  # before a dedicated ps server starts serving
             self._attach_timeline(Timeline(trace, self.group))
@@ -251,16 +237,19 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
     def size(self) -> int:
         return self.group.size
 
-    def _graph_fingerprint(self, proto: onnx.ModelProto) -> bytes:
-        """The step graph's bytes with the values' data left out: copied field by field, not
-        the whole graph (a deep copy held a second copy of every parameter at start-up)."""
-        g = _fields_but(proto.graph, onnx.GraphProto(), ("initializer",))
+    def _without_values(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """``proto`` with the data of the values (parameters, optimizer state, hypers: step
+        inputs the trainer feeds) left out, copied field by field (not whole first). The
+        executor's plan keeps its nodes and constants, which would keep a whole proto alive;
+        ranks compare its graph's bytes."""
+        out = copy_fields(proto, onnx.ModelProto(), ("graph",))
+        g = copy_fields(proto.graph, out.graph, ("initializer",))
         for t in proto.graph.initializer:
             if self.meta.roles.get(t.name, "data") == "data":
                 g.initializer.append(t)
             else:
-                _fields_but(t, g.initializer.add(), _TENSOR_DATA)
-        return g.SerializeToString(deterministic=True)
+                copy_fields(t, g.initializer.add(), TENSOR_DATA)
+        return out
 
     def _attach_timeline(self, timeline: Timeline | None) -> None:
         """Where the executor and the group record spans."""
