@@ -170,7 +170,10 @@ def _timm_build(name: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     cfg = timm.get_pretrained_cfg(name)
     channels, *default = cfg.input_size if cfg is not None else (3, 224, 224)
     kwargs = {"pretrained": False, "num_classes": CLASSES}
-    for side, extra in ((SIDE, {"img_size": SIDE}), (SIDE, {}), (default[0], {})):
+    # the smallest that runs: 32, then 64 and 128 (window and block sizes that need more,
+    # e.g. halonet's), then the default (256 held halonet at 13 GB resident)
+    for side, extra in ((SIDE, {"img_size": SIDE}), (SIDE, {}), (2 * SIDE, {}), (4 * SIDE, {}),
+                        (default[0], {})):
         torch.manual_seed(0)
         try:
             model = timm.create_model(name, **kwargs, **extra)
