@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from ngdist.comm.group import ProcessGroup
 from ngdist.errors import OptionError
-from ngdist.ir.model import get_meta
+from ngdist.ir.model import get_meta, without_tensor_data
 from ngdist.passes.options import AllReduceOptions
 from ngdist.passes.pipeline import run_passes
 from ngdist.passes.step_options import StepOptions
@@ -52,7 +52,8 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
             if n in step.graph.initializers}
     # saved files hold the training model as given (before autodiff and comm), so they resume
     # under any strategy, shard= and rank count
-    original = ir.from_proto(ir.to_proto(step))
+    # (without the values' data: filled from the values when saved)
+    original = ir.from_proto(without_tensor_data(ir.to_proto(step), full.__contains__))
     step = run_passes(step, chosen, gradients=gradients)
     trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     plan = layout(step)

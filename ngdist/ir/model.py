@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,17 +246,25 @@ def copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:
     return dst
 
 
+def without_tensor_data(proto: onnx.ModelProto, drop: Callable[[str], bool]) -> onnx.ModelProto:
+    """A copy of ``proto`` whose initializers named so that ``drop(name)`` hold no data (their
+    type and dims stay), copied field by field: no whole copy first."""
+    out = copy_fields(proto, onnx.ModelProto(), ("graph",))
+    copy_fields(proto.graph, out.graph, ("initializer",))
+    for t in proto.graph.initializer:
+        if drop(t.name):
+            copy_fields(t, out.graph.initializer.add(), TENSOR_DATA)
+        else:
+            out.graph.initializer.append(t)
+    return out
+
+
 def _shapes_inferred(step: onnx.ModelProto) -> onnx.ModelProto:
     """``step`` with ONNX's shapes (and fill_same_shape_outputs'), inferred on a copy whose
     large initializers hold no data: inference serialises and parses the model, four whole
     copies of the parameters and optimizer state at start-up otherwise."""
-    light = copy_fields(step, onnx.ModelProto(), ("graph",))
-    copy_fields(step.graph, light.graph, ("initializer",))
-    for t in step.graph.initializer:
-        if t.ByteSize() > _LARGE:
-            copy_fields(t, light.graph.initializer.add(), TENSOR_DATA)
-        else:
-            light.graph.initializer.append(t)
+    large = {t.name for t in step.graph.initializer if t.ByteSize() > _LARGE}
+    light = without_tensor_data(step, large.__contains__)
     inferred = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(light))
     del inferred.graph.initializer[:]
     inferred.graph.initializer.extend(step.graph.initializer)

@@ -28,8 +28,7 @@ from ngdist.comm import ProcessGroup, exits, world_group
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
-from ngdist.ir.model import (TENSOR_DATA, copy_fields, debias_map, get_meta,
-                              split_training_model)
+from ngdist.ir.model import debias_map, get_meta, split_training_model, without_tensor_data
 from ngdist.runtime import accumulate, checkpoint, ps_server
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.step_executor import StepExecutor, make_executor
@@ -242,14 +241,7 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         inputs the trainer feeds) left out, copied field by field (not whole first). The
         executor's plan keeps its nodes and constants, which would keep a whole proto alive;
         ranks compare its graph's bytes."""
-        out = copy_fields(proto, onnx.ModelProto(), ("graph",))
-        g = copy_fields(proto.graph, out.graph, ("initializer",))
-        for t in proto.graph.initializer:
-            if self.meta.roles.get(t.name, "data") == "data":
-                g.initializer.append(t)
-            else:
-                copy_fields(t, g.initializer.add(), TENSOR_DATA)
-        return out
+        return without_tensor_data(proto, lambda n: self.meta.roles.get(n, "data") != "data")
 
     def _attach_timeline(self, timeline: Timeline | None) -> None:
         """Where the executor and the group record spans."""
