@@ -299,8 +299,10 @@ def check(case: Any) -> dict[str, Any]:
                            "status": "fail", "stage": "build"}
     try:
         module, feeds, loss_fn = case.make()
-        with torch.no_grad():  # a model that does not take the sweep's inputs is not built
+        with torch.no_grad():  # a model that does not take the sweep's inputs, or does not
+            # run in float64 (no oracle: fsmt fills float32's -inf), is not built
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
+            float(loss_of(to_float64(copy.deepcopy(module)), loss_fn, _tensors(feeds, True)))
         feeds = gradients_or_second_batch(module, feeds, loss_fn, out)
         check_training(module, feeds, loss_fn, "sgd", out)
         gc.collect()  # the SGD trainer's sessions, before AdamW's are made

@@ -61,7 +61,8 @@ _SCALARS = {
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
                      "d_ff", "n_inner", "decoder_intermediate_size", "mlp_dim"), 2 * WIDTH),
     "head_dim": WIDTH // HEADS, "d_kv": WIDTH // HEADS, "vocab_size": VOCAB,
-    "max_position_embeddings": 64, "n_positions": 64, "max_source_positions": 16,
+    "max_position_embeddings": 64, "model_max_length": 64, "n_positions": 64,
+    "linear_head_dim": WIDTH // HEADS, "max_source_positions": 16,
     "max_target_positions": 64, "image_size": 64, "patch_size": 8,
     "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
     "num_mel_bins": 16, "use_cache": False,
@@ -127,7 +128,8 @@ def _model(task: str, model_type: str) -> Any:
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = getattr(tf, getattr(modeling_auto, TASKS[task])[model_type])
+    name = getattr(modeling_auto, TASKS[task])[model_type]
+    cls = getattr(tf, name[0] if isinstance(name, tuple) else name)  # deit: (plain, teacher)
     cfg = CONFIG_MAPPING[model_type]()
     _shrink(cfg)
     cfg.num_labels = LABELS
