@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ngdist.errors import ArgumentError
 from ngdist.zoo_sweep import Case, _no_dropout, _torch
 
 TASKS = {
@@ -251,7 +252,7 @@ def _audio_features(model: Any, rng: np.random.Generator
             continue
         pooled = getattr(out, "pooler_output", out)
         return feeds, int(pooled.numel() // (BATCH * pooled.shape[-1]))
-    raise ValueError(f"{type(model).__name__}: no audio feature layout runs: {failures}")
+    raise ArgumentError(f"{type(model).__name__}: no audio feature layout runs: {failures}")
 
 
 def _audio_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray], Any]:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from ngdist.errors import GraphError
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,8 +113,8 @@ def grouped_mm(g: Any, x: Any, weight: Any, offs: Any, bias: Any = None,
     h = _helper()
     if h._get_tensor_rank(x) != 2 or h._get_tensor_rank(weight) != 3 or h._is_none(offs) \
             or not h._is_none(bias):
-        raise NotImplementedError("ngdist's aten::_grouped_mm symbolic takes a 2-D input, "
-                                  "3-D weights and offsets, without bias")
+        raise GraphError("ngdist's aten::_grouped_mm symbolic takes a 2-D input, 3-D "
+                         "weights and offsets, without bias; export such a product yourself")
     rows = g.op("Range", _const(g, 0), _size0(g, x), _const(g, 1))
     ends = g.op("Cast", offs, to_i=7)
     after = g.op("GreaterOrEqual", g.op("Unsqueeze", rows, _const(g, [1])),
