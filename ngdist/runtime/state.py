@@ -5,10 +5,11 @@ or Keras model compiled from."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -28,13 +29,27 @@ from ngdist.runtime.sessions import Placement
 logger = logging.getLogger(__name__)
 
 
-def without_data(step: ir.Model, names: set[str]) -> ir.Model:
-    """A fresh copy of ``step`` whose initializers ``names`` hold empty tensors."""
+def without_data(step: ir.Model, names: set[str],
+                 current: Callable[[str], np.ndarray] | None = None) -> ir.Model:
+    """A fresh copy of ``step`` whose initializers ``names`` hold no data: with ``current``
+    (a value by name), tensors of their type and shape that read it when used (the graph
+    stays valid ONNX); without, empty tensors."""
     inits = step.graph.initializers
+    kinds = {}
     for n in names & set(inits):
-        dtype = inits[n].const_value.dtype  # type: ignore[union-attr]
-        inits[n].const_value = ir.tensor(np.zeros(0, dtype.numpy()), name=n)
-    return ir.from_proto(ir.to_proto(step))
+        value = inits[n].const_value
+        kinds[n] = (value.dtype, ir.Shape(list(value.shape)))  # type: ignore[union-attr]
+        inits[n].const_value = ir.tensor(np.zeros(0, kinds[n][0].numpy()), name=n)
+    fresh = ir.from_proto(ir.to_proto(step))
+    if current is not None:
+        for n, (dtype, shape) in kinds.items():
+            fresh.graph.initializers[n].const_value = ir.LazyTensor(
+                functools.partial(_read, current, n), dtype, shape, name=n)
+    return fresh
+
+
+def _read(current: Callable[[str], np.ndarray], name: str) -> ir.Tensor:
+    return ir.tensor(current(name), name=name)
 
 
 def release_freed_memory() -> None:
@@ -80,7 +95,8 @@ class StateAccess:
         inference = onnx.ModelProto()
         inference.ParseFromString(self.inference.SerializeToString())
         self.inference = inference
-        self.step_model = without_data(self.step_model, names)
+        self.step_model = without_data(self.step_model, names,
+                                       lambda n: self.values[n].numpy())
         release_freed_memory()
 
     def parameters(self) -> dict[str, np.ndarray]:
