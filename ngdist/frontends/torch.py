@@ -54,7 +54,8 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import ArgumentError, ArgumentTypeError, GraphError
 from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
-from ngdist.frontends.torch_exporters import export_graph, export_training
+from ngdist.frontends.torch_exporters import (export_graph, export_training, rename_aliases,
+                                               tied_aliases)
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
@@ -270,8 +271,10 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     state = {k: v.cpu().numpy() for k, (_, v) in snapshot.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
     result = TorchExport(train, ev, in_names, out_names, exporter=used)
+    aliases = tied_aliases(module)
     for model, values in ((train, state), (ev, marked)):
         _rename_initializers(model, values)
+        rename_aliases(model, aliases)
         for t in model.graph.initializer:  # the values before tracing touched them
             if t.name in state:
                 t.CopyFrom(numpy_helper.from_array(state[t.name], t.name))

@@ -150,3 +150,28 @@ def export_training(module: Any, args: tuple[Any, ...], input_names: list[str],
     raise GraphError(f"torch.onnx.export cannot export {type(module).__name__}: "
                      + "; ".join(failures) + ". Rewrite the unsupported operation or compile an "
                      "ONNX file you exported yourself")
+
+
+def tied_aliases(module: Any) -> dict[str, str]:
+    """state_dict name -> the name ``named_parameters()``/``named_buffers()`` give the same
+    tensor, for the names of a tied tensor other than its own (Hugging Face ties a decoder's
+    ``proj_out.weight`` to ``embed_tokens.weight``; the dynamo exporter names the initializer
+    by the alias, which no parameter of the module has)."""
+    owner: dict[int, str] = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        owner.setdefault(id(tensor), name)
+    return {k: owner[id(v)] for k, v in module.state_dict(keep_vars=True).items()
+            if id(v) in owner and owner[id(v)] != k}
+
+
+def rename_aliases(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
+    """Initializers named by an alias take the tensor's own name (unless that name is an
+    initializer too), and so do the node inputs that read them."""
+    names = {t.name for t in model.graph.initializer}
+    renames = {a: n for a, n in aliases.items() if a in names and n not in names}
+    for t in model.graph.initializer:
+        t.name = renames.get(t.name, t.name)
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            node.input[i] = renames.get(name, name)
+

@@ -301,3 +301,36 @@ def test_inputs_of_other_row_counts_are_not_declared_the_batchs_size():
     assert abs(float(got["loss"]) - float(loss)) <= 1e-6
     errors = gradient_errors(got, {n: p.grad.numpy() for n, p in ref.named_parameters()})
     assert max(errors.values()) <= 1e-5, errors
+
+
+class TiedLM(nn.Module):
+    """A decoder whose output projection is its embedding (registered second, as Hugging
+    Face's proj_out / lm_head): state_dict holds the tensor under both names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed_tokens = nn.Embedding(11, D)
+        self.mix = nn.Linear(D, D)
+        self.proj_out = nn.Linear(D, 11, bias=False)
+        self.proj_out.weight = self.embed_tokens.weight
+
+    def forward(self, ids):
+        return self.proj_out(torch.tanh(self.mix(self.embed_tokens(ids)))).mean(1)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_tied_weight_is_trained_under_its_parameter_name_by_either_exporter(exporter):
+    ids = np.random.default_rng(0).integers(0, 11, (4, 5))
+    y = np.array([1, 0, 3, 2])
+    module = TiedLM()
+    model, exp = tfront.training_model(module, (torch.from_numpy(ids),), exporter=exporter,
+                                       loss=nn.CrossEntropyLoss(), optimizer="sgd:lr=0.1",
+                                       input_names=["ids"])
+    assert exp.exporter == exporter
+    assert set(exp.params) == {n for n, _ in module.named_parameters()}
+    got = run_step(model, {"ids": ids, "y": y})
+    ref = copy.deepcopy(module).double()
+    F.cross_entropy(ref(torch.from_numpy(ids)), torch.from_numpy(y)).backward()
+    errors = gradient_errors(got, {n: p.grad.numpy() for n, p in ref.named_parameters()})
+    assert max(errors.values()) <= 1e-5, errors
