@@ -60,6 +60,7 @@ from onnx import TensorProto, helper
 from ngdist import optim
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.passes.optimizers.common import make_optimizer_node
 from ngdist.passes.options import TypedOptions, refuse_unknown
 from ngdist.comm import world_group
 from ngdist.kernels import CommNode, get_kernel
@@ -122,9 +123,9 @@ class OnnxUpdater:
             opt = self.optimizer
             elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.DOUBLE
             states = [f"S{i}" for i in range(len(opt.state_suffixes))]
-            node = helper.make_node(opt.op_type, ["R", "T", "X", "G", *states],
-                                    ["X_new", *[f"{s}_new" for s in states]],
-                                    domain=PREVIEW_TRAINING, **opt.attributes())
+            node = make_optimizer_node(opt.op_type, ["R", "T", "X", "G", *states],
+                                       ["X_new", *[f"{s}_new" for s in states]],
+                                       opt.attributes())
             vi = helper.make_tensor_value_info
             graph = helper.make_graph(
                 [node], "kvstore_update",

@@ -16,9 +16,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ngdist import optim
-from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.hyper import lr_name, momentum_name
 from ngdist.passes.optimizers import MU_PRODUCT, SCHEDULED_ATTR
+from ngdist.passes.optimizers.common import make_optimizer_node
 
 
 @dataclass
@@ -82,11 +82,10 @@ def optimizer_nodes(opt: optim.Optimizer, params: Sequence[str],
         flat = [s for group in state_groups for s in group]
         new = [f"{p}.new" for p in names] + [f"{s}.new" for s in flat]
         suffix = "" if index == 0 else f".{index}"
-        out.nodes.append(helper.make_node(
+        out.nodes.append(make_optimizer_node(
             group_opt.op_type, [lr, t, *names, *[f"{p}.grad" for p in names], *flat,
-                                *scheduled], new,
-            name=f"ngdist/{group_opt.op_type.lower()}{suffix}", domain=PREVIEW_TRAINING,
-            **group_opt.attributes()))
+                                *scheduled], new, group_opt.attributes(),
+            name=f"ngdist/{group_opt.op_type.lower()}{suffix}"))
         out.outputs += new
         out.binding.update({p: f"{p}.new" for p in [*names, *flat]})
         out.roles.update({p: "param" for p in names})

@@ -9,8 +9,8 @@ from typing import Any
 
 from ngdist.errors import OptionError
 from ngdist.optim.checks import Group, checked, checked_groups
-from ngdist.passes.optimizers import (EXACT_ATTR, FORMULA_ATTR, KERAS_DECAY_ATTR, MAXIMIZE_ATTR,
-                                      SCHEDULED_ATTR, exact_attr, state_kinds)
+from ngdist.passes.optimizers import (FORMULA_ATTR, KERAS_DECAY_ATTR, MAXIMIZE_ATTR,
+                                      SCHEDULED_ATTR, state_kinds)
 
 
 class _Optimizer:
@@ -61,8 +61,6 @@ class _Optimizer:
         if self.keras_decay:
             out[KERAS_DECAY_ATTR] = out["norm_coefficient"]
             out["norm_coefficient"] = 0.0
-        if exact_attr(out):  # the floats' every digit (attributes are float32)
-            out[EXACT_ATTR] = exact_attr(out)
         if self.formula is not None:
             out[FORMULA_ATTR] = self.formula
         if self.maximize:

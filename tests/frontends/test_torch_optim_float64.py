@@ -24,6 +24,7 @@ import ngdist  # noqa: E402
 from ngdist.errors import GraphError  # noqa: E402
 from ngdist.ir.domain import PREVIEW_TRAINING  # noqa: E402
 from ngdist.passes.optimizers import EXACT_ATTR, OptimizerLoweringPass  # noqa: E402
+from ngdist.passes.optimizers.common import make_optimizer_node  # noqa: E402
 
 STEPS = 5
 ODD = 0.1234567891234  # no float32 is within 1e-9 of it
@@ -108,9 +109,12 @@ def test_a_float64_model_matches_torch_within_1e_12(name):
 
 def test_the_node_carries_every_float_exactly_and_an_edited_attribute_is_refused():
     attrs = ngdist.optim.SGD(lr=ODD, momentum=ODD, dampening=0.5).attributes()
-    assert attrs[EXACT_ATTR] == [f"alpha={ODD!r}", "beta=0.5", "norm_coefficient=0.0"]
-    node = helper.make_node("Momentum", ["r", "t", "x", "g", "v"], ["x2", "v2"], name="opt",
-                            domain=PREVIEW_TRAINING, **{**attrs, "alpha": 0.5})
+    node = make_optimizer_node("Momentum", ["r", "t", "x", "g", "v"], ["x2", "v2"], attrs,
+                               name="opt")
+    assert [(p.key, p.value) for p in node.metadata_props] == [
+        (EXACT_ATTR, f"alpha={ODD!r};beta=0.5;norm_coefficient=0.0")]
+    assert not [a.name for a in node.attribute if a.name == EXACT_ATTR]  # valid ONNX
+    next(a for a in node.attribute if a.name == "alpha").f = 0.5  # edited
     graph = helper.make_graph(
         [node], "g", [helper.make_tensor_value_info(n, 1, [2]) for n in ("r", "x", "g", "v")]
         + [helper.make_tensor_value_info("t", 7, [])],

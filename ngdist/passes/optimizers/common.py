@@ -9,6 +9,7 @@ gradient first (torch's ``maximize=True``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -52,8 +53,29 @@ SCHEDULED_FORMULAS: dict[tuple[str, str | None], tuple[str, ...]] = {
 # Keras' weight decay on any node: x <- x - x * decay * lr before the update
 KERAS_DECAY_ATTR = "ngdist_keras_weight_decay"
 # every float attribute's value as the Python float it was given ("alpha=0.9", repr's digits):
-# ONNX attributes are float32, and a float64 model's update reads every digit of torch's
+# ONNX attributes are float32, and a float64 model's update reads every digit of torch's.
+# Kept in the node's metadata_props (entries joined by ";"), not as an attribute: the node
+# stays valid ONNX (onnx.checker, the reference evaluator).
 EXACT_ATTR = "ngdist_exact"
+
+
+def make_optimizer_node(op_type: str, inputs: list[str], outputs: list[str],
+                        attributes: Mapping[str, object], **kwargs: Any) -> onnx.NodeProto:
+    """The optimizer node of ``attributes`` (an optimizer's ``attributes()``, Python floats),
+    their every digit (``EXACT_ATTR``) in the node's metadata_props."""
+    exact = exact_attr(attributes)
+    node = onnx.helper.make_node(op_type, inputs, outputs, domain=PREVIEW_TRAINING, **kwargs,
+                                 **attributes)
+    if exact:
+        entry = node.metadata_props.add()
+        entry.key, entry.value = EXACT_ATTR, ";".join(exact)  # type: ignore[arg-type]
+    return node
+
+
+def exact_entries(props: Mapping[str, str]) -> list[str]:
+    """``EXACT_ATTR``'s entries from a node's metadata_props (none: [])."""
+    text = props.get(EXACT_ATTR)
+    return text.split(";") if text else []
 
 
 def _adam_kinds(a: Mapping[str, object]) -> tuple[str, ...]:
@@ -197,6 +219,7 @@ def node_attrs(node: ir.Node) -> dict[str, object]:
             raise GraphError(f"optimizer node {node.name!r} ({node.op_type}): attribute "
                              f"{name!r} is {value!r}, not {what}")
         out[name] = value
+    out[EXACT_ATTR] = exact_entries(node.metadata_props)
     exact = exact_values(f"optimizer node {node.name!r}", out)
     out.pop(EXACT_ATTR, None)
     for name, value in out.items():

@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.hyper import lr_groups
 from ngdist.passes.optimizers.common import (EXACT_ATTR, FORMULA_ATTR, OPTIMIZER_OPS, decimal,
-                                             exact_values, state_kinds)
+                                             exact_entries, exact_values, state_kinds)
 
 _SHOWN = 6  # parameter names listed per group
 
@@ -31,6 +31,7 @@ def optimizer_lines(model: onnx.ModelProto) -> list[str]:
     out = [f"optimizer: {len(nodes)} group(s)"]
     for n in nodes:
         attrs = {a.name: _value(a) for a in n.attribute}
+        attrs[EXACT_ATTR] = exact_entries({p.key: p.value for p in n.metadata_props})
         attrs.update(exact_values(f"optimizer node {n.name!r}", attrs))
         attrs.pop(EXACT_ATTR, None)
         kinds = state_kinds(n.op_type, attrs)
