@@ -1,15 +1,18 @@
 """Resize (what F.interpolate exports) against central differences (the harness of
 ``grad_harness``): nearest, linear and cubic, every coordinate transformation, antialias, roi,
-scales and sizes, 1-D to 3-D; forms that need run-time sizes are refused by name."""
+scales and sizes, 1-D to 3-D, sizes and extents known only at run time; the forms without a
+gradient are refused by name."""
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import helper, numpy_helper
 
 from grad_harness import (Gen, Runner, _model, check_case, grad_model, graph_case,
-                          lowering_error, weights_for)
+                          loss_model, lowering_error, weights_for)
+from ngdist.passes.autodiff import AutodiffPass
 
 
 def _const(name: str, value) -> onnx.NodeProto:
@@ -18,8 +21,8 @@ def _const(name: str, value) -> onnx.NodeProto:
 
 
 def resize_case(cid: str, shape, *, scales=None, sizes=None, roi=None, opset: int = 19,
-                symbolic: bool | str = False, **attrs):
-    nodes, ins = [], ["x", "", "", ""]
+                symbolic: bool | str = False, x: str = "x", **attrs):
+    nodes, ins = [], [x, "", "", ""]
     for k, (name, value, dtype) in enumerate([("roi", roi, np.float32),
                                               ("scales", scales, np.float32),
                                               ("sizes", sizes, np.int64)], start=1):
@@ -29,7 +32,7 @@ def resize_case(cid: str, shape, *, scales=None, sizes=None, roi=None, opset: in
     while ins[-1] == "":
         ins.pop()
     nodes.append(helper.make_node("Resize", ins, ["y"], name="node0", **attrs))
-    built = graph_case(cid, nodes, {"x": Gen(cid).n(*shape)}, opset=opset)
+    built = graph_case(cid, nodes, {x: Gen(cid).n(*shape)}, opset=opset)
     built.symbolic = symbolic
     return built
 
@@ -83,13 +86,68 @@ def test_nearest_upsampling_gradient_sums_each_block() -> None:
     np.testing.assert_allclose(got, expected, rtol=1e-12)
 
 
-def test_run_time_sizes_are_refused_naming_op_node_and_mode() -> None:
+def runtime_nodes(x: str, extent: str, **attrs) -> list[onnx.NodeProto]:
+    """A Resize of ``x`` whose output sizes are computed at run time from its own shape: N and
+    C kept, the spatial extents changed by ``extent`` ("Add 2,3" adds 2 and 3 to H and W), as
+    F.interpolate(size=t.shape[2:]) exports under a symbolic shape."""
+    op, amounts = extent.split()
+    return [_const("amounts", np.asarray([int(a) for a in amounts.split(",")], np.int64)),
+            helper.make_node("Shape", [x], ["nc"], name="shape_nc", end=2),
+            helper.make_node("Shape", [x], ["hw"], name="shape_hw", start=2),
+            helper.make_node(op, ["hw", "amounts"], ["hw2"], name="extent"),
+            helper.make_node("Concat", ["nc", "hw2"], ["sizes"], name="sizes", axis=0),
+            helper.make_node("Resize", [x, "", "", "sizes"], ["y"], name="node0", **attrs)]
+
+
+def runtime_case(cid: str, shape, extent: str, *, symbolic: str = "spatial", **attrs):
+    built = graph_case(cid, runtime_nodes("in0", extent, **attrs), {"in0": Gen(cid).n(*shape)},
+                       opset=19)
+    built.symbolic = symbolic
+    return built
+
+
+RUNTIME_CASES = [
+    # timm's csatv2: F.interpolate(attn, size=x.shape[2:], mode="bilinear", align_corners=True)
+    runtime_case("Resize-runtime-sizes-bilinear-align-corners", (2, 1, 3, 4), "Add 2,3",
+                 mode="linear", coordinate_transformation_mode="align_corners"),
+    runtime_case("Resize-runtime-sizes-cubic-antialias-down", (1, 2, 6, 8), "Sub 3,2",
+                 mode="cubic", antialias=1),
+    runtime_case("Resize-runtime-sizes-nearest-batch-symbolic", (2, 2, 3, 3), "Mul 2,1",
+                 symbolic="batch", mode="nearest"),
+    resize_case("Resize-runtime-extent-constant-scales", (1, 2, 3, 4), scales=[1, 1, 2, 1.5],
+                mode="linear", symbolic="spatial", x="in0"),
+]
+
+
+@pytest.mark.parametrize("case", RUNTIME_CASES, ids=[c.id for c in RUNTIME_CASES])
+def test_run_time_sizes_match_central_differences(case) -> None:
+    """Output sizes (or input extents) known only at run time: each axis's matrix is the
+    runtime's Resize of an identity, the gradient that of the op trained (float64 against
+    central differences, float32 on onnxruntime against float64)."""
+    check_case(case)
+
+
+def test_crop_with_a_run_time_roi_is_refused_naming_op_node_and_mode() -> None:
     nodes = [helper.make_node("Shape", ["x"], ["shape"], name="shape0"),
-             helper.make_node("Resize", ["x", "", "", "shape"], ["y"], name="up0", mode="cubic")]
+             helper.make_node("Cast", ["shape"], ["roi"], name="roi0", to=onnx.TensorProto.FLOAT),
+             helper.make_node("Resize", ["x", "roi", "", "shape"], ["y"], name="up0",
+                              mode="linear", coordinate_transformation_mode="tf_crop_and_resize")]
     assert lowering_error(nodes, ["n", 1, "h", 4], opset=19) == (
-        "gradient rule of Resize failed on node 'up0': Resize (mode 'cubic'): its output sizes "
-        "are computed at run time; the gradient needs them static (export with static spatial "
-        "sizes, or scale_factor instead of size)")
+        "gradient rule of Resize failed on node 'up0': Resize (mode 'linear') with "
+        "tf_crop_and_resize needs a constant roi to differentiate")
+
+
+@pytest.mark.parametrize("y_dims, resized", [
+    (None, 4),  # shape inference gave up: every axis gets a matrix (identity where kept)
+    (["n", 2, "h2", "w2"], 2),  # N the input's symbol, C the same constant: not resized
+        (["m", 2, "h2", "w2"], 3),  # another symbol: N may change
+])
+def test_run_time_sizes_skip_the_axes_shape_inference_proves_unchanged(y_dims, resized) -> None:
+    model = loss_model(runtime_nodes("x", "Mul 2,1", mode="linear"), ["n", 2, 3, 3], opset=19)
+    y = next(n for n in model.graph if n.name == "node0").outputs[0]
+    y.shape = None if y_dims is None else ir.Shape(y_dims)
+    AutodiffPass()(model)
+    assert sum(n.op_type == "Resize" and "/grad/" in n.name for n in model.graph) == resized
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -4,13 +4,16 @@ Resize is linear in X and separable: each resized axis is a matrix A (output x i
 positions) applied along it, for every mode ONNX defines. The rule builds A for each axis
 from ONNX's reference Resize on the identity (so its semantics are the op's own, not a
 re-derivation) and applies A^T to the gradient with one MatMul per axis (a block sum where A
-repeats each input a whole number of times: nearest upsampling). That needs the
-sizes of the resized axes and the scales (or output sizes) as constants; a Resize whose
-sizes are known only at run time is refused, naming its mode.
+repeats each input a whole number of times: nearest upsampling). Where the axis's input
+extent and its scale (or output size) are constants, A is a constant; where either is known
+only at run time (``F.interpolate(size=x.shape[2:])`` under a symbolic batch), A is built
+at run time by the runtime's own Resize of an identity matrix [n, n] to [n, m], n read from
+Shape(X) and m from Shape(Y) (or the constant scale): the forward op's own interpolation.
 """
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
@@ -48,7 +51,9 @@ def axis_matrix(node, n: int, *, scale: float | None, size: int | None,
 
 
 def _plan(ctx, node) -> list[tuple[int, dict]]:
-    """(axis, axis_matrix arguments) of every axis the Resize changes."""
+    """(axis, axis_matrix arguments) of every axis the Resize changes; ``n`` is None where the
+    input extent is known only at run time, ``scale`` and ``size`` both None where the output
+    size is (the matrix is then built at run time, :func:`_runtime_matrix`)."""
     x, mode = node.inputs[0], attr(node, "mode", "nearest")
     what = f"Resize (mode {mode!r})"
     if ctx.opset < 11:
@@ -70,26 +75,55 @@ def _plan(ctx, node) -> list[tuple[int, dict]]:
     if scales is None or scales.size == 0:
         scales = None
         sizes = ctx.constant_value(inputs[3])
-        if sizes is None:  # the output's static extents
+        if sizes is None:  # the output's static extents, None where known at run time only
             out = node.outputs[0].shape
-            sizes = [out.dims[a] if out is not None else None for a in axes]
-            if None in sizes or not all(isinstance(s, int) for s in sizes):
-                raise ValueError(f"{what}: its output sizes are computed at run time; the "
-                                 "gradient needs them static (export with static spatial "
-                                 "sizes, or scale_factor instead of size)")
+            sizes = [out.dims[a] if out is not None and isinstance(out.dims[a], int) else None
+                     for a in axes]
     plan = []
     for k, a in enumerate(axes):
         n = sizes_in[a]
         scale = float(scales[k]) if scales is not None else None
-        size = int(sizes[k]) if scales is None else None
-        if not crop and (scale == 1.0 or (size is not None and size == n)):
+        size = None if scales is not None or sizes[k] is None else int(sizes[k])
+        if not crop and (scale == 1.0 or (size is not None and size == n)
+                         or (scale is None and size is None and _same_extent(node, a))):
             continue  # the identity
-        if n is None:
-            raise ValueError(f"{what} resizes axis {a}, whose size is known only at run "
-                             "time; the gradient needs it static")
         plan.append((a, dict(n=n, scale=scale, size=size,
                              roi=(float(roi[k]), float(roi[k + len(axes)])) if crop else None)))
     return plan
+
+
+def _same_extent(node, axis: int) -> bool:
+    """Whether the Resize's output has its input's extent on ``axis`` by shape inference (the
+    same symbolic dimension): that axis is not resized."""
+    x, y = node.inputs[0].shape, node.outputs[0].shape
+    if x is None or y is None:
+        return False
+    a, b = x.dims[axis], y.dims[axis]
+    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and \
+        a.value is not None and a.value == b.value
+
+
+def _runtime_matrix(ctx, node, g, axis: int, spec: dict) -> ir.Value:
+    """M [n, m] of one axis (as :func:`axis_matrix`) computed at run time: the Resize of the
+    node's kind applied to an identity [n, n] (n read from Shape(X)) along its second axis, to
+    the output's extent on ``axis`` (read from Shape(Y)) or by the constant scale."""
+    x, y = node.inputs[0], node.outputs[0]
+    n = ctx.ints([spec["n"]]) if spec["n"] is not None else \
+        ctx.op("Shape", x, start=axis, end=axis + 1)
+    zeros = ctx.op("ConstantOfShape", ctx.op("Concat", n, n, axis=0),
+                   value=ir.tensor(np.zeros(1, np.float32)))
+    eye = ctx.op("CastLike", ctx.op("EyeLike", zeros), g)
+    roi = spec["roi"]
+    roi_v = ctx.const(np.asarray([] if roi is None else [0.0, roi[0], 1.0, roi[1]], np.float32))
+    kwargs = {k: attr(node, k) for k in _MATRIX_ATTRS if attr(node, k) is not None}
+    kwargs = {k: v.decode() if isinstance(v, bytes) else v for k, v in kwargs.items()}
+    if spec["scale"] is not None:
+        scales = ctx.const(np.asarray([1.0, spec["scale"]], np.float32))
+        return ctx.op("Resize", eye, roi_v, scales, **kwargs)
+    m = ctx.ints([spec["size"]]) if spec["size"] is not None else \
+        ctx.op("Shape", y, start=axis, end=axis + 1)
+    return ctx.op("Resize", eye, roi_v, ctx.const(np.zeros(0, np.float32)),
+                  ctx.op("Concat", n, m, axis=0), **kwargs)
 
 
 @register("Resize")
@@ -97,6 +131,10 @@ def resize(ctx, node, gys):
     g = gys[0]
     rank = len(dims(node.inputs[0], "Resize input"))
     for axis, spec in _plan(ctx, node):
+        if spec["n"] is None or (spec["scale"] is None and spec["size"] is None):
+            mat = _runtime_matrix(ctx, node, g, axis, spec)
+            g = _apply(ctx, g, mat, None, axis, rank)
+            continue
         mat = axis_matrix(node, **spec)  # [n, out]
         n, out = mat.shape
         if out % n == 0 and np.array_equal(mat, np.kron(np.eye(n), np.ones((1, out // n)))):
@@ -107,12 +145,20 @@ def resize(ctx, node, gys):
             g = ctx.op("ReduceSum", ctx.op("Reshape", g, view), ctx.ints([axis + 1]),
                        keepdims=0)
             continue
-        if axis == rank - 2:  # M @ g [..., out, w]
-            g = ctx.op("MatMul", ctx.const(mat, like=g), g)
-            continue
-        perm = [*range(axis), *range(axis + 1, rank), axis]  # the axis last: g @ M^T
-        moved = g if axis == rank - 1 else ctx.op("Transpose", g, perm=perm)
-        moved = ctx.op("MatMul", moved, ctx.const(np.ascontiguousarray(mat.T), like=g))
-        g = moved if axis == rank - 1 else \
-            ctx.op("Transpose", moved, perm=np.argsort(perm).tolist())
+        g = _apply(ctx, g, ctx.const(mat, like=g),
+                   ctx.const(np.ascontiguousarray(mat.T), like=g), axis, rank)
     return [g, None, None, None]
+
+
+def _apply(ctx, g, mat, mat_t, axis: int, rank: int):
+    """M [n, out] applied to ``g`` along ``axis`` (of extent out): the gradient [.., n, ..];
+    ``mat_t`` is M^T, or None to transpose M at run time."""
+    if axis == rank - 2:  # M @ g [..., out, w]
+        return ctx.op("MatMul", mat, g)
+    if mat_t is None:
+        mat_t = ctx.op("Transpose", mat, perm=[1, 0])
+    perm = [*range(axis), *range(axis + 1, rank), axis]  # the axis last: g @ M^T
+    moved = g if axis == rank - 1 else ctx.op("Transpose", g, perm=perm)
+    moved = ctx.op("MatMul", moved, mat_t)
+    return moved if axis == rank - 1 else \
+        ctx.op("Transpose", moved, perm=np.argsort(perm).tolist())
