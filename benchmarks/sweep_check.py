@@ -57,6 +57,15 @@ def describe(exc: BaseException) -> dict[str, Any]:
     return out
 
 
+def missing_package(exc: ImportError) -> str:
+    """"needs <package>" for a model whose optional package is not installed (transformers
+    says "requires the natten library"), not a failure of ngdist."""
+    import re
+
+    found = re.search(r"requires the (\S+) library", str(exc))
+    return f"needs {exc.name or (found.group(1) if found else str(exc))}"
+
+
 def _tensors(feeds: dict[str, np.ndarray], float64: bool = False) -> list[Any]:
     import torch
 
@@ -310,6 +319,8 @@ def check(case: Any) -> dict[str, Any]:
         time_steps(trainer, module, feeds, loss_fn, out)
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
         out.update(describe(exc))
+        if out["stage"] == "build" and isinstance(exc, ImportError):
+            out["error"] = f"not built: {missing_package(exc)}"
         return out
     out.update(status="pass", stage="")
     return out

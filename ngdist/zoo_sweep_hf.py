@@ -23,20 +23,19 @@ A mixture of experts' router that the model initialises to zero (afmoe) is drawn
 N(0, 0.02) instead: at zero every expert ties, and torch and onnxruntime break top-k ties
 differently (torch.topk picks the last indices, onnxruntime's TopK the first).
 
-A config is made tiny by name: every attribute of a known width, depth, head count or
-vocabulary name present in the config (or a sub-config) is set to a small value (latent
-attention's ranks and head sizes too, with as many kv heads as heads; GroupNorm's group count
-capped at 8; audio placeholder ids inside the tiny vocabulary).
+The tiny configs are ``ngdist.zoo_sweep_configs``'.
 """
 from __future__ import annotations
 
-import os
+import inspect
 from typing import Any
 
 import numpy as np
 
 from ngdist.errors import ArgumentError
 from ngdist.zoo_sweep import Case, _no_dropout, _torch
+from ngdist.zoo_sweep_configs import AUDIO_TOKEN, BATCH, LABELS, LENGTH, PAD, VOCAB, tiny_config
+from ngdist.zoo_sweep_configs import transformers as _transformers
 
 TASKS = {
     "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -46,75 +45,6 @@ TASKS = {
     "audiocls": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
     "speech2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
 }
-VOCAB, LENGTH, BATCH, LABELS, PAD = 96, 8, 3, 3, 0
-AUDIO_TOKEN = VOCAB - 1  # an audio language model's placeholder, never drawn as text
-WIDTH, HEADS = 32, 4
-_SCALARS = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "d_embed",
-                     "embedding_size", "hidden_dim", "word_embed_proj_dim"), WIDTH),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers",
-                     "encoder_layers", "decoder_layers", "num_decoder_layers",
-                     "num_encoder_layers", "decoder_num_layers"), 2),
-    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
-                     "decoder_attention_heads", "num_heads", "decoder_num_attention_heads"),
-                    HEADS),
-    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "multi_query_group_num"), 2),
-    **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
-                     "d_ff", "n_inner", "decoder_intermediate_size", "mlp_dim"), 2 * WIDTH),
-    "head_dim": WIDTH // HEADS, "d_kv": WIDTH // HEADS, "vocab_size": VOCAB,
-    "max_position_embeddings": 64, "model_max_length": 64, "n_positions": 64,
-    "linear_head_dim": WIDTH // HEADS, "max_source_positions": 16,
-    "max_target_positions": 64, "image_size": 64, "patch_size": 8,
-    "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
-    "num_mel_bins": 16, "use_cache": False,
-    "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_routed_experts": 4,
-    "moe_intermediate_size": WIDTH, "first_k_dense_replace": 1,
-    "apply_spec_augment": False,  # SpecAugment draws random masks in training mode
-    # multi-head latent attention (DeepSeek-style): the rotary part is the head_dim
-    "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": WIDTH // HEADS,
-    "qk_nope_head_dim": WIDTH // HEADS, "qk_head_dim": 2 * WIDTH // HEADS,
-    "v_head_dim": WIDTH // HEADS, "n_group": 2, "topk_group": 1,
-    "index_head_dim": WIDTH // HEADS, "index_n_heads": 2, "encoder_hidden_size": WIDTH,
-    "cross_hidden_size": WIDTH, "cross_num_attention_heads": HEADS,
-    "cross_head_dim": WIDTH // HEADS, "cross_num_key_value_heads": 2,
-}
-# at most these (GroupNorm's group count must divide the narrower channels)
-_CAPS = {"num_groups": 8}
-_LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None}
-_ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
-         "mask_time_prob", "mask_feature_prob")
-
-
-def _transformers() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ngdist.zoo_transformers import _transformers
-    return _transformers()
-
-
-def _shrink(cfg: Any) -> None:
-    """Small values for the known size attributes of ``cfg`` and its sub-configs; dropout 0."""
-    tf = _transformers()
-    for key, value in list(vars(cfg).items()):
-        if isinstance(value, tf.PretrainedConfig):
-            _shrink(value)
-        elif key in _SCALARS and (value is None or isinstance(value, (int, bool))):
-            setattr(cfg, key, _SCALARS[key])
-        elif key in _CAPS and isinstance(value, int):
-            setattr(cfg, key, min(value, _CAPS[key]))
-        elif "audio_token" in key and isinstance(value, int):
-            setattr(cfg, key, AUDIO_TOKEN)  # inside the tiny vocabulary
-        elif key in _LISTS and isinstance(value, (list, tuple)):
-            n = len(value)
-            setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
-                    [32 * 2 ** i for i in range(n)])  # GroupNorm's 32 groups divide them
-        elif any(key.endswith(z) for z in _ZERO) and isinstance(value, (float, list)):
-            setattr(cfg, key, [0.0] * len(value) if isinstance(value, list) else 0.0)
-    if getattr(cfg, "kv_lora_rank", None) and hasattr(cfg, "num_key_value_heads"):
-        cfg.num_key_value_heads = cfg.num_attention_heads  # latent attention: no kv groups
-    layers = getattr(cfg, "num_hidden_layers", 2)
-    for key, value in list(vars(cfg).items()):  # layer_types, mlp_layer_types, ...
-        if key.endswith("layer_types") and isinstance(value, list) and value:
-            setattr(cfg, key, (value * layers)[:layers])
 
 
 def hf_families(task: str) -> list[str]:
@@ -127,14 +57,15 @@ def hf_families(task: str) -> list[str]:
 def _model(task: str, model_type: str) -> Any:
     tf = _transformers()
     from transformers.models.auto import modeling_auto
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     name = getattr(modeling_auto, TASKS[task])[model_type]
     cls = getattr(tf, name[0] if isinstance(name, tuple) else name)  # deit: (plain, teacher)
-    cfg = CONFIG_MAPPING[model_type]()
-    _shrink(cfg)
-    cfg.num_labels = LABELS
+    cfg = tiny_config(model_type)
     torch = _torch()
+    if model_type == "fsmt":
+        _fsmt_masks()
+    if model_type == "canine":
+        _canine_masks()
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():  # a zero router ties every expert: see the module's docstring
@@ -143,6 +74,36 @@ def _model(task: str, model_type: str) -> Any:
                     not param.any():
                 param.normal_(0.0, 0.02)
     return _no_dropout(model)
+
+
+def _fsmt_masks() -> None:
+    """FSMT fills its causal mask by ``t.float().fill_(torch.finfo(t.dtype).min)``: in float64
+    that puts float64's lowest value into a float32 tensor, which overflows, so the model has
+    no float64 oracle. The mask filled in its own type instead: the same values in float32
+    (what ngdist exports), float64's lowest value in float64."""
+    torch = _torch()
+    from transformers.models.fsmt import modeling_fsmt
+
+    modeling_fsmt.fill_with_neg_inf = lambda t: torch.full_like(t, torch.finfo(t.dtype).min)
+
+
+def _canine_masks() -> None:
+    """Canine builds its character mask by ``(1.0 - mask.float()) * torch.finfo(dtype).min``:
+    in float64 float64's lowest value times a float32 tensor is -inf, and 0 * -inf NaN, so the
+    model has no float64 oracle. Its module sees float32's lowest value for a float64 dtype
+    instead: the same mask in float32, and one softmax zeroes the same in float64."""
+    torch = _torch()
+    from transformers.models.canine import modeling_canine
+
+    class Torch:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def finfo(dtype: Any = None) -> Any:
+            return torch.finfo(torch.float32 if dtype == torch.float64 else dtype)
+
+    modeling_canine.torch = Torch()
 
 
 def _tokens(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -196,9 +157,15 @@ class _Logits:
 
 def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """The main audio input: a waveform of 1600 samples, or a feature map the config's
-    size (mel bins by 2 * max_source_positions frames, or frames by features)."""
+    size (mel bins by 2 * max_source_positions frames, or frames by features; a model whose
+    main input is token ids and that takes ``input_features`` as its encoder's input
+    embeddings, Pop2Piano: frames by d_model)."""
     name = model.main_input_name
     cfg = model.config
+    embeds = name not in ("input_values", "input_features") and \
+        "input_features" in inspect.signature(model.forward).parameters
+    if embeds:
+        name = "input_features"
     if name == "input_values":
         if hasattr(cfg, "max_length") and hasattr(cfg, "num_mel_bins"):  # AST
             shape: tuple[int, ...] = (BATCH, cfg.max_length, cfg.num_mel_bins)
@@ -206,42 +173,49 @@ def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
             shape = (BATCH, 1600)
     elif hasattr(cfg, "max_source_positions") and hasattr(cfg, "num_mel_bins"):
         shape = (BATCH, cfg.num_mel_bins, 2 * cfg.max_source_positions)
-    else:
-        feat = getattr(cfg, "input_feat_per_channel", getattr(cfg, "feature_size", 16))
+    elif embeds:
+        shape = (BATCH, 32, cfg.d_model)
+    else:  # wav2vec2-bert, seamless_m4t: stacked frames, the projection's input width
+        feat = getattr(cfg, "feature_projection_input_dim", None) or getattr(
+            cfg, "input_feat_per_channel", getattr(cfg, "feature_size", 16))
         shape = (BATCH, 32, feat * getattr(cfg, "input_channels", 1))
     return {name: rng.standard_normal(shape).astype(np.float32)}
 
 
 def _is_audio_lm(model: Any) -> bool:
     """A decoder-only language model that reads audio through placeholder tokens (Granite
-    Speech, AudioFlamingo3, ...): audio features in, no decoder_input_ids."""
-    import inspect
-
+    Speech, AudioFlamingo3, OmniASR, ...): audio features or a waveform in, no
+    decoder_input_ids."""
     params = inspect.signature(model.forward).parameters
-    return "input_features" in params and "decoder_input_ids" not in params \
-        and hasattr(model, "get_audio_features")
+    return ("input_features" in params or "input_values" in params) \
+        and "decoder_input_ids" not in params and hasattr(model, "get_audio_features")
 
 
 def _audio_features(model: Any, rng: np.random.Generator
                     ) -> tuple[dict[str, np.ndarray], int]:
-    """(the audio inputs, the audio embeddings per sample): a 32-frame feature map in the
-    layout the audio encoder takes (features by frames or frames by features), and the
-    frame mask where get_audio_features takes one."""
-    import inspect
-
+    """(the audio inputs, the audio embeddings per sample): a waveform of 1600 samples (with
+    or without a channel axis), or a feature map in the layout the audio encoder takes
+    (features by frames or frames by features; 2 * max_source_positions frames, or one
+    chunk, 2 * n_window, where the encoder takes whole chunks), and the frame mask where
+    get_audio_features takes one."""
     torch = _torch()
     cfg = model.config
     sub = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None) or cfg
-    width = getattr(sub, "input_size", None) or getattr(sub, "input_dim", None) or \
-        sub.num_mel_bins
-    frames = 2 * getattr(sub, "max_source_positions", 16)
     params = inspect.signature(model.get_audio_features).parameters
     if "args" in params and hasattr(model, "model"):  # a delegate: its target's signature
         params = inspect.signature(model.model.get_audio_features).parameters
     masked = "input_features_mask" in params
+    if "input_values" in inspect.signature(model.forward).parameters:
+        key, frames = "input_values", 1600
+        shapes: tuple[tuple[int, ...], ...] = ((BATCH, 1, frames), (BATCH, frames))
+    else:
+        width = getattr(sub, "input_size", None) or getattr(sub, "input_dim", None) or \
+            sub.num_mel_bins
+        frames = 2 * getattr(sub, "n_window", getattr(sub, "max_source_positions", 16))
+        key, shapes = "input_features", ((BATCH, width, frames), (BATCH, frames, width))
     failures = []
-    for shape in ((BATCH, width, frames), (BATCH, frames, width)):
-        feeds = {"input_features": rng.standard_normal(shape).astype(np.float32)}
+    for shape in shapes:
+        feeds = {key: rng.standard_normal(shape).astype(np.float32)}
         if masked:
             feeds["input_features_mask"] = np.ones((BATCH, frames), np.int64)
         try:
@@ -291,6 +265,23 @@ def _multichannel_seq2seq(model: Any, rng: np.random.Generator
     return _Logits.wrap(model, list(feeds)[:-1], tokens=True), feeds, None
 
 
+def _codes(model: Any) -> bool:
+    """A decoder-only model over text and audio code streams in one sequence (Kyutai STT)."""
+    return hasattr(model.config, "codebook_vocab_size") and \
+        "decoder_input_ids" not in inspect.signature(model.forward).parameters
+
+
+def _codes_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """input_ids of (batch, time, 1 + streams): the text token, then each stream's audio
+    code; the loss over the next text token, padding not counted."""
+    cfg = model.config
+    ids, mask = _tokens(rng, VOCAB)
+    codes = rng.integers(0, cfg.codebook_vocab_size - 1, (BATCH, LENGTH, cfg.num_codebooks))
+    feeds = {"input_ids": np.concatenate([ids[..., None], codes], 2), "attention_mask": mask,
+             "y": _labels(ids, mask)[:, 1:].reshape(-1)}
+    return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
+
+
 def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     torch = _torch()
     model = _model(task, model_type)
@@ -310,7 +301,10 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
         return _audio_lm(model, rng)
     if _channels(model):
         return _multichannel_seq2seq(model, rng)
-    vocab = _vocab(model) if task != "seqcls" else model.config.vocab_size
+    if _codes(model):
+        return _codes_lm(model, rng)
+    # canine reads characters (hashed code points): no vocabulary of its own
+    vocab = _vocab(model) if task != "seqcls" else getattr(model.config, "vocab_size", VOCAB)
     ids, mask = _tokens(rng, min(vocab, VOCAB))
     if task == "causal":
         feeds = {"input_ids": ids, "attention_mask": mask,

@@ -123,6 +123,60 @@ def test_tiny_configs_build_and_feed_what_the_model_takes(name):
         assert (y[:, :audio - 1] == -100).all() and (y[:, audio:] != hf.AUDIO_TOKEN).all()
 
 
+@pytest.mark.parametrize("name", [
+    "hf/seq2seq/fsmt", "hf/seqcls/canine", "hf/causal/bamba", "hf/seqcls/cohere_compass_text",
+    "hf/imgcls/donut-swin", "hf/imgcls/efficientnet", "hf/audiocls/wav2vec2-bert",
+    "hf/speech2seq/seamless_m4t", "hf/speech2seq/kyutai_speech_to_text",
+    "hf/speech2seq/moonshine_streaming", "hf/speech2seq/omniasr", "hf/speech2seq/pop2piano",
+    "hf/speech2seq/qwen3_asr"])
+def test_the_case_builds_and_its_float64_oracle_agrees_with_float32(name):
+    """Each case runs on its feeds in float32 and in float64 (the oracle) with the same loss:
+    fsmt's and canine's masks filled in their own type (float64's lowest value overflowed
+    float32: an error, and NaN), a Mamba-2 mixer's heads times head size its inner width
+    (bamba), a rotary table per layer type (cohere_compass_text), windows no larger than a
+    stage (donut-swin), the last BatchNorm as wide as its convolution (efficientnet), stacked
+    frames of the projection's width (wav2vec2-bert, seamless_m4t), text and audio code
+    streams in one sequence (kyutai), a waveform audio language model (omniasr), encoder
+    input embeddings (pop2piano), a whole encoder chunk of frames (qwen3_asr)."""
+    import copy
+
+    import torch
+    from sweep_check import _tensors, loss_of, to_float64
+
+    from ngdist import zoo_sweep_hf as hf
+
+    task, model_type = name.split("/")[1:]
+    module, feeds, loss_fn = hf._build(task, model_type)
+    with torch.no_grad():
+        loss32 = float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
+        loss64 = float(loss_of(to_float64(copy.deepcopy(module)), loss_fn,
+                               _tensors(feeds, True)))
+    assert np.isfinite(loss64) and abs(loss32 - loss64) <= 1e-5 * max(1.0, abs(loss64))
+    if model_type == "kyutai_speech_to_text":  # the text token, then 4 code streams
+        assert feeds["input_ids"].shape == (hf.BATCH, hf.LENGTH, 5)
+        assert feeds["y"].shape == (hf.BATCH * (hf.LENGTH - 1),)
+    if model_type == "omniasr":
+        assert feeds["input_values"].dtype == np.float32 and feeds["input_ids"].dtype == np.int64
+    if model_type == "pop2piano":
+        assert feeds["input_features"].shape == (hf.BATCH, 32, module.model.config.d_model)
+
+
+def test_a_model_that_needs_a_missing_package_is_not_built_and_says_which():
+    import sweep_check
+
+    from ngdist import zoo_sweep
+
+    def make():
+        raise ImportError("DinatForImageClassification requires the natten library but it "
+                          "was not found in your environment.")
+
+    row = sweep_check.check(zoo_sweep.Case("hf/imgcls/dinat", "hf/imgcls/dinat",
+                                           "transformers", make))
+    assert (row["status"], row["stage"], row["error"]) == \
+        ("fail", "build", "not built: needs natten")
+    assert model_sweep.summary([row])["built"] == 0
+
+
 def test_a_gradient_off_in_one_slice_says_how_many_and_how_close_the_rest_are():
     import sweep_check
 
