@@ -22,7 +22,9 @@ torch) already registers for an operator is left in place and used.
 * ``aten::adaptive_avg_pool2d`` with an output size that is not a factor of the input's (the
   exporter refuses it): with static spatial sizes, one averaging matrix per axis (row i
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
-  the factor cases keep torch's own symbolic.
+  the factor cases keep torch's own symbolic;
+* elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
+  ``count_nonzero``, ``nanmean``, ...): ``frontends/torch_math.py``.
 """
 from __future__ import annotations
 
@@ -35,18 +37,9 @@ from typing import Any
 import numpy as np
 
 from ngdist.errors import GraphError
+from ngdist.frontends.torch_math import SYMBOLICS, _const, _helper
 
 logger = logging.getLogger(__name__)
-
-
-def _helper() -> Any:
-    from torch.onnx._internal.torchscript_exporter import symbolic_helper
-    return symbolic_helper
-
-
-def _const(g: Any, value: Any, dtype: Any = np.int64) -> Any:
-    import torch
-    return g.op("Constant", value_t=torch.tensor(np.asarray(value, dtype)))
 
 
 def expm1(g: Any, x: Any) -> Any:
@@ -245,6 +238,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
     "aten::cumsum": _cumsum,
     "aten::unfold": _unfold,
+    **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold"}

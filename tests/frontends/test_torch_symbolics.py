@@ -13,6 +13,7 @@ from step_probe import gradient_errors, run_step
 from torch.onnx._internal.torchscript_exporter import registration
 
 from ngdist.frontends import torch as tfront
+from ngdist.frontends.torch_math import SYMBOLICS
 from ngdist.frontends.torch_symbolics import lent_symbolics
 
 OPSET = 18
@@ -125,7 +126,8 @@ def _custom_groups() -> dict[str, object]:
     return {name: registration.registry.get_function_group(name).get(OPSET)
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
-                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum", "aten::unfold")}
+                         "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
+                         "aten::unfold", *SYMBOLICS)}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -264,3 +266,77 @@ def test_the_dynamo_exporter_translates_transformers_grouped_mm_gradients_match_
     step = run_step(model, {"x": x.numpy(), "offs": offs.numpy(), "y": y.numpy()})
     ref = HFGrouped(loop=True).double()
     _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double(), offs), y))
+
+
+_SPECIAL = [0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"), float("nan"), 1e-30, -88.0, 90.0]
+
+
+@pytest.mark.parametrize("fn", [
+    torch.logaddexp, torch.logaddexp2, torch.xlogy, torch.copysign,
+    lambda a, b: torch.signbit(a) ^ torch.signbit(b)])
+def test_binary_math_symbolics_match_torch_on_special_values(fn):
+    """Every pair of zeros of both signs, infinities, NaN, tiny and huge values."""
+    a, b = (torch.tensor(v, dtype=torch.float32) for v in zip(*[
+        (x, y) for x in _SPECIAL for y in _SPECIAL]))
+    (got,) = _ort(Fn2(fn), a, b)
+    exact = fn(a.double(), b.double()).numpy()
+    exact = exact.astype(np.float32) if exact.dtype == np.float64 else exact
+    np.testing.assert_allclose(got, exact, rtol=4e-7, atol=0, equal_nan=True)
+    if fn is torch.copysign:  # zeros' signs too (a NaN's sign is not asserted)
+        real = ~np.isnan(exact)
+        np.testing.assert_array_equal(np.signbit(got[real]), np.signbit(exact[real]))
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("count_nonzero", {}), ("count_nonzero", {"dim": 1}), ("count_nonzero", {"dim": (0, 2)}),
+    ("nansum", {}), ("nansum", {"dim": 1, "keepdim": True}), ("nanmean", {"dim": -1}),
+    ("nanmean", {}), ("nanmean", {"dim": (0, 1), "dtype": torch.float64})])
+def test_reduction_math_symbolics_match_torch(name, kw):
+    x = torch.randn(3, 4, 5)
+    x[x.abs() < 0.4] = 0.0
+    x[0, 1, 2] = x[2, 3, 0] = float("nan")
+    x[1, 1, :] = float("nan")  # a row of NaNs: nanmean's 0/0
+    fn = getattr(torch, name)
+    (got,) = _ort(Fn(lambda t: fn(t, **kw)), x)
+    exact = fn(x, **kw).numpy()
+    assert got.dtype == exact.dtype and got.shape == exact.shape
+    np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+class Fn2(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, a, b):
+        return self.fn(a, b)
+
+
+class Math(torch.nn.Module):
+    """logaddexp, xlogy, copysign and nanmean on a path to the loss; logaddexp of a parameter
+    and a buffer tied in two entries (torch: a gradient of 1/2 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, 3)
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -3.0]))
+        self.register_buffer("c", torch.tensor([0.5, -1.0, 3.0, 0.1, -1.0, -2.0]))
+
+    def forward(self, x):
+        h = self.fc(x) * torch.logaddexp(self.w, self.c)
+        h = torch.logaddexp(h, h.flip(1)) + torch.logaddexp2(h, 0.5 * h)
+        h = h + torch.xlogy(torch.sigmoid(h), torch.sigmoid(-h)) + torch.copysign(h, x)
+        return self.out(h - torch.nanmean(h, dim=1, keepdim=True))
+
+
+def test_gradients_through_the_math_symbolics_match_torch_float64():
+    torch.manual_seed(0)
+    module = Math()
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd:lr=0.1")
+    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
+    ref = Math().double()
+    ref.load_state_dict(module.state_dict())
+    _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
