@@ -33,7 +33,8 @@ _SCALARS = {
     **dict.fromkeys(("vocab_size", "src_vocab_size", "tgt_vocab_size"), VOCAB),
     # seamless_m4t's speech encoder
     "speech_encoder_layers": 2, "speech_encoder_intermediate_size": 2 * WIDTH,
-    "speech_encoder_attention_heads": HEADS,
+    "speech_encoder_attention_heads": HEADS, "pooler_hidden_size": WIDTH,
+    "rotary_dim": WIDTH // HEADS // 2, "mamba_d_ssm": 2 * WIDTH,
     "head_dim": WIDTH // HEADS, "d_kv": WIDTH // HEADS,
     "max_position_embeddings": 64, "model_max_length": 64, "n_positions": 64,
     "linear_head_dim": WIDTH // HEADS, "max_source_positions": 16,
@@ -55,7 +56,7 @@ _SCALARS = {
 _CAPS = {"num_groups": 8}
 # per stage: depths 1; head counts HEADS (they divide every stage's width, 32 * 2**i)
 _LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None,
-          "num_heads": HEADS}
+          "embed_dim": None, "num_heads": HEADS}
 _ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
          "mask_time_prob", "mask_feature_prob")
 
@@ -99,15 +100,40 @@ def _derived(cfg: Any) -> None:
     for key, value in list(vars(cfg).items()):  # layer_types, mlp_layer_types, ...
         if key.endswith("layer_types") and isinstance(value, list) and value:
             setattr(cfg, key, (value * layers)[:layers])
-    inner = getattr(cfg, "mamba_expand", 0) * getattr(cfg, "hidden_size", 0)
+    inner = getattr(cfg, "mamba_d_ssm", None) or \
+        getattr(cfg, "mamba_expand", 0) * getattr(cfg, "hidden_size", 0)
     if inner and isinstance(getattr(cfg, "mamba_d_head", None), int) and \
             cfg.mamba_d_head * cfg.mamba_n_heads != inner:
         cfg.mamba_n_heads, cfg.mamba_d_head = HEADS, inner // HEADS
         cfg.mamba_d_state = min(getattr(cfg, "mamba_d_state", 16), 16)
+    if getattr(cfg, "is_encoder_decoder", False) and \
+            getattr(cfg, "decoder_start_token_id", None) is None:
+        cfg.decoder_start_token_id = PAD  # T5's: the decoder starts at the pad token
+    if isinstance(getattr(cfg, "window_size", None), int) and \
+            isinstance(getattr(cfg, "depths", None), list) and \
+            isinstance(getattr(cfg, "embed_dim", None), int):
+        _windowed_stages(cfg)
     if isinstance(getattr(cfg, "layer_types", None), list) and \
             getattr(cfg, "rope_parameters", None) == {}:
         cfg.rope_parameters = {t: {"rope_type": "default", "rope_theta": 10000.0}
                                for t in set(cfg.layer_types) if "attention" in t}
+
+
+def _windowed_stages(cfg: Any) -> None:
+    """A Swin-like hierarchy: windows of 2 patches a side on 4-pixel patches (64-pixel images:
+    16, 8, 4 and 2 patches a side in 4 stages; a window larger than its stage fails in
+    transformers), the stage count and last width as ``depths`` and ``embed_dim`` say."""
+    cfg.window_size, cfg.patch_size = 2, 4
+    stages = len(cfg.depths)
+    if hasattr(cfg, "num_layers"):
+        cfg.num_layers = stages
+    if hasattr(cfg, "hidden_size"):
+        cfg.hidden_size = cfg.embed_dim * 2 ** (stages - 1)
+
+
+def _levit(cfg: Any) -> None:
+    """LeViT's patch embedding is 4 stride-2 convolutions: its patch size is 16, fixed."""
+    cfg.patch_size = 16
 
 
 def _efficientnet(cfg: Any) -> None:
@@ -130,12 +156,6 @@ def _kyutai(cfg: Any) -> None:
     cfg.codec_config.num_filters = 4  # the codec (unused in training) held 22 M parameters
 
 
-def _donut_swin(cfg: Any) -> None:
-    """Two stages with windows of 4 patches a side: the 64-pixel image's 8x8 patches, 4x4
-    after merging (transformers' DonutSwin fails where a stage is smaller than its window)."""
-    cfg.window_size, cfg.depths, cfg.num_heads = 4, [1, 1], [HEADS, HEADS]
-
-
 def _qwen3_asr(cfg: Any) -> None:
     """The audio encoder's output width is the text model's (the placeholders' embeddings)."""
     cfg.audio_config.output_dim = cfg.text_config.hidden_size
@@ -149,9 +169,9 @@ def _moonshine_streaming(cfg: Any) -> None:
 
 
 _FIXUPS: dict[str, Callable[[Any], None]] = {
-    "donut-swin": _donut_swin,
     "efficientnet": _efficientnet,
     "kyutai_speech_to_text": _kyutai,
+    "levit": _levit,
     "moonshine_streaming": _moonshine_streaming,
     "qwen3_asr": _qwen3_asr,
 }

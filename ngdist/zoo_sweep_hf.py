@@ -288,9 +288,10 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
     rng = np.random.default_rng(0)
     if task in ("imgcls", "audiocls"):
         if task == "imgcls":
-            side = getattr(model.config, "image_size", 32)
+            vision = getattr(model.config, "vision_config", None) or model.config  # siglip
+            side = getattr(vision, "image_size", 32)
             side = side[0] if isinstance(side, (list, tuple)) else side
-            chans = getattr(model.config, "num_channels", 3)
+            chans = getattr(vision, "num_channels", 3)
             feeds = {"pixel_values": rng.standard_normal((BATCH, chans, side, side))
                      .astype(np.float32)}
         else:

@@ -128,7 +128,8 @@ def test_tiny_configs_build_and_feed_what_the_model_takes(name):
     "hf/imgcls/donut-swin", "hf/imgcls/efficientnet", "hf/audiocls/wav2vec2-bert",
     "hf/speech2seq/seamless_m4t", "hf/speech2seq/kyutai_speech_to_text",
     "hf/speech2seq/moonshine_streaming", "hf/speech2seq/omniasr", "hf/speech2seq/pop2piano",
-    "hf/speech2seq/qwen3_asr"])
+    "hf/speech2seq/qwen3_asr", "hf/imgcls/swin", "hf/causal/gptj", "hf/seqcls/deberta-v2",
+    "hf/imgcls/siglip", "hf/seqcls/t5", "hf/imgcls/levit", "hf/causal/falcon_h1"])
 def test_the_case_builds_and_its_float64_oracle_agrees_with_float32(name):
     """Each case runs on its feeds in float32 and in float64 (the oracle) with the same loss:
     fsmt's and canine's masks filled in their own type (float64's lowest value overflowed
@@ -137,7 +138,10 @@ def test_the_case_builds_and_its_float64_oracle_agrees_with_float32(name):
     stage (donut-swin), the last BatchNorm as wide as its convolution (efficientnet), stacked
     frames of the projection's width (wav2vec2-bert, seamless_m4t), text and audio code
     streams in one sequence (kyutai), a waveform audio language model (omniasr), encoder
-    input embeddings (pop2piano), a whole encoder chunk of frames (qwen3_asr)."""
+    input embeddings (pop2piano), a whole encoder chunk of frames (qwen3_asr), Swin-like
+    windows no larger than their stage, rotary dims within a head (gptj), the pooler as wide
+    as the model (deberta), the vision sub-config's image size (siglip), T5's decoder start
+    token (seqcls/t5), LeViT's fixed patch size, Falcon-H1's SSM width."""
     import copy
 
     import torch
