@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -21,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ngdist.ir.copies import copy_fields
 from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
               for n in reshapes]
     if (not candidates and not reshapes) or len(feeds) < 2:
         return 0
-    probe = copy.deepcopy(model)
-    del probe.graph.output[:]
+    probe, weights = _probe_model(model)
     for node, (out_shape, in_shape) in zip(reshapes, probes):
         probe.graph.node.extend([helper.make_node("Shape", [node.output[0]], [out_shape]),
                                  helper.make_node("Shape", [node.input[0]], [in_shape])])
@@ -112,7 +111,7 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
     try:
         sess = make_session(probe, optimize=False)
-        runs = [dict(zip(names, sess.run(names, dict(f)))) for f in feeds]
+        runs = [dict(zip(names, sess.run(names, {**f, **weights}))) for f in feeds]
     except Exception as exc:  # folding is an optimisation; the graph stays as exported
         logger.warning("shape folding skipped: %s", exc)
         return 0
@@ -153,6 +152,22 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     g.node.extend(kept)
     _remove_dead(g)
     return len(folded)
+
+
+def _probe_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of ``model`` without outputs to probe shapes with, and what it is fed besides
+    the data: its float initializers (no shape is computed from them) are inputs, fed as
+    arrays read once, not tensors of the copy that is serialised and then read by
+    onnxruntime (three copies of the weights otherwise)."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+    weights = {t.name: t for t in model.graph.initializer if t.data_type in floats}
+    probe = copy_fields(model, onnx.ModelProto(), ("graph",))
+    copy_fields(model.graph, probe.graph, ("initializer", "output"))
+    probe.graph.initializer.extend(t for t in model.graph.initializer if t.name not in weights)
+    inputs = {i.name for i in model.graph.input}
+    probe.graph.input.extend(helper.make_tensor_value_info(n, t.data_type, list(t.dims))
+                             for n, t in weights.items() if n not in inputs)
+    return probe, {n: numpy_helper.to_array(t) for n, t in weights.items()}
 
 
 def _rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
@@ -233,9 +248,9 @@ def _remove_dead(g: onnx.GraphProto) -> None:
         del g.node[:]
         g.node.extend(live)
     used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    inits = [t for t in g.initializer if t.name in used]
-    del g.initializer[:]
-    g.initializer.extend(inits)
+    for k in reversed(range(len(g.initializer))):  # (kept ones are not copied again)
+        if g.initializer[k].name not in used:
+            del g.initializer[k]
 
 
 def unbiased_running_var(model: onnx.ModelProto) -> int:

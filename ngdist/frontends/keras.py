@@ -330,7 +330,7 @@ def training_model(model: Any, example_inputs: Any = None, *, loss: Any = _UNSET
                        labels=labels)
         result = build_training_model(train.model, loss=None, labels=labels, optimizer=opt,
                                       params=params, output=keras_loss.LOSS_OUTPUT)
-        use_inference_graph(result, proto)
+        result = use_inference_graph(result, proto)
         return result, exp
     extra = target != exp.output_names[0]
     if extra:  # train on the Softmax's input; the deployed graph keeps the probabilities

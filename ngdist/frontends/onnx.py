@@ -23,6 +23,7 @@ from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
 from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
+from ngdist.ir.copies import copy_fields, infer_shapes_without_data
 from ngdist.ir.model import IR_VERSION, load_proto
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     if folded:
         logger.info("%d shape values and Reshape targets folded to constants", folded)
     try:
-        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+        model = infer_shapes_without_data(model, data_prop=True)
     except Exception as exc:  # inference is a help, not a requirement
         logger.warning("shape inference failed on the forward model: %s", exc)
     return model
@@ -308,20 +309,18 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     return model
 
 
-def use_inference_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> None:
-    """model.graph <- ``ev``'s graph (the eval-mode export, or the model without the loss a
-    frontend exported into the training graph); keep every initializer the step reads."""
+def use_inference_graph(model: onnx.ModelProto, ev: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with ``ev``'s graph (the eval-mode export, or the model without the loss a
+    frontend exported into the training graph) as its graph, keeping every initializer the
+    step reads: a fresh model, built field by field (changed in place, ``model`` would keep
+    its old graph's data beside the new one: a protobuf message keeps all it ever held)."""
     g = model.graph
     eval_inits = {t.name for t in ev.graph.initializer}
-    extra = [copy.deepcopy(t) for t in g.initializer if t.name not in eval_inits]
-    graph = copy.deepcopy(ev.graph)
     inits = {t.name: t for t in g.initializer}
-    for t in graph.initializer:
-        if t.name in inits:
-            t.CopyFrom(inits[t.name])
-    graph.initializer.extend(extra)
-    inputs = {i.name: i for i in g.input}
-    for i in graph.input:  # keep the symbolic batch axis chosen for the training graph
-        if i.name in inputs:
-            i.CopyFrom(inputs[i.name])
-    g.CopyFrom(graph)
+    inputs = {i.name: i for i in g.input}  # keep the symbolic batch axis of the training graph
+    out = copy_fields(model, onnx.ModelProto(), ("graph",))
+    graph = copy_fields(ev.graph, out.graph, ("initializer", "input"))
+    graph.initializer.extend(inits.get(t.name, t) for t in ev.graph.initializer)
+    graph.initializer.extend(t for t in g.initializer if t.name not in eval_inits)
+    graph.input.extend(inputs.get(i.name, i) for i in ev.graph.input)
+    return out

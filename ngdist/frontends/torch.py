@@ -41,6 +41,7 @@ implementation and are ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,7 @@ from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
+from ngdist.ir.copies import with_tensor_data, without_tensor_data
 from ngdist.ir.writeback import WriteBack
 
 if TYPE_CHECKING:
@@ -164,7 +166,8 @@ def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -
 
 
 def _mark_unique(module: Any) -> dict[str, np.ndarray]:
-    """Fills every float parameter and buffer with distinct values in [0.5, 1.5)."""
+    """Fills every float parameter and buffer with distinct values in [0.5, 1.5); returns
+    views of them (valid until the module's values change again)."""
     torch = _torch()
     rng = np.random.default_rng(0)
     tensors = module.state_dict(keep_vars=True)
@@ -174,8 +177,7 @@ def _mark_unique(module: Any) -> dict[str, np.ndarray]:
             if t.is_floating_point() and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 t.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, tuple(t.shape))).to(t.dtype))
-    return {k: t.detach().cpu().numpy().copy() for k, t in tensors.items()
-            if t.is_floating_point()}
+    return {k: t.detach().cpu().numpy() for k, t in tensors.items() if t.is_floating_point()}
 
 
 def _snapshot(module: Any) -> dict[str, tuple[Any, Any]]:
@@ -265,19 +267,22 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         # running_var are both ones), so every tensor gets unique values while it runs
         marked = _mark_unique(module)
         ev = export_graph(used, module, args, False, in_names, out_names, opset)
+        _rename_initializers(ev, marked)  # (while the module holds the marked values)
+        del marked
     finally:
         _restore(module, snapshot)  # tracing in training mode moved BN statistics
         module.train(was_training)
     state = {k: v.cpu().numpy() for k, (_, v) in snapshot.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
-    result = TorchExport(train, ev, in_names, out_names, exporter=used)
     aliases = tied_aliases(module)
-    for model, values in ((train, state), (ev, marked)):
-        _rename_initializers(model, values)
+    _rename_initializers(train, state)
+    for model in (train, ev):
         rename_aliases(model, aliases)
-        for t in model.graph.initializer:  # the values before tracing touched them
-            if t.name in state:
-                t.CopyFrom(numpy_helper.from_array(state[t.name], t.name))
+    del model
+    # the values before tracing touched them
+    train = with_tensor_data(train, state)
+    ev = with_tensor_data(ev, state)
+    result = TorchExport(train, ev, in_names, out_names, exporter=used)
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
@@ -337,7 +342,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                                  output=torch_loss.LOSS_OUTPUT if with_loss
                                  else exp.output_names[0])
     unbiased_running_var(model)
-    use_inference_graph(model, exp.eval)
+    model = use_inference_graph(model, exp.eval)
     return model, exp
 
 
@@ -401,6 +406,10 @@ def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entrop
     model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names,
                                 output_names=output_names, frozen=frozen, exporter=exporter)
+    # the write-back lives as long as the trainer and needs the names only: its record of
+    # the export keeps both graphs without their tensors' data (two whole copies otherwise)
+    exp = dataclasses.replace(exp, train=without_tensor_data(exp.train, lambda _: True),
+                              eval=without_tensor_data(exp.eval, lambda _: True))
     tracked = {k: int(v) for k, v in module.state_dict().items()
                if k.endswith("num_batches_tracked")}
     native = optimizer is _UNSET or optimizer is None or \

@@ -20,10 +20,8 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -33,6 +31,8 @@ from onnx import numpy_helper
 
 from ngdist.errors import GraphError, ModelLoadError
 from ngdist.ir.atomic import remove_stale_temps_in, write_atomic
+from ngdist.ir.copies import (TENSOR_DATA, checker_copy, copy_fields, large, put_tensor_data,
+                              without_tensor_data)
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
 from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
                                  resolve_external_data)
@@ -116,6 +116,7 @@ def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelLoadError(
             f"{path}: not a valid ONNX file ({exc}); the file is truncated or not ONNX. "
             "Re-export the model or check the path.") from None
+    del data  # (the file's bytes: a whole copy of the model beside it)
     if model.ir_version <= 0 or not model.HasField("graph") or not model.graph.node:
         raise ModelLoadError(
             f"{path}: parsed, but holds no ONNX graph (ir_version={model.ir_version}, "
@@ -131,7 +132,7 @@ def load_proto(path: str | os.PathLike) -> onnx.ModelProto:
 def check_proto(model: onnx.ModelProto, where: str) -> None:
     """onnx's checker, then :func:`check_training_model`; a ModelLoadError naming ``where``."""
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(checker_copy(model))
     except (onnx.checker.ValidationError, ValueError, RuntimeError, RecursionError,
             UnicodeError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -163,12 +164,15 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
             "model with ngdist.compile(..., loss=..., optimizer=...) or `ngdist rewrite "
             "--loss ... --optimizer ...`")
     info = model.training_info[0]
-    alg = copy.deepcopy(info.algorithm)
+    # the step graph is built field by field, its large tensors without their data, which
+    # each gets once after shape inference: no deep copy, and inference's serialised copies
+    # hold no parameters
+    alg = copy_fields(info.algorithm, onnx.GraphProto(), ("initializer",))
     binding = {kv.key: kv.value for kv in info.update_binding}
     props = {p.key: p.value for p in model.metadata_props}
     stored_roles = json.loads(props.get("ngdist.roles", "{}"))
     main_inits = {t.name: t for t in model.graph.initializer}
-    alg_inits = {t.name: t for t in alg.initializer}
+    alg_inits = {t.name: t for t in info.algorithm.initializer}
     used = _used_names(alg)
 
     roles: dict[str, str] = {}
@@ -185,12 +189,13 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         raise GraphError(f"update_binding names {missing}, which are initializers of neither "
                          "the main graph nor the algorithm graph")
 
+    sources = [*info.algorithm.initializer]
     existing_inputs = {i.name for i in alg.input}
     # Everything the step reads from the main graph becomes a step input (if updated) or constant.
     for name, tensor in main_inits.items():
         if name not in used and name not in binding:
             continue
-        alg.initializer.append(tensor)
+        sources.append(tensor)
         if name in binding and name not in existing_inputs:
             alg.input.append(onnx.helper.make_tensor_value_info(
                 name, tensor.data_type, list(tensor.dims)))
@@ -198,6 +203,12 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         if name not in existing_inputs:
             alg.input.append(onnx.helper.make_tensor_value_info(
                 name, tensor.data_type, list(tensor.dims)))
+    dropped = {k for k, t in enumerate(sources) if large(t)}
+    for k, tensor in enumerate(sources):
+        if k in dropped:
+            copy_fields(tensor, alg.initializer.add(), TENSOR_DATA)
+        else:
+            alg.initializer.append(tensor)
     # Data inputs first, then updatable values, in a stable order.
     order = {"data": 0, "param": 1, "buffer": 2, "state": 3, "hyper": 4}
     inputs = sorted(alg.input, key=lambda v: order.get(roles.get(v.name, "data"), 0))
@@ -209,10 +220,12 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
     step_proto = onnx.helper.make_model(
         alg, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
         ir_version=IR_VERSION)
-    try:
-        step_proto = _shapes_inferred(step_proto)
-    except Exception as exc:  # shapes help the autodiff; they are not required
+    del alg
+    try:  # shapes help the autodiff; they are not required
+        step_proto = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(step_proto))
+    except Exception as exc:
         logger.debug("shape inference of the step graph failed: %s", exc)
+    put_tensor_data(step_proto.graph, {k: sources[k] for k in dropped})
     try:
         step = ir.from_proto(step_proto)
     except ir.serde.SerdeError as exc:  # what the checks before did not foresee
@@ -225,50 +238,6 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
     set_meta(step, StepMeta(roles, binding, loss))
     inference = copy_fields(model, onnx.ModelProto(), ("training_info",))
     return inference, step
-
-
-TENSOR_DATA = ("raw_data", "float_data", "int32_data", "int64_data", "double_data")
-_LARGE = 1 << 16  # bytes: no shape input (Reshape's, Pad's, Resize's) is this large
-
-
-def copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:
-    """``dst`` with every field of the protobuf message ``src`` but those named in ``skip``
-    (a copy that leaves out, e.g., tensor data without copying it first)."""
-    for field, value in src.ListFields():
-        if field.name in skip:
-            continue
-        if field.is_repeated:
-            getattr(dst, field.name).extend(value)
-        elif field.message_type is not None:
-            getattr(dst, field.name).CopyFrom(value)
-        else:
-            setattr(dst, field.name, value)
-    return dst
-
-
-def without_tensor_data(proto: onnx.ModelProto, drop: Callable[[str], bool]) -> onnx.ModelProto:
-    """A copy of ``proto`` whose initializers named so that ``drop(name)`` hold no data (their
-    type and dims stay), copied field by field: no whole copy first."""
-    out = copy_fields(proto, onnx.ModelProto(), ("graph",))
-    copy_fields(proto.graph, out.graph, ("initializer",))
-    for t in proto.graph.initializer:
-        if drop(t.name):
-            copy_fields(t, out.graph.initializer.add(), TENSOR_DATA)
-        else:
-            out.graph.initializer.append(t)
-    return out
-
-
-def _shapes_inferred(step: onnx.ModelProto) -> onnx.ModelProto:
-    """``step`` with ONNX's shapes (and fill_same_shape_outputs'), inferred on a copy whose
-    large initializers hold no data: inference serialises and parses the model, four whole
-    copies of the parameters and optimizer state at start-up otherwise."""
-    large = {t.name for t in step.graph.initializer if t.ByteSize() > _LARGE}
-    light = without_tensor_data(step, large.__contains__)
-    inferred = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(light))
-    del inferred.graph.initializer[:]
-    inferred.graph.initializer.extend(step.graph.initializer)
-    return inferred
 
 
 def assemble_training_model(inference: onnx.ModelProto, step: ir.Model,
