@@ -13,8 +13,8 @@ regenerated from it.
         [--limit N] [--timeout 300] [--jobs 1] [--all-constructors] [--list] [--no-docs]
         [--report]
 
-``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``) or
-prefixes (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file;
+``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``: that
+case alone, not ``llama4``) or prefixes ending in ``/`` (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file;
 ``--report`` regenerates the docs table from it.
 """
 from __future__ import annotations
@@ -220,7 +220,7 @@ def merge(path: Path, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", nargs="+", choices=SOURCES, default=list(SOURCES))
-    p.add_argument("--only", nargs="+", help="case names or name prefixes")
+    p.add_argument("--only", nargs="+", help="case names, or name prefixes ending in /")
     p.add_argument("--failed", action="store_true", help="rerun the JSON file's failures")
     p.add_argument("--json", type=Path, default=JSON, help="the results file rows merge into")
     p.add_argument("--merge", type=Path, nargs="+", default=[],
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
             datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     cases = [(c.name, c.family) for c in catalogue(tuple(args.source), args.all_constructors)]
     if args.only:
-        cases = [c for c in cases if any(c[0] == o or c[0].startswith(o) for o in args.only)]
+        cases = [c for c in cases if any(c[0] == o or (o.endswith("/") and c[0].startswith(o))
+                                         for o in args.only)]
     if args.failed:
         cases = [(n, r["family"]) for n, r in old.items() if r["status"] != "pass"]
     if args.skip_done:
