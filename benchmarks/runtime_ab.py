@@ -23,6 +23,13 @@ run's full output in ``--out`` (default: a new temporary folder, named at the en
 ``--smoke`` runs each benchmark at a tiny size, once per code (a check that the A/B works,
 not a measurement). Run it on a quiet machine: docs/benchmarks.md ("The runtime as a step
 plan") shows how far a loaded one moves these numbers between neighbouring runs.
+Where the machine cannot be made quiet, ``--realtime`` runs every benchmark (its ranks,
+threads and the PyTorch side alike) under ``SCHED_FIFO`` at the lowest real-time priority
+(``chrt --fifo 1``, needs root): background work then gets the cores only when the benchmark
+leaves them or Linux's real-time throttle (``sched_rt_runtime_us``, 5% of each second by
+default) gives them back. Without it, a rank waiting for its peer yields its core
+(``sched_yield``) and the scheduler hands it to the background work for a whole time slice,
+however low that work's priority: 2-rank steps then take 2-3x longer.
 """
 from __future__ import annotations
 
@@ -82,7 +89,10 @@ def export(rev: str, into: Path, name: str) -> Path:
     return tree
 
 
-def run(tree: Path, bench: str, smoke: bool) -> str:
+REALTIME = ["chrt", "--fifo", "1"]  # --realtime: SCHED_FIFO, the lowest real-time priority
+
+
+def run(tree: Path, bench: str, smoke: bool, realtime: bool = False) -> str:
     """One run of ``bench`` from ``tree``: its standard output (raises with its output when
     it fails, or when the ngdist it would import is not the tree's)."""
     script, args, small = BENCHES[bench]
@@ -91,7 +101,8 @@ def run(tree: Path, bench: str, smoke: bool) -> str:
                            env=env, cwd=tree, capture_output=True, text=True, check=True)
     if not Path(where.stdout.strip()).resolve().is_relative_to(tree.resolve()):
         sys.exit(f"the run from {tree} would import ngdist from {where.stdout.strip()}")
-    proc = subprocess.run([sys.executable, str(tree / "benchmarks" / script),
+    proc = subprocess.run([*(REALTIME if realtime else []), sys.executable,
+                           str(tree / "benchmarks" / script),
                            *(small if smoke else args)], env=env, cwd=tree,
                           capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -139,6 +150,9 @@ def main() -> int:
     p.add_argument("--only", nargs="+", choices=list(BENCHES), default=list(BENCHES))
     p.add_argument("--out", type=Path, help="folder for every run's output")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: a check")
+    p.add_argument("--realtime", action="store_true",
+                   help="run every benchmark under SCHED_FIFO (chrt --fifo 1; root): other "
+                        "work on the machine no longer takes the ranks' cores")
     args = p.parse_args()
     rev = git("rev-parse", args.before or before_plan())
     rounds = 1 if args.smoke else args.rounds
@@ -157,7 +171,7 @@ def main() -> int:
             runs = []
             for i in range(rounds):
                 for code in (("before", "after") if i % 2 == 0 else ("after", "before")):
-                    text = run(trees[code], bench, args.smoke)
+                    text = run(trees[code], bench, args.smoke, args.realtime)
                     (out / f"{bench}-{code}-{i + 1}.txt").write_text(text)
                     runs.append((code, i, numbers(bench, text)))
             runs.sort(key=lambda r: (r[1], r[0] != "before"))
