@@ -4,7 +4,9 @@ backward's first reader of each bucket. After 20 steps of the digits MLP (severa
 the gathers chain bucket to bucket) and of the transformers zoo's GPT-2 (a tied LM head: one
 parameter read by the embedding and the head) it equals plain allreduce within 1e-5 (SGD with
 momentum) and 1e-4 (AdamW) on 2 and 4 ranks; the gathered parameters are the same bytes on
-every rank; the step graph holds no whole parameter, only the flat shards."""
+every rank; the step graph holds no whole parameter, only the flat shards. GPT-2 is exported
+by the torch frontend (with torch's SGD and AdamW) once, into the training model file every
+rank compiles, so the ranks import neither torch nor transformers."""
 from __future__ import annotations
 
 import json
@@ -13,20 +15,19 @@ import numpy as np
 import pytest
 from sharding_ranks import same_on_every_rank
 
-SCRIPT = r"""
+STEPS = 20
+SCRIPT = f"STEPS = {STEPS}\n" + r"""
 import json, sys
+from pathlib import Path
 import numpy as np
-import torch
 import ngdist
 from ngdist import zoo
-from ngdist import zoo_transformers as hfzoo
 from ngdist.data import load_digits
 
 x, y, _, _ = load_digits()
+GPT2 = Path(sys.argv[1])  # gpt2.<opt>.onnx and the global batches of every step
 OPTIMIZERS = {"sgd": lambda: ngdist.optim.SGD(lr=0.1, momentum=0.9),
               "adamw": lambda: ngdist.optim.AdamW(lr=0.01, weight_decay=0.01)}
-TORCH = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-         "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.003, weight_decay=0.01)}
 out, info = {}, {}
 
 
@@ -44,20 +45,18 @@ for opt in ("sgd", "adamw"):
                            labels="y", optimizer=OPTIMIZERS[opt](), shard=shard, timeout=60,
                            bucket_bytes=2048)
         sent = set()
-        for i in range(20):
+        for i in range(STEPS):
             b = slice(16 * t.size * i, 16 * t.size * (i + 1))
             (mine,) = t.shard([(x[b], y[b])])
             sent.add(t.step({"x": mine[0], "y": mine[1]}).bytes_sent)
         record(f"mlp.{opt}.{shard}", t, sent)
         t.close()
-        model = hfzoo.build("gpt2")
-        example = hfzoo.tensors(hfzoo.batch("gpt2", size=2))
-        t = ngdist.compile(model, example, loss=None, input_names=["input_ids", "labels"],
-                           optimizer=TORCH[opt](model), shard=shard, timeout=60,
+        t = ngdist.compile(GPT2 / f"gpt2.{opt}.onnx", shard=shard, timeout=60,
                            bucket_bytes=20000)
+        batches = np.load(GPT2 / f"batches{t.size}.npz")
         sent = set()
-        for i in range(20):
-            (mine,) = t.shard([hfzoo.batch("gpt2", size=2 * t.size, seed=i)])
+        for i in range(STEPS):
+            (mine,) = t.shard([{k: batches[f"{k}{i}"] for k in ("input_ids", "labels")}])
             sent.add(t.step(mine).bytes_sent)
         record(f"gpt2.{opt}.{shard}", t, sent)
         t.close()
@@ -66,11 +65,39 @@ json.dump(info, open(f"info{t.rank}.json", "w"))
 """
 
 
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """The transformers zoo's GPT-2 as ONNX training models, ``gpt2.sgd.onnx`` and
+    ``gpt2.adamw.onnx`` (exported by the torch frontend with torch's optimizers), and the global
+    batches of every step on 2 and 4 ranks, ``batches<n>.npz``."""
+    import onnx
+    import torch
+
+    from ngdist import zoo_transformers as hfzoo
+    from ngdist.frontends import torch as tfront
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    optimizers = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                  "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.003,
+                                                       weight_decay=0.01)}
+    for opt, make in optimizers.items():
+        model = hfzoo.build("gpt2")
+        proto, _ = tfront.training_model(model, hfzoo.tensors(hfzoo.batch("gpt2", size=2)),
+                                         loss=None, input_names=["input_ids", "labels"],
+                                         optimizer=make(model))
+        onnx.save(proto, folder / f"gpt2.{opt}.onnx")
+    for n in (2, 4):
+        np.savez(folder / f"batches{n}.npz", **{
+            f"{k}{i}": v for i in range(STEPS)
+            for k, v in hfzoo.batch("gpt2", size=2 * n, seed=i).items()})
+    return folder
+
+
 @pytest.mark.mpi
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
-def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, n):
-    ranks(n, SCRIPT, timeout=560)
+def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, gpt2, n):
+    ranks(n, SCRIPT, args=[str(gpt2)], timeout=260)
     params = [same_on_every_rank(tmp_path, n)]
     info = [json.loads((tmp_path / f"info{r}.json").read_text()) for r in range(n)]
     for model in ("mlp", "gpt2"):
