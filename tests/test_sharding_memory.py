@@ -99,7 +99,7 @@ def test_the_executors_step_proto_leaves_the_values_out():
     proto = ir.to_proto(tr.step_model)
     held = {n for n, role in tr.meta.roles.items() if role != "data"}
     def fingerprint(p):
-        return tr._without_values(p).SerializeToString(deterministic=True)
+        return tr._without_values(ir.from_proto(p)).SerializeToString(deterministic=True)
 
     before = fingerprint(proto)
     assert len(before) < 20_000  # the 64 x 256 weight alone is 65 KB
@@ -156,4 +156,42 @@ def test_trainers_keep_no_whole_copy_of_their_values(shard):
         assert saved[name].tobytes() == value.tobytes(), name
     sess = ngdist.runtime.sessions.make_session(tr.inference_model())
     assert np.array_equal(tr.predict({"x": feed["x"]})[0], sess.run(None, {"x": feed["x"]})[0])
+    tr.close()
+
+
+def test_gathered_parameters_are_freed_at_their_last_use_not_held_between_steps(monkeypatch):
+    """ZeRO-3 (one process: the gathers run as comm items): each AllGather's parameters are
+    views of one gathered buffer (no copy), and once a step is over no buffer gathered in it
+    is alive: neither a segment's binding nor the executor holds it until the next step."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import ngdist
+    from ngdist import zoo
+    from ngdist.kernels import collectives
+
+    buffers: list[weakref.ref] = []
+    views: list[bool] = []
+    original = collectives.cut_views
+
+    def recording(flat, dims, ndims):
+        out = original(flat, dims, ndims)
+        buffers.append(weakref.ref(flat.base if flat.base is not None else flat))
+        views.extend(np.shares_memory(v, flat) for v in out)
+        return out
+
+    monkeypatch.setattr(collectives, "cut_views", recording)
+    tr = ngdist.compile(zoo.mlp((64, 256, 256, 10), seed=0), strategy="allreduce",
+                        shard="parameters", optimizer=ngdist.optim.AdamW(lr=0.01),
+                        intra_op_threads=1, timeout=60, bucket_bytes=100_000)
+    rng = np.random.default_rng(0)
+    feed = {"x": rng.random((8, 64)).astype(np.float32), "y": rng.integers(0, 10, 8)}
+    for _ in range(2):
+        tr.step(feed)
+    gc.collect()
+    assert len(buffers) >= 8 and views and all(views), (len(buffers), views)
+    alive = [r for r in buffers if r() is not None]
+    assert not alive, f"{len(alive)} of {len(buffers)} gathered buffers outlive their step"
     tr.close()

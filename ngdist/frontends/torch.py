@@ -311,7 +311,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                    output_names: Sequence[str] | None = None,
                    frozen: Sequence[str] | None = None, exporter: str = "torchscript"
                    ) -> tuple[onnx.ModelProto, TorchExport]:
-    """The standard ONNX training model of ``module``: training-mode algorithm, eval graph.
+    """The standard ONNX training model of ``module``: training-mode algorithm, eval graph;
+    and the record of the export, its graphs without tensor data (the model holds them).
     ``exporter``: the torch.onnx exporter tried first (see ``export``)."""
     from ngdist.frontends.onnx import build_training_model, use_inference_graph
 
@@ -342,8 +343,13 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
                                  output=torch_loss.LOSS_OUTPUT if with_loss
                                  else exp.output_names[0])
     unbiased_running_var(model)
-    model = use_inference_graph(model, exp.eval)
-    return model, exp
+    # the model holds the values: the export's record (a write-back lives as long as the
+    # trainer) keeps its graphs without data, once the eval graph's own tensors are moved
+    held = {t.name for t in model.graph.initializer}
+    ev = without_tensor_data(exp.eval, held.__contains__)
+    exp = dataclasses.replace(exp, train=without_tensor_data(exp.train, lambda _: True),
+                              eval=without_tensor_data(exp.eval, lambda _: True))
+    return use_inference_graph(model, ev), exp
 
 
 def _export_with_loss(module: Any, example_inputs: Any, loss: Any, labels: str,
@@ -406,10 +412,6 @@ def build(module: Any, example_inputs: Any, *, loss: Any = "softmax_cross_entrop
     model, exp = training_model(module, example_inputs, loss=loss, labels=labels,
                                 optimizer=optimizer, input_names=input_names,
                                 output_names=output_names, frozen=frozen, exporter=exporter)
-    # the write-back lives as long as the trainer and needs the names only: its record of
-    # the export keeps both graphs without their tensors' data (two whole copies otherwise)
-    exp = dataclasses.replace(exp, train=without_tensor_data(exp.train, lambda _: True),
-                              eval=without_tensor_data(exp.eval, lambda _: True))
     tracked = {k: int(v) for k, v in module.state_dict().items()
                if k.endswith("num_batches_tracked")}
     native = optimizer is _UNSET or optimizer is None or \

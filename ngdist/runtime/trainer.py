@@ -28,7 +28,8 @@ from ngdist.comm import ProcessGroup, exits, world_group
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_NORM, GRAD_SCALE
 from ngdist.ir.writeback import WriteBack
-from ngdist.ir.model import debias_map, get_meta, split_training_model, without_tensor_data
+from ngdist.ir.copies import to_proto_without_data
+from ngdist.ir.model import debias_map, get_meta, split_training_model
 from ngdist.runtime import accumulate, checkpoint, ps_server
 from ngdist.runtime.executor import StepTimes
 from ngdist.runtime.step_executor import StepExecutor, make_executor
@@ -69,6 +70,14 @@ class StepStats:
         return self.samples / self.step_time if self.step_time > 0 else float("nan")
 
 
+def _host_copy(tensor: ir.TensorProtocol) -> np.ndarray:
+    """A writable array of ``tensor``'s value, read as from its proto (``numpy_helper``)."""
+    raw = getattr(tensor, "raw", None)
+    if isinstance(raw, onnx.TensorProto):
+        return numpy_helper.to_array(raw).copy()
+    return numpy_helper.to_array(ir.serde.serialize_tensor(tensor)).copy()
+
+
 def _default_threads(group: ProcessGroup) -> int:
     """The cores of this host per rank of the job on it."""
     return max(1, (os.cpu_count() or 1) // max(1, group.local_size))
@@ -104,8 +113,8 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self.inference, self.step_model = inference, step
         self.meta = get_meta(step)
         self.debias = debias_map(step)  # pushsum: parameter -> push-sum weight (z = x / w)
-        full = ir.to_proto(step)
-        proto = self._without_values(full)  # what the plan keeps alive holds no value's data
+        # what the plan keeps alive holds no value's data (nor is a whole copy made first)
+        proto = self._without_values(step)
         threads = intra_op_threads or _default_threads(self.group)
         if overlap is None:  # a comm thread waiting on MPI spins: only beside a spare core
             overlap = _default_threads(self.group) > 1
@@ -127,8 +136,7 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
         self._state_synced_at = 0  # steps_done when the ps owners' state was last gathered
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every, self.checkpoint_keep = checkpoint_every, checkpoint_keep
-        self._start_state(full, proto, trace)
-        del full  # (the template drop below hands its pages back)
+        self._start_state(step, proto, trace)
         self._start_metrics(log_dir, log_every)
         self._start_ps(ps_serve)
         self._accumulation = accumulate.attach(self, step, threads, StepStats)  # accumulate=k
@@ -152,21 +160,20 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
             self._own_group = made if made is not self.group else None
             self.group = made
 
-    def _start_state(self, full: onnx.ModelProto, proto: onnx.ModelProto,
+    def _start_state(self, step: ir.Model, proto: onnx.ModelProto,
                      trace: Path | None) -> None:
         """Collective: every rank holds the same graph (structure and constants: ``proto``,
-        ``full`` without the values' data) and timeline setting, then rank 0's values (or the
-        newest checkpoint's, else ``full``'s), broadcast in host memory before they are
+        ``step`` without the values' data) and timeline setting, then rank 0's values (or the
+        newest checkpoint's, else ``step``'s), broadcast in host memory before they are
         placed."""
-        graph = full.graph
         if self.checkpoint_dir is not None:
-            checkpoint.check_checkpointable(graph, self.group.size)
+            checkpoint.check_checkpointable(proto.graph, self.group.size)
         self.group.check_same(proto.graph.SerializeToString(deterministic=True), "step graph")
         self.group.check_same(str(trace).encode(), f"timeline setting ({trace or 'off'})")
         if trace is not None:  # before a dedicated ps server starts serving
             self._attach_timeline(Timeline(trace, self.group))
-        inits = {t.name: t for t in graph.initializer}
-        host = {name: numpy_helper.to_array(inits[name]).copy()
+        inits = step.graph.initializers
+        host = {name: _host_copy(inits[name].const_value)  # type: ignore[arg-type]
                 for name, role in self.meta.roles.items() if role != "data"}
         self.resumed_from = 0  # the step the newest checkpoint of checkpoint_dir ended
         if self.checkpoint_dir is not None:
@@ -236,12 +243,12 @@ class Trainer(BatchFeeds, GlobalBatches, Inference, StateAccess, Hypers):
     def size(self) -> int:
         return self.group.size
 
-    def _without_values(self, proto: onnx.ModelProto) -> onnx.ModelProto:
-        """``proto`` with the data of the values (parameters, optimizer state, hypers: step
-        inputs the trainer feeds) left out, copied field by field (not whole first). The
-        executor's plan keeps its nodes and constants, which would keep a whole proto alive;
-        ranks compare its graph's bytes."""
-        return without_tensor_data(proto, lambda n: self.meta.roles.get(n, "data") != "data")
+    def _without_values(self, step: ir.Model) -> onnx.ModelProto:
+        """``step`` as a proto with the data of the values (parameters, optimizer state,
+        hypers: step inputs the trainer feeds) left out, never serialised. The executor's
+        plan keeps its nodes and constants, which would keep a whole proto alive; ranks
+        compare its graph's bytes."""
+        return to_proto_without_data(step, lambda n: self.meta.roles.get(n, "data") != "data")
 
     def _attach_timeline(self, timeline: Timeline | None) -> None:
         """Where the executor and the group record spans."""
