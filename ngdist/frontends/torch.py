@@ -385,7 +385,7 @@ def to_torch(values: Mapping[str, np.ndarray], steps_done: int, module: Any, exp
         for onnx_name, name in {**exp.params, **exp.buffers}.items():
             if onnx_name in values and name in target:
                 t = target[name]
-                t.copy_(torch.from_numpy(np.ascontiguousarray(values[onnx_name])).to(t.dtype))
+                t.copy_(torch.from_numpy(np.array(values[onnx_name])).to(t.dtype))
         for name, base in (batches_tracked or {}).items():
             target[name].fill_(base + steps_done)
     if optimizer is not None:

@@ -60,3 +60,38 @@ def test_a_trainer_compiled_from_onnx_has_nothing_to_write_back():
     assert str(exc.value) == ("to_keras() needs a trainer compiled from a Keras model; this one "
                               "was compiled from an ONNX model")
     tr.close()
+
+
+def test_a_zero_dimensional_parameter_trains_and_writes_back_with_its_momentum():
+    """A 0-d parameter (moonshine's log_k) is written back as 0-d, and its optimizer state
+    too, each as torch's own two SGD steps reach them."""
+    import copy
+
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.log_k = torch.nn.Parameter(torch.tensor(0.5))
+
+        def forward(self, x):
+            return self.fc(x * torch.exp(self.log_k))
+
+    torch.manual_seed(0)
+    module, x, y = Scaled(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    ref = copy.deepcopy(module).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    trainer = ngdist.compile(module, [x], loss=torch.nn.CrossEntropyLoss(), optimizer=opt,
+                             strategy="local", input_names=["x"])
+    for _ in range(2):
+        trainer.step({"x": x.numpy(), "y": y.numpy()})
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x.double()), y).backward()
+        ref_opt.step()
+    trainer.to_torch()
+    assert module.log_k.shape == () and opt.state[module.log_k]["momentum_buffer"].shape == ()
+    assert abs(float(module.log_k) - float(ref.log_k)) < 1e-6
+    assert abs(float(opt.state[module.log_k]["momentum_buffer"]) -
+               float(ref_opt.state[ref.log_k]["momentum_buffer"])) < 1e-6
