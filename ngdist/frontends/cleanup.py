@@ -76,8 +76,8 @@ def _shape_only_values(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
     return order, shaped
 
 
-def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
-                       ) -> int:
+def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],
+                       tensors: Mapping[str, onnx.TensorProto] | None = None) -> int:
     """Replaces shape-only values that are equal for every feed by initializers, and gives
     batch-dependent Reshapes a constant target with ``0`` or ``-1`` on the one axis that
     varies.
@@ -91,7 +91,8 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     same value). Shape inference then knows the rank and the static extents downstream, and
     with ``0`` also the input's symbol (``batch``) on that axis, so broadcasting against
     other batch-sized values is resolved statically. Returns the number of values folded
-    plus the number of Reshape targets made constant.
+    plus the number of Reshape targets made constant. ``tensors``: the data of the model's
+    initializers that hold none (``ngdist.ir.copies``).
     """
     g = model.graph
     candidates, shaped = _shape_only_values(model)
@@ -103,7 +104,7 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
               for n in reshapes]
     if (not candidates and not reshapes) or len(feeds) < 2:
         return 0
-    probe, weights = _probe_model(model)
+    probe, weights = _probe_model(model, tensors or {})
     for node, (out_shape, in_shape) in zip(reshapes, probes):
         probe.graph.node.extend([helper.make_node("Shape", [node.output[0]], [out_shape]),
                                  helper.make_node("Shape", [node.input[0]], [in_shape])])
@@ -154,20 +155,23 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     return len(folded)
 
 
-def _probe_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def _probe_model(model: onnx.ModelProto, tensors: Mapping[str, onnx.TensorProto]
+                 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A copy of ``model`` without outputs to probe shapes with, and what it is fed besides
     the data: its float initializers (no shape is computed from them) are inputs, fed as
     arrays read once, not tensors of the copy that is serialised and then read by
-    onnxruntime (three copies of the weights otherwise)."""
+    onnxruntime (three copies of the weights otherwise). ``tensors``: the data of initializers
+    that hold none in ``model``."""
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
     weights = {t.name: t for t in model.graph.initializer if t.data_type in floats}
     probe = copy_fields(model, onnx.ModelProto(), ("graph",))
     copy_fields(model.graph, probe.graph, ("initializer", "output"))
-    probe.graph.initializer.extend(t for t in model.graph.initializer if t.name not in weights)
+    probe.graph.initializer.extend(tensors.get(t.name, t) for t in model.graph.initializer
+                                   if t.name not in weights)
     inputs = {i.name for i in model.graph.input}
     probe.graph.input.extend(helper.make_tensor_value_info(n, t.data_type, list(t.dims))
                              for n, t in weights.items() if n not in inputs)
-    return probe, {n: numpy_helper.to_array(t) for n, t in weights.items()}
+    return probe, {n: numpy_helper.to_array(tensors.get(n, t)) for n, t in weights.items()}
 
 
 def _rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:

@@ -23,7 +23,7 @@ from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
 from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
-from ngdist.ir.copies import copy_fields, infer_shapes_without_data
+from ngdist.ir.copies import copy_fields, large, put_tensor_data, without_tensor_data
 from ngdist.ir.model import IR_VERSION, load_proto
 
 logger = logging.getLogger(__name__)
@@ -37,15 +37,17 @@ FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, Tenso
 
 def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
     """Opset >= 18, symbolic batch dimension on data inputs, shape computations that do not
-    depend on the batch folded (``cleanup.fold_static_shapes``), fresh shape inference."""
-    model = copy.deepcopy(model)
+    depend on the batch folded (``cleanup.fold_static_shapes``), fresh shape inference.
+    Worked on a copy whose large tensors hold no data until the end (each copied once)."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
-        try:
+        try:  # (a new model: the caller's stays as it is)
             model = onnx.version_converter.convert_version(model, MIN_OPSET)
         except Exception as exc:
             raise GraphError(f"cannot convert the model from opset {opset} to {MIN_OPSET}: "
                              f"{exc}; export it with opset {MIN_OPSET} or newer") from None
+    tensors = {t.name: t for t in model.graph.initializer if large(t)}
+    model = without_tensor_data(model, tensors.__contains__)
     model.ir_version = IR_VERSION
     init_names = {t.name for t in model.graph.initializer}
     for inp in model.graph.input:
@@ -61,13 +63,15 @@ def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del model.graph.value_info[:]
-    folded = fold_static_shapes(model, probe_feeds(model))
+    folded = fold_static_shapes(model, probe_feeds(model), tensors)
     if folded:
         logger.info("%d shape values and Reshape targets folded to constants", folded)
     try:
-        model = infer_shapes_without_data(model, data_prop=True)
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # inference is a help, not a requirement
         logger.warning("shape inference failed on the forward model: %s", exc)
+    put_tensor_data(model.graph, {k: tensors[t.name] for k, t in
+                                  enumerate(model.graph.initializer) if t.name in tensors})
     return model
 
 
@@ -291,10 +295,11 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     alg_outputs = [helper.make_tensor_value_info(loss_name, TensorProto.UNDEFINED, None)]
     alg_outputs += [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None)
                     for n in [*update.outputs, f"{STEP}.new", *buffer_values.values()]]
-    alg = helper.make_graph(nodes, "ngdist_step", data_inputs + label_inputs, alg_outputs,
-                            initializer=states)
     info = model.training_info.add()
-    info.algorithm.CopyFrom(alg)
+    info.algorithm.CopyFrom(helper.make_graph(nodes, "ngdist_step", data_inputs + label_inputs,
+                                              alg_outputs))
+    info.algorithm.initializer.extend(states)  # copied once (the optimizer state's size)
+    del states, update.initializers[:]
     binding = dict(update.binding)
     binding[STEP] = f"{STEP}.new"
     binding.update(buffer_values)

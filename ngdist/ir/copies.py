@@ -103,19 +103,6 @@ def put_tensor_data(graph: onnx.GraphProto, tensors: dict[int, onnx.TensorProto]
         target.CopyFrom(tensor)
 
 
-def infer_shapes_without_data(model: onnx.ModelProto, **options: Any) -> onnx.ModelProto:
-    """``onnx.shape_inference.infer_shapes(model, **options)``, run on a copy whose large
-    initializers hold no data (inference serialises and parses the model, and returns
-    another: whole copies of the parameters otherwise); the inferred copy then gets each
-    large tensor's data, copied once. No shape computation reads a tensor that large."""
-    held = {k: t for k, t in enumerate(model.graph.initializer) if large(t)}
-    names = {t.name for t in held.values()}
-    inferred = onnx.shape_inference.infer_shapes(
-        without_tensor_data(model, names.__contains__), **options)
-    put_tensor_data(inferred.graph, held)
-    return inferred
-
-
 def checker_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for onnx's checker, copied without its large tensors' data (the checker
     serialises the model and parses it again: two whole copies otherwise): the main graph's

@@ -15,6 +15,7 @@ import torch
 import ngdist
 from ngdist import zoo
 from ngdist.api import to_training_model
+from ngdist.frontends.onnx import normalize_forward
 from ngdist.ir import copies, model as irmodel
 from ngdist.ir.copies import TENSOR_DATA
 from ngdist.ir.model import check_proto, split_training_model
@@ -88,13 +89,38 @@ def test_forward_shapes_inferred_without_the_parameters_data(inference_calls) ->
     assert inference_calls and _largest_seen(inference_calls) < LARGE
 
 
-def test_infer_shapes_without_data_matches_inference_on_the_whole_model(
-        inference_calls) -> None:
-    forward = zoo.mlp((64, 512, 10), seed=0)
-    got = copies.infer_shapes_without_data(forward, data_prop=True)
-    assert _largest_seen(inference_calls) < LARGE
-    assert got.SerializeToString() == \
-        onnx.shape_inference.infer_shapes(forward, data_prop=True).SerializeToString()
+def _folding_forward() -> onnx.ModelProto:
+    """y = reshape(x @ W, [rows of x, columns of W]): shapes to fold, and a large W."""
+    h = onnx.helper
+    w = onnx.numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((64, 512)).astype(np.float32), "W")
+    ints = [onnx.numpy_helper.from_array(np.array([v], np.int64), n)
+            for n, v in (("zero", 0), ("one", 1), ("two", 2))]
+    nodes = [h.make_node("MatMul", ["x", "W"], ["xw"]),
+             h.make_node("Shape", ["x"], ["sx"]), h.make_node("Shape", ["W"], ["sw"]),
+             h.make_node("Slice", ["sx", "zero", "one"], ["rows"]),
+             h.make_node("Slice", ["sw", "one", "two"], ["cols"]),
+             h.make_node("Concat", ["rows", "cols"], ["target"], axis=0),
+             h.make_node("Reshape", ["xw", "target"], ["y"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                ["batch", 64])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+                         [w, *ints])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("make", [_folding_forward, lambda: zoo.mlp((64, 512, 10), seed=0)])
+def test_normalize_forward_gives_the_bytes_it_gives_on_the_whole_model(
+        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    forward = make()
+    before = forward.SerializeToString()
+    got = normalize_forward(forward)
+    assert forward.SerializeToString() == before  # the caller's model stays as it was
+    monkeypatch.setattr(copies, "LARGE_BYTES", 1 << 62)  # no tensor is large: whole copies
+    assert got.SerializeToString() == normalize_forward(forward).SerializeToString()
+    if make is _folding_forward:  # the shapes were folded (the probe was fed W)
+        assert any(t.name.endswith(("/ngdist.target", "/ngdist.folded"))
+                   for t in got.graph.initializer)
 
 
 def test_checker_sees_no_large_tensor_data(monkeypatch: pytest.MonkeyPatch) -> None:
