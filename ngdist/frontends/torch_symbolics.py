@@ -16,6 +16,7 @@ torch) already registers for an operator is left in place and used.
   (torch's symbolic hands ONNX's CumSum a bool tensor, which onnxruntime refuses);
 * ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
   (timm's halonet): :func:`_unfold`;
+* ``aten::permute`` with negative dims: counted from the end (:func:`_permute`);
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`, and
   for the dynamo exporter the same as an ONNX Script translation of
   ``transformers::grouped_mm_fallback`` (:func:`dynamo_translations`);
@@ -210,6 +211,20 @@ def _unfold(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _permute(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``permute`` with negative dims (``x.permute(0, -2, -1, 1)``: Hugging Face's Mamba-2
+    mixers): counted from the end (the permutation's length is the rank), where torch's
+    symbolic writes them into Transpose's ``perm`` as they are, which ONNX refuses (shape
+    inference stops there, and every value after it has no rank)."""
+    def symbolic(g: Any, x: Any, dims: Any) -> Any:
+        perm = _helper()._maybe_get_const(dims, "is")
+        if not isinstance(perm, (list, tuple)) or all(d >= 0 for d in perm):
+            return builtin(g, x, dims)
+        return g.op("Transpose", x, perm_i=[int(d) % len(perm) for d in perm])
+
+    return symbolic
+
+
 def _cumsum(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
         from torch.onnx._internal.torchscript_exporter import _type_utils
@@ -238,10 +253,11 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::adaptive_avg_pool2d": _adaptive_avg_pool2d,
     "aten::cumsum": _cumsum,
     "aten::unfold": _unfold,
+    "aten::permute": _permute,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
-_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold"}
+_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute"}
 
 
 @contextlib.contextmanager

@@ -127,7 +127,7 @@ def _custom_groups() -> dict[str, object]:
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
-                         "aten::unfold", *SYMBOLICS)}
+                         "aten::unfold", "aten::permute", *SYMBOLICS)}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -340,3 +340,23 @@ def test_gradients_through_the_math_symbolics_match_torch_float64():
     ref = Math().double()
     ref.load_state_dict(module.state_dict())
     _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
+
+
+def test_permute_with_negative_dims_is_valid_onnx_whose_shapes_infer():
+    """torch's symbolic writes -2 into Transpose's perm: ONNX refuses it and shape inference
+    gives every later value no rank (a Mamba-2 mixer's gradient then fails)."""
+    import onnx
+
+    x = torch.randn(2, 3, 4, 5)
+    buf = io.BytesIO()
+    with lent_symbolics(OPSET):
+        torch.onnx.export(Fn(lambda t: t.permute(0, -2, -1, 1) * 2), (x,), buf, dynamo=False,
+                          opset_version=OPSET, dynamic_axes={"x": {0: "n"}},
+                          input_names=["x"])
+    model = onnx.load_from_string(buf.getvalue())
+    perms = [list(a.ints) for n in model.graph.node for a in n.attribute if a.name == "perm"]
+    assert perms == [[0, 2, 3, 1]]
+    out = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph.output[0]
+    assert len(out.type.tensor_type.shape.dim) == 4
+    (got,) = _ort(Fn(lambda t: t.permute(0, -2, -1, 1) * 2), x)
+    np.testing.assert_array_equal(got, (x.permute(0, 2, 3, 1) * 2).numpy())
