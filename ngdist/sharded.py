@@ -47,20 +47,38 @@ def compile_sharded(inference: onnx.ModelProto, step: ir.Model, chosen: AllReduc
         return _compile_rewritten(inference, step, plan, chosen, group, gradients, runtime,
                                   write_back)
     meta = get_meta(step)
-    full = {n: step.graph.initializers[n].const_value.numpy()
+    # the tensors (no copy: each is read when this rank cuts its slices from it)
+    full = {n: step.graph.initializers[n].const_value
             for n in (*meta.names("state"), *meta.names("param"))
             if n in step.graph.initializers}
     # saved files hold the training model as given (before autodiff and comm), so they resume
     # under any strategy, shard= and rank count
     # (without the values' data: filled from the values when saved)
-    original = ir.from_proto(without_tensor_data(ir.to_proto(step), full.__contains__))
+    original = without_data(step, set(full), keep=True)
     step = run_passes(step, chosen, gradients=gradients)
-    trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
     plan = layout(step)
     assert plan is not None
     state = ShardedState(plan, original)
-    state.attach(trainer, full)
-    del full, original
+    del original
+    return _trainer(inference, step, state, full, group, runtime, write_back)
+
+
+def _trainer(inference: onnx.ModelProto, step: ir.Model, state: ShardedState,
+             full: dict[str, Any], group: ProcessGroup, runtime: dict[str, Any],
+             write_back: Any) -> Trainer:
+    """The trainer of the sharded ``step`` with this rank's slices of the per-parameter
+    values ``full`` (arrays or tensors), cut (and ``full`` emptied) before the trainer is
+    made: a rank holds the whole values only while it cuts its slices."""
+    inits = step.graph.initializers
+    slices = state.slices(full, group.rank,
+                          lambda n: inits[n].const_value.dtype.numpy())  # type: ignore[union-attr]
+    full.clear()
+    # (nor does the inference model: the trainer fills it with its values when used)
+    inference = without_tensor_data(inference, state.whole_names().__contains__)
+    release_freed_memory()
+    trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
+    state.attach(trainer, slices)
+    del slices
     _drop_copies(trainer, state)
     return trainer
 
@@ -81,12 +99,8 @@ def _compile_rewritten(inference: onnx.ModelProto, step: ir.Model, plan: dict[st
                           f"{group.size}")
     full = unpack(step, plan)
     step = run_passes(step, dataclasses.replace(chosen, shard="none"), gradients=gradients)
-    trainer = Trainer(inference, step=step, group=group, write_back=write_back, **runtime)
-    state = ShardedState(plan, None)
-    state.attach(trainer, full)
-    del full
-    _drop_copies(trainer, state)
-    return trainer
+    return _trainer(inference, step, ShardedState(plan, None), full, group, runtime,
+                    write_back)
 
 
 def _drop_copies(trainer: Trainer, state: ShardedState) -> None:

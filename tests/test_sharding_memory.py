@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from ngdist.errors import NgdistError
@@ -195,3 +196,60 @@ def test_gathered_parameters_are_freed_at_their_last_use_not_held_between_steps(
     alive = [r for r in buffers if r() is not None]
     assert not alive, f"{len(alive)} of {len(buffers)} gathered buffers outlive their step"
     tr.close()
+
+
+LIMITED = r"""
+import json, resource, sys
+from pathlib import Path
+import numpy as np
+import ngdist
+from ngdist import zoo
+from ngdist.errors import OutOfMemoryError
+
+model = zoo.mlp((64, 3072, 3072, 3072, 10), seed=0)  # 19.1 M parameters, AdamW
+size = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+            if line.startswith("VmSize:"))
+cap = size * 1024 + int(sys.argv[2]) * 2**20  # what the process spans now, and the headroom
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+rank = ngdist.rank()
+rng = np.random.default_rng(rank)
+feed = {"x": rng.random((8, 64)).astype(np.float32), "y": rng.integers(0, 10, 8)}
+out = {"cap": cap >> 20}
+try:
+    tr = ngdist.compile(model, strategy="allreduce", optimizer=ngdist.optim.AdamW(lr=1e-3),
+                        intra_op_threads=1, timeout=60, shard=sys.argv[1])
+    out["losses"] = [tr.step(feed).loss for _ in range(5)]
+    tr.close()
+except OutOfMemoryError as exc:
+    out["error"] = str(exc)
+with open(f"limited.{rank}.json", "w") as f:
+    json.dump(out, f)
+"""
+
+LIMIT_MESSAGE = re.compile(
+    r"out of memory in .+: this process's address space is limited to (\d+) MiB \(RLIMIT_AS\) "
+    r"and the step asked for (?:\d+ bytes )?more; raise the limit, shard the parameters over "
+    r"the ranks \(shard='parameters'\), or use smaller batches")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(280)
+def test_a_model_allreduce_cannot_start_under_a_memory_limit_trains_sharded(ranks, tmp_path):
+    """Every rank limited to its address space at start plus 850 MiB (RLIMIT_AS; glibc's
+    per-thread malloc arenas, 64 MiB of address space each whatever they hold, limited to two):
+    plain allreduce, whose ranks each hold the whole parameters, AdamW moments and gradients,
+    stops in its first step on every rank with an OutOfMemoryError naming the limit and what
+    to do; shard='parameters' on 4 ranks trains the same model and its loss goes down."""
+    env = {"MALLOC_ARENA_MAX": "2"}
+    got = {}
+    for shard in ("none", "parameters"):
+        ranks(4, LIMITED, args=[shard, "850"], env=env, timeout=120)
+        got[shard] = [json.loads((tmp_path / f"limited.{r}.json").read_text())
+                      for r in range(4)]
+    for out in got["none"]:
+        assert "losses" not in out, out
+        found = LIMIT_MESSAGE.fullmatch(out["error"])
+        assert found and int(found.group(1)) == out["cap"], out["error"]
+    for out in got["parameters"]:
+        losses = out.get("losses")
+        assert losses and all(np.isfinite(losses)) and losses[-1] < losses[0], out

@@ -85,9 +85,12 @@ COMM_OPS: dict[str, CommOpSpec] = {
         ),
         CommOpSpec(
             "AllGather",
-            "Concatenates every rank's input along axis 0, in rank order.",
+            "Concatenates every rank's input along axis 0, in rank order. With ndims: the "
+            "result flattened and cut into one output per entry, each of the next ndims[i] "
+            "extents of dims, in order (views of the gathered buffer); elements past the "
+            "last output (padding) are dropped.",
             "single",
-            {},
+            {"dims": [], "ndims": []},
             same_shape=False,
         ),
         CommOpSpec(
@@ -160,6 +163,7 @@ def _schema(spec: CommOpSpec) -> defs.OpSchema:
         int: defs.OpSchema.AttrType.INT,
         float: defs.OpSchema.AttrType.FLOAT,
         onnx.GraphProto: defs.OpSchema.AttrType.GRAPH,
+        list: defs.OpSchema.AttrType.INTS,
     }
     attributes = [
         defs.OpSchema.Attribute(name, attr_type[type(default)], f"{name} (default {default!r})",

@@ -61,6 +61,24 @@ def padded(group: Mapping[str, Any], names: list[str], full: Mapping[str, np.nda
     return flat
 
 
+def rank_slice(group: Mapping[str, Any], names: list[str], full: Mapping[str, Any],
+               dtype: Any, ranks: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s ``[1, S]`` slice of the bucket's padded flat (:func:`padded`), copied
+    from the pieces of ``full`` (arrays, or tensors read one at a time) it covers: the whole
+    flat is never made."""
+    size = int(group["size"])
+    lo, hi = rank * size, (rank + 1) * size
+    out = np.zeros((1, size), dtype)
+    offset = 0
+    for p, n in zip(group["params"], names):
+        count = int(p["count"])
+        a, b = max(lo, offset), min(hi, offset + count)
+        if n in full and a < b:
+            out[0, a - lo:b - lo] = np.reshape(full[n], -1)[a - offset:b - offset]
+        offset += count
+    return out
+
+
 def pieces(whole: np.ndarray, group: Mapping[str, Any], names: list[str]
            ) -> dict[str, np.ndarray]:
     """The per-parameter tensors of a bucket's whole flat."""

@@ -7,6 +7,7 @@ step no byte of a gradient is copied by Python; ``reduction="mean"`` divides onc
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,14 +37,39 @@ def broadcast(group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> lis
     return outs
 
 
-@register_kernel("AllGather", alone_identity=True)
+def _whole(attributes: dict[str, Any]) -> bool:
+    return not attributes["ndims"]
+
+
+@register_kernel("AllGather", alone_identity=_whole)
 def allgather(group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
+    """The ranks' inputs joined along axis 0; with ``ndims``, cut into views of it (no copy:
+    the gathered buffer lives as long as one of them, in memory the runtime frees at their
+    last use, not in an onnxruntime arena)."""
     (x,) = inputs
     xp = array_module(x)
     x = xp.ascontiguousarray(x)
     out = xp.empty((group.size * x.shape[0], *x.shape[1:]), x.dtype)
     group.allgather(x, out, node).wait()
-    return [out]
+    if _whole(node.attributes):
+        return [out]
+    return cut_views(out.reshape(-1), list(node.attributes["dims"]),
+                     list(node.attributes["ndims"]))
+
+
+def cut_views(flat: Any, dims: list[int], ndims: list[int]) -> list[Any]:
+    """Consecutive views of the 1-D ``flat``, output i of the next ``ndims[i]`` extents of
+    ``dims``; what is left past the last is dropped."""
+    views, at, d = [], 0, 0
+    for k in ndims:
+        shape = tuple(int(e) for e in dims[d:d + k])
+        count = math.prod(shape)
+        if at + count > flat.shape[0]:
+            raise ValueError(f"AllGather: outputs of {at + count} elements from a gathered "
+                             f"buffer of {flat.shape[0]}")
+        views.append(flat[at:at + count].reshape(shape))
+        at, d = at + count, d + k
+    return views
 
 
 @register_kernel("ReduceScatter", alone_identity=True)

@@ -20,7 +20,7 @@ from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
                                       split_optimizer_inputs)
 from ngdist.passes.shard_params import (Gathered, bind_update, drop_parameter, insert_gathers,
                                         shard_input)
-from ngdist.passes.shard_values import cut, drop_state as _drop_state, \
+from ngdist.passes.shard_values import drop_state as _drop_state, gather_params, \
     rank_input as _rank_input, state_input as _state_input, typed as _typed
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class ShardingPass(ir.passes.InPlacePass):
         flat g (zero-padded, [N, S]) -> ReduceScatter -> g shard [1, S]
         flat x ([N, S]) -> Slice row r -> x shard                  (r: ``ngdist.shard_rank``)
         optimizer node (x shard, g shard, state shards [1, S]) -> new x shard, new states
-        -> AllGather [N, S] -> [1, N*S] -> Slice [0, L) -> Split -> Reshape -> each parameter
+        -> AllGather -> each parameter (views of the gathered [N, S], padding dropped)
 
     (2-D flats: passes/shard_values.py says why.)
 
@@ -135,7 +135,7 @@ class ShardingPass(ir.passes.InPlacePass):
         for bucket, orders in claimed.values():
             _keep_the_rest(GradContext(graph, bucket, opset, taken=taken), bucket, orders)
         if gathered:
-            count = insert_gathers(graph, gathered, meta.loss, self.ranks, meta)
+            count = insert_gathers(graph, gathered, meta.loss, meta)
             logger.info("shard=parameters: %d gathers of %d buckets", count, len(gathered))
         RemoveUnusedNodesPass()(model)  # the buckets' AllReduce, Split and Reshapes
         ensure_opset(model, DOMAIN)
@@ -202,21 +202,16 @@ class ShardingPass(ir.passes.InPlacePass):
         for m in shard.members:
             drop_parameter(ctx.graph, m.x, node.outputs[m.index], meta)
         params = [m.x for m in shard.members]
-        return Gathered(shard.prefix, x_shard, params, shard.counts,  # type: ignore[arg-type]
-                        shard.length, shard.size)
+        return Gathered(shard.prefix, x_shard, params)  # type: ignore[arg-type]
 
     def _gather(self, ctx: GradContext, node: ir.Node, shard: _Shard) -> None:
-        """AllGather of the updated slices, cut back into the parameters."""
-        (gathered,) = ctx.op_multi("AllGather", shard.x_new, num_outputs=1, domain=DOMAIN)
-        _typed(gathered, [self.ranks, shard.size], shard.members[0].x.dtype)
-        gathered.producer().name = f"ngdist/allgather/{shard.prefix}"
-
+        """AllGather of the updated slices into the parameters (views of its buffer)."""
         def emit(op: str, *inputs: ir.Value, outputs: int = 1, **attrs: object
                  ) -> list[ir.Value]:
             return list(ctx.op_multi(op, *inputs, num_outputs=outputs, **attrs))
 
-        params = cut(emit, gathered, shard.length, shard.counts,
-                     [_dims(m.x) for m in shard.members])
+        params = gather_params(emit, shard.x_new, [m.x for m in shard.members],
+                               f"ngdist/allgather/{shard.prefix}")
         for m, param in zip(shard.members, params):
             _take_over(node.outputs[m.index], param)
 

@@ -9,8 +9,10 @@ ReduceScatter'ed gradient slice and the state slices; nothing is gathered after 
 Where the step reads a parameter, the pass inserts, before the first node that reads any
 parameter of the bucket:
 
-    <bucket>.param [1, S] -> AllGather [N, S] -> [1, N*S] -> Slice [0, L) -> Split -> Reshape
-    -> each parameter
+    <bucket>.param [1, S] -> AllGather -> each parameter
+
+(the parameters are views of the gathered ``[N, S]`` buffer, padding dropped: no copy of the
+bucket, and none in an onnxruntime arena; it is freed when the last of them dies)
 
 once for the forward readers and once more for the backward readers (those that depend on
 the loss), so the forward's gathered copy dies at its last forward reader (the executor drops
@@ -30,22 +32,18 @@ import numpy as np
 import onnx_ir as ir
 
 from ngdist.errors import GraphError
-from ngdist.ir.domain import DOMAIN
 from ngdist.ir.model import StepMeta
-from ngdist.passes.shard_values import cut, state_input, typed as _typed
+from ngdist.passes.shard_values import gather_params, state_input
 
 
 @dataclass
 class Gathered:
-    """What the gathers of one bucket need: its flat shard input, its parameters (in flat
-    order) with their element counts, ``length`` and ``size`` as in passes/shard.py."""
+    """What the gathers of one bucket need: its name, its flat shard input and its
+    parameters (in flat order)."""
 
     prefix: str
     shard: ir.Value
     params: list[ir.Value]
-    counts: list[int]
-    length: int
-    size: int
 
 
 def shard_input(graph: ir.Graph, prefix: str, size: int, dtype: ir.DataType | None,
@@ -71,8 +69,8 @@ def drop_parameter(graph: ir.Graph, x: ir.Value, updated: ir.Value, meta: StepMe
     meta.binding.pop(x.name, None)
 
 
-def insert_gathers(graph: ir.Graph, buckets: list[Gathered], loss: str, ranks: int,
-                   meta: StepMeta) -> int:
+def insert_gathers(graph: ir.Graph, buckets: list[Gathered], loss: str, meta: StepMeta
+                   ) -> int:
     """Gathers before the forward and the backward readers of every bucket (see the module
     docstring); the parameters' inputs removed. Returns the number of gathers inserted."""
     nodes = list(graph)
@@ -94,7 +92,7 @@ def insert_gathers(graph: ir.Graph, buckets: list[Gathered], loss: str, ranks: i
         for first, bucket, readers in sorted(entries, key=lambda e: e[0]):
             if first != before:
                 trigger, before = last, first
-            _gather(graph, bucket, readers, trigger, ranks, "bwd" if late else "fwd")
+            _gather(graph, bucket, readers, trigger, "bwd" if late else "fwd")
             last = next(o for o in readers[0].outputs if o.name)
             count += 1
     remove_inputs(graph, [x for b in buckets for x in b.params], meta)
@@ -123,8 +121,8 @@ def _backward_nodes(nodes: list[ir.Node], loss: str) -> set[int]:
 
 
 def _gather(graph: ir.Graph, bucket: Gathered, readers: list[ir.Node],
-            trigger: ir.Value | None, ranks: int, phase: str) -> None:
-    """The bucket gathered before ``readers[0]`` and cut into parameters for ``readers``."""
+            trigger: ir.Value | None, phase: str) -> None:
+    """The bucket gathered before ``readers[0]`` into its parameters for ``readers``."""
     prefix = f"ngdist/gather/{bucket.prefix}/{phase}"
     k = [0]
 
@@ -147,14 +145,9 @@ def _gather(graph: ir.Graph, bucket: Gathered, readers: list[ir.Node],
         empty = add("Slice", row, ints([0]), ints([0]), ints([1]))[0]
         source = add("Concat", bucket.shard, add("CastLike", empty, bucket.shard)[0],
                      axis=1)[0]
-    (gathered,) = add("AllGather", source, domain=DOMAIN)
-    node = gathered.producer()
-    assert node is not None
-    node.name = f"ngdist/allgather/{bucket.prefix}/{phase}"
-    _typed(gathered, [ranks, bucket.size], bucket.shard.dtype)
-    shapes = [[int(d) for d in x.shape.dims] for x in bucket.params]  # type: ignore[union-attr]
-    for x, full in zip(bucket.params, cut(add, gathered, bucket.length, bucket.counts, shapes)):
-        full.shape, full.type = x.shape, x.type
+    params = gather_params(add, source, bucket.params,
+                           f"ngdist/allgather/{bucket.prefix}/{phase}")
+    for x, full in zip(bucket.params, params):
         for node in readers:
             for i, v in enumerate(node.inputs):
                 if v is x:

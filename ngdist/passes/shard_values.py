@@ -1,7 +1,7 @@
 """The values of a sharded step (passes/shard.py, passes/shard_params.py): the rank
 hyper-parameter, the flat per-bucket inputs (optimizer state, ZeRO-3 parameters), each with an
-initializer of zeros that the runtime replaces with this rank's slice, and the cut of a
-gathered bucket into its parameters.
+initializer of zeros that the runtime replaces with this rank's slice, and the gather of a
+bucket into its parameters.
 
 A bucket's flat values are 2-D: ``[N, S]`` whole (row r is rank r's slice) and ``[1, S]`` per
 rank, so that ReduceScatter and AllGather split and join axis 0, and so that ONNX shape
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-from ngdist.ir.domain import SHARD_RANK
+from ngdist.ir.domain import DOMAIN, SHARD_RANK
 from ngdist.ir.model import StepMeta
 
 
@@ -59,20 +59,22 @@ def typed(value: ir.Value, dims: list[int], dtype: ir.DataType | None) -> None:
     value.type = ir.TensorType(dtype) if dtype is not None else None
 
 
-Emit = Callable[..., list[ir.Value]]  # emit(op, *inputs, outputs=1, **attributes)
+Emit = Callable[..., list[ir.Value]]  # emit(op, *inputs, outputs=1, domain="", **attributes)
 
 
-def cut(emit: Emit, gathered: ir.Value, length: int, counts: list[int],
-        shapes: list[list[int]]) -> list[ir.Value]:
-    """A gathered bucket ``[N, S]`` cut into its parameters: one row of ``N * S``, the padding
-    sliced off, split at ``counts``, each piece reshaped to its parameter's shape."""
-    def ints(values: list[int]) -> ir.Value:
-        return emit("Constant", value=ir.tensor(np.array(values, np.int64)))[0]
-
-    ranks, size = (int(d) for d in gathered.shape.dims)  # type: ignore[union-attr]
-    row = emit("Reshape", gathered, ints([1, ranks * size]))[0]
-    if ranks * size > length:
-        row = emit("Slice", row, ints([0]), ints([length]), ints([1]))[0]
-    pieces = [row] if len(counts) == 1 else emit("Split", row, ints(counts),
-                                                 outputs=len(counts), axis=1)
-    return [emit("Reshape", piece, ints(dims))[0] for piece, dims in zip(pieces, shapes)]
+def gather_params(emit: Emit, source: ir.Value, params: list[ir.Value], name: str
+                  ) -> list[ir.Value]:
+    """An AllGather of a bucket's slices ``source`` ([1, S] on each rank) straight into its
+    parameters ``params`` (in flat order; the padding dropped): the outputs, each typed as its
+    parameter, are views of the gathered buffer (kernels/collectives.py), so no copy of the
+    bucket is made and none lies in an onnxruntime arena."""
+    shapes = [[int(d) for d in x.shape.dims] for x in params]  # type: ignore[union-attr]
+    outs = emit("AllGather", source, domain=DOMAIN, outputs=len(params),
+                dims=ir.AttrInt64s("dims", [d for dims in shapes for d in dims]),
+                ndims=ir.AttrInt64s("ndims", [len(dims) for dims in shapes]))
+    node = outs[0].producer()
+    assert node is not None
+    node.name = name
+    for x, out in zip(params, outs):
+        out.shape, out.type = x.shape, x.type
+    return outs

@@ -29,7 +29,7 @@ from ngdist.kernels import KernelSpec
 from ngdist.kernels.base import donated
 from ngdist.runtime.inplace_planner import BFLOAT16
 from ngdist.runtime.plan import StepPlan
-from ngdist.runtime.sessions import Placement
+from ngdist.runtime.sessions import Placement, out_of_memory
 from ngdist.runtime.timing import span
 
 
@@ -158,6 +158,10 @@ class CommRunner:
             raise
         except Exception as exc:
             names = ", ".join(f"'{node.name}'" for node in nodes)
+            oom = out_of_memory(f"ngdist.{spec.op_type} {names} on rank {self.group.rank}",
+                                exc)  # (numpy's MemoryError: a buffer of the kernel)
+            if oom is not None:
+                raise oom from None
             raise CommError(f"while executing ngdist.{spec.op_type} {names} on rank "
                             f"{self.group.rank}: {exc}") from exc
 

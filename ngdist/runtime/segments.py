@@ -7,7 +7,6 @@ the memory a comm kernel asked its input to be written into (``memory_for``).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
@@ -15,33 +14,15 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from ngdist.errors import ExecutionError, NgdistError, OutOfMemoryError
+from ngdist.errors import ExecutionError, NgdistError
 from ngdist.ir.model import IR_VERSION
 from ngdist.runtime.inplace_planner import ORT_TYPES, InPlacePlanner
 from ngdist.runtime.partition import Segment
 from ngdist.runtime.plan import StepPlan
 from ngdist.runtime.cuda import run_options
-from ngdist.runtime.sessions import Placement, arena_limit_mb, make_session
+from ngdist.runtime.sessions import Placement, make_session, out_of_memory
 
 Env = MutableMapping[str, ort.OrtValue]
-
-
-# onnxruntime's BFC arena refusing an allocation (a limit reached, or no memory left)
-_ARENA_FULL = re.compile(r"(?:Failed to allocate memory for requested buffer of size|is "
-                         r"smaller than requested bytes of) (\d+)")
-
-
-def out_of_memory(where: str, exc: Exception) -> OutOfMemoryError:
-    """The error of an allocation onnxruntime refused in ``where``: the limit in force and
-    what to do."""
-    found = _ARENA_FULL.search(str(exc))
-    asked = found.group(1) if found else "?"
-    limit = arena_limit_mb()
-    held = f"onnxruntime's CPU arena is limited to {limit} MiB (NGDIST_CPU_ARENA_MAX_MB)" \
-        if limit is not None else "this process has no more memory"
-    return OutOfMemoryError(f"out of memory in {where}: {held} and the step asked for "
-                            f"{asked} bytes more; raise the limit, shard the parameters "
-                            "over the ranks (shard='parameters'), or use smaller batches")
 
 
 def ends(seg: Segment) -> str:
@@ -69,6 +50,13 @@ class SegmentRunner:
         self.bindings: dict[int, Any] = {}
         self._bound_inputs: dict[int, dict[str, ort.OrtValue]] = {}
         self.run_options = run_options(placement.device, placement.cuda)
+        # values made within the step (by a segment or a comm node): a binding that kept one
+        # bound until the segment's next run would keep its memory past its last use
+        made = plan.made_by_segment | {o for n in plan.comm_nodes.values() for o in n.outputs}
+        self._transient = {s.index for s in plan.segments if made.intersection(s.inputs)}
+        # a sharded step (cut at every gather and scatter) shares one arena (sessions.py)
+        self.shared_arena = any(n.op_type in ("AllGather", "ReduceScatter")
+                                for n in plan.comm_nodes.values())
 
     def session(self, seg: Segment, env: Env) -> ort.InferenceSession:
         sess = self.sessions.get(seg.index)
@@ -91,7 +79,8 @@ class SegmentRunner:
         proto = helper.make_model(graph, opset_imports=self.plan.opsets, ir_version=IR_VERSION)
         try:
             sess = make_session(proto, self.placement, self.intra_op_threads,
-                                shapes={n: env[n].shape() for n in seg.inputs if n in env})
+                                shapes={n: env[n].shape() for n in seg.inputs if n in env},
+                                shared_arena=self.shared_arena)
         except Exception as exc:
             raise NgdistError(f"onnxruntime rejected segment {seg.index} "
                               f"({describe(seg)}): {exc}") from None
@@ -114,14 +103,25 @@ class SegmentRunner:
         try:
             self.sessions[seg.index].run_with_iobinding(binding, self.run_options)
         except Exception as exc:
-            if _ARENA_FULL.search(str(exc)):
-                raise out_of_memory(f"segment {seg.index} ({describe(seg)})", exc) from None
+            oom = out_of_memory(f"segment {seg.index} ({describe(seg)})", exc)
+            if oom is not None:
+                raise oom from None
             raise ExecutionError(f"while executing segment {seg.index} "
                                  f"({describe(seg)}): {exc}") from None
         outs = binding.get_outputs()[:len(seg.outputs)]
+        self._release(seg.index, binding)
         if bound:  # the buffer's own OrtValue: it keeps the memory alive (a numpy array's)
             outs = [bound.get(n, v) for n, v in zip(seg.outputs, outs)]
         return outs
+
+    def _release(self, index: int, binding: Any) -> None:
+        """The binding lets go of this run's outputs (the caller holds them now) and, where
+        the segment read values made within the step, of its inputs: a value dies at its last
+        use, not at the segment's next run (inputs fed from outside stay bound)."""
+        binding.clear_binding_outputs()
+        if index in self._transient:
+            binding.clear_binding_inputs()
+            self._bound_inputs[index].clear()
 
     def _bind_outputs(self, seg: Segment, env: Env, binding: Any) -> dict[str, ort.OrtValue]:
         """Binds every output: to its in-place buffer, to a kernel's memory, else to the

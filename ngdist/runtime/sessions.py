@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from ngdist.errors import NgdistError
+from ngdist.errors import NgdistError, OutOfMemoryError
 from ngdist.runtime import blocked_conv
 from ngdist.runtime.rewrites import session_rewrites
 from ngdist.runtime.cuda import CudaOptions, missing
@@ -121,12 +123,18 @@ def placement_for(device: str | None, local_rank: int = 0,
     return placement
 
 
-def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+def session_options(intra_op_threads: int | None = None, shared_arena: bool = False
+                    ) -> ort.SessionOptions:
     """onnxruntime options for ngdist's sessions: ``intra_op_threads`` (one inter-op thread),
-    quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``.
+    quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``: the session's own,
+    or with ``shared_arena`` or ``NGDIST_CPU_ARENA_MAX_MB`` one arena shared by the process's
+    sessions (capped by the latter).
 
     The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
-    half the memory at batch 4096 but runs slower (docs/benchmarks.md, "Peak memory").
+    half the memory at batch 4096 but runs slower (docs/benchmarks.md, "Peak memory"). A
+    session's own arena keeps the largest size it reached; the sessions of a step cut into
+    many segments (a sharded step's) share one, which holds what is alive at once, not the
+    sum of each segment's peak.
     """
     opts = ort.SessionOptions()
     if intra_op_threads:
@@ -134,8 +142,9 @@ def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
     opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
-    if arena_limit_mb() is not None and opts.enable_cpu_mem_arena:
-        _register_limited_arena(arena_limit_mb())  # type: ignore[arg-type]
+    limit = arena_limit_mb()
+    if opts.enable_cpu_mem_arena and (limit is not None or shared_arena):
+        _register_shared_arena(limit or 0)
         opts.add_session_config_entry("session.use_env_allocators", "1")
     return opts
 
@@ -152,15 +161,74 @@ def arena_limit_mb() -> int | None:
     return int(text)
 
 
-@functools.lru_cache(maxsize=1)
-def _register_limited_arena(mb: int) -> None:
-    """One CPU arena of at most ``mb`` MiB registered with onnxruntime's environment, which
-    sessions with ``session.use_env_allocators`` share; it grows by what is asked
-    (kSameAsRequested), so its size is what the step holds, not the next power of two."""
+# onnxruntime refusing an allocation: its arena's limit reached (the second form), or no memory
+# left for the arena or the allocator (the first)
+_ALLOCATION_FAILED = re.compile(r"(?:Failed to allocate memory for requested buffer of size|"
+                                r"(is) smaller than requested bytes of) (\d+)")
+
+
+# an MPI call that could not allocate its buffers (MPICH's error stack, Open MPI's class)
+_MPI_OUT_OF_MEMORY = re.compile(r"MPI.*(?:Out of memory|MPI_ERR_NO_MEM)", re.S)
+
+
+def memory_limit(refused_by: str) -> str:
+    """The limit in force, in words, for an allocation ``refused_by`` ``arena`` (onnxruntime's
+    capped arena), ``onnxruntime`` (its allocator, or the arena's growth), ``numpy`` or ``mpi``:
+    the
+    arena's limit (``NGDIST_CPU_ARENA_MAX_MB``), else the process's address space limit
+    (``RLIMIT_AS``), else none."""
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    capped = arena_limit_mb() is not None
+    if refused_by == "arena" and capped or \
+            refused_by == "onnxruntime" and capped and soft == resource.RLIM_INFINITY:
+        return f"onnxruntime's CPU arena is limited to {arena_limit_mb()} MiB " \
+            "(NGDIST_CPU_ARENA_MAX_MB)"
+    if soft != resource.RLIM_INFINITY:
+        return f"this process's address space is limited to {soft >> 20} MiB (RLIMIT_AS)"
+    return "this process has no more memory"
+
+
+def out_of_memory(where: str, exc: BaseException) -> OutOfMemoryError | None:
+    """The error of an allocation refused in ``where`` (onnxruntime's, numpy's
+    ``MemoryError``, MPI's): the limit in force, what was asked and what to do; None when
+    ``exc`` is no allocation failure."""
+    found = _ALLOCATION_FAILED.search(str(exc))
+    if found is not None:
+        refused_by, asked = "arena" if found.group(1) else "onnxruntime", found.group(2)
+    elif isinstance(exc, MemoryError):
+        shape, dtype = getattr(exc, "shape", None), getattr(exc, "dtype", None)
+        refused_by = "numpy"
+        asked = "?" if shape is None or dtype is None else \
+            str(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+    elif _MPI_OUT_OF_MEMORY.search(str(exc)):  # MPI's buffer of a collective
+        refused_by, asked = "mpi", "?"
+    else:
+        return None
+    asked = "more" if asked == "?" else f"{asked} bytes more"
+    return OutOfMemoryError(f"out of memory in {where}: {memory_limit(refused_by)} and the step "
+                            f"asked for {asked}; raise the limit, shard the parameters over "
+                            "the ranks (shard='parameters'), or use smaller batches")
+
+
+_SHARED_ARENA: list[int] = []  # the limit (MiB; 0: none) of the arena registered here
+
+
+def _register_shared_arena(mb: int) -> None:
+    """One CPU arena of at most ``mb`` MiB (0: no limit) registered with onnxruntime's
+    environment, once per process, which sessions with ``session.use_env_allocators`` share;
+    it grows by what is asked (kSameAsRequested), so its size is what the step holds, not the
+    next power of two."""
+    if _SHARED_ARENA:
+        if _SHARED_ARENA[0] != mb:
+            logger.warning("onnxruntime's shared CPU arena keeps its limit of %s MiB (it is "
+                           "registered once per process)", _SHARED_ARENA[0] or "no")
+        return
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0,
                              ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(info, ort.OrtArenaCfg(mb * 2**20, 1, -1, -1))
-    logger.info("onnxruntime CPU arena shared by the sessions, at most %d MiB", mb)
+    _SHARED_ARENA.append(mb)
+    logger.info("onnxruntime CPU arena shared by the sessions, %s",
+                f"at most {mb} MiB" if mb else "no limit")
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,17 +253,18 @@ def nchwc_block_size() -> int:
 
 def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
                  intra_op_threads: int | None = None, optimize: bool = True,
-                 shapes: Mapping[str, Sequence[int]] | None = None) -> ort.InferenceSession:
+                 shapes: Mapping[str, Sequence[int]] | None = None,
+                 shared_arena: bool = False) -> ort.InferenceSession:
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
     ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU,
     convolutions with weights fed as inputs run on the blocked-channel kernels
     (the session rewrites of runtime/rewrites.py; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that
     off); ``shapes`` gives static shapes of inputs the model leaves open. A model given as
-    bytes is rewritten the same."""
+    bytes is rewritten the same. ``shared_arena``: see :func:`session_options`."""
     if optimize and placement.device == "cpu" and blocked_conv.requested():
         model = session_rewrites(model, nchwc_block_size, shapes)
     data = model if isinstance(model, bytes) else model.SerializeToString()
-    opts = session_options(intra_op_threads)
+    opts = session_options(intra_op_threads, shared_arena)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(data, opts, providers=placement.providers)

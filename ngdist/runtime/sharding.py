@@ -6,7 +6,7 @@ Where each tensor lies: the step's shard layout (ngdist/ir/shards.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from ngdist.errors import NgdistError
 from ngdist.ir.domain import GRAD_SCALE, SHARD_RANK
-from ngdist.ir.shards import Flat, flats, pack, padded, pieces
+from ngdist.ir.shards import Flat, flats, pack, pieces, rank_slice
 from ngdist.ir.model import assemble_training_model
 
 if TYPE_CHECKING:
@@ -68,9 +68,22 @@ class ShardedState:
         """The per-parameter names of the ZeRO-3 shards (none below ZeRO-3)."""
         return [n for _, _, names in self.flats(states=False) for n in names]
 
-    def attach(self, trainer: Trainer, full: Mapping[str, np.ndarray]) -> None:
-        """Sets the rank and this rank's shard of every flat input from ``full`` (the
-        per-parameter tensors; missing states start at zero)."""
+    def slices(self, full: Mapping[str, Any], rank: int,
+               dtype: Callable[[str], Any]) -> dict[str, np.ndarray]:
+        """Rank ``rank``'s ``[1, S]`` slice of every flat input (of element type
+        ``dtype(name)``) whose tensors ``full`` (arrays, or onnx_ir tensors) holds (all or none
+        of a bucket's; a missing state starts at zero), none of them made whole."""
+        out = {}
+        for name, group, names in self.flats():
+            if not any(n in full for n in names):
+                if name.endswith(".param"):
+                    raise NgdistError(f"no values for the parameters {names} of shard {name}")
+                continue
+            out[name] = rank_slice(group, names, full, dtype(name), self.ranks, rank)
+        return out
+
+    def attach(self, trainer: Trainer, slices: Mapping[str, np.ndarray]) -> None:
+        """Sets the rank and this rank's ``slices`` (of :meth:`slices`) of the flat inputs."""
         if trainer.group.size != self.ranks:
             raise NgdistError(f"the step graph is sharded for {self.ranks} ranks but this job "
                               f"has {trainer.group.size}; compile it in this job")
@@ -78,21 +91,15 @@ class ShardedState:
         trainer.values[SHARD_RANK] = trainer.placement.value(
             np.array([trainer.group.rank], dtype))
         trainer.sharding = self
-        self.load(trainer, full)
+        for name, value in slices.items():
+            trainer.values[name] = trainer.placement.value(value)
 
     def load(self, trainer: Trainer, full: Mapping[str, np.ndarray]) -> None:
         """This rank's slice of every flat input whose tensors ``full`` holds (all or none of
         a bucket's; a missing state starts at zero)."""
-        rank = trainer.group.rank
-        for name, group, names in self.flats():
-            if not any(n in full for n in names):
-                if name.endswith(".param"):
-                    raise NgdistError(f"no values for the parameters {names} of shard {name}")
-                continue
-            size = int(group["size"])
-            flat = padded(group, names, full, trainer.values[name].numpy().dtype, self.ranks)
-            trainer.values[name] = trainer.placement.value(  # [1, S]: ngdist/ir/shards.py
-                np.ascontiguousarray(flat[rank * size:(rank + 1) * size].reshape(1, size)))
+        mine = self.slices(full, trainer.group.rank, lambda n: trainer.values[n].numpy().dtype)
+        for name, value in mine.items():
+            trainer.values[name] = trainer.placement.value(value)  # [1, S]: ngdist/ir/shards.py
 
     def gather(self, trainer: Trainer, chosen: Iterable[Flat]) -> dict[str, np.ndarray]:
         """Collective: every per-parameter tensor of ``chosen`` (of ``self.flats``), whole, on

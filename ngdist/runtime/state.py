@@ -30,17 +30,23 @@ logger = logging.getLogger(__name__)
 
 
 def without_data(step: ir.Model, names: set[str],
-                 current: Callable[[str], np.ndarray] | None = None) -> ir.Model:
+                 current: Callable[[str], np.ndarray] | None = None, keep: bool = False
+                 ) -> ir.Model:
     """A fresh copy of ``step`` whose initializers ``names`` hold no data: with ``current``
     (a value by name), tensors of their type and shape that read it when used (the graph
-    stays valid ONNX); without, empty tensors."""
+    stays valid ONNX); without, empty tensors. Their data is never copied; ``step`` loses it
+    too (its memory is freed once nothing else holds it) unless ``keep``."""
     inits = step.graph.initializers
-    kinds = {}
+    kinds, held = {}, {}
     for n in names & set(inits):
-        value = inits[n].const_value
+        value = held[n] = inits[n].const_value
         kinds[n] = (value.dtype, ir.Shape(list(value.shape)))  # type: ignore[union-attr]
         inits[n].const_value = ir.tensor(np.zeros(0, kinds[n][0].numpy()), name=n)
-    fresh = ir.from_proto(ir.to_proto(step))
+    try:
+        fresh = ir.from_proto(ir.to_proto(step))
+    finally:
+        for n, value in held.items() if keep else ():
+            inits[n].const_value = value
     if current is not None:
         for n, (dtype, shape) in kinds.items():
             fresh.graph.initializers[n].const_value = ir.LazyTensor(
