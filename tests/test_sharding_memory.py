@@ -253,3 +253,58 @@ def test_a_model_allreduce_cannot_start_under_a_memory_limit_trains_sharded(rank
     for out in got["parameters"]:
         losses = out.get("losses")
         assert losses and all(np.isfinite(losses)) and losses[-1] < losses[0], out
+
+
+def test_out_of_memory_names_the_limit_in_force(monkeypatch):
+    """An allocation refused by onnxruntime's capped arena, by numpy or by MPI is an
+    OutOfMemoryError naming the limit in force (the arena's cap, else RLIMIT_AS) and how much
+    was asked where it is known; any other error is not one."""
+    import resource
+
+    from ngdist.errors import OutOfMemoryError
+    from ngdist.runtime.sessions import out_of_memory
+
+    tail = ("; raise the limit, shard the parameters over the ranks (shard='parameters'), or "
+            "use smaller batches")
+    monkeypatch.setenv("NGDIST_CPU_ARENA_MAX_MB", "7")
+    arena = out_of_memory("segment 3", RuntimeError("Available memory of 12 is smaller than "
+                                                    "requested bytes of 4096"))
+    assert isinstance(arena, OutOfMemoryError)
+    assert str(arena) == ("out of memory in segment 3: onnxruntime's CPU arena is limited to 7 "
+                          "MiB (NGDIST_CPU_ARENA_MAX_MB) and the step asked for 4096 bytes "
+                          "more" + tail)
+    monkeypatch.delenv("NGDIST_CPU_ARENA_MAX_MB")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = "this process has no more memory" if soft == resource.RLIM_INFINITY else \
+        f"this process's address space is limited to {soft >> 20} MiB (RLIMIT_AS)"
+    try:
+        np.empty((1 << 40, 1 << 20), np.float32)
+    except MemoryError as exc:
+        numpy_error = exc
+    assert str(out_of_memory("ngdist.AllGather 'g' on rank 1", numpy_error)) == (
+        f"out of memory in ngdist.AllGather 'g' on rank 1: {limit} and the step asked for "
+        f"{4 << 60} bytes more" + tail)
+    mpi = RuntimeError("Other MPI error, error stack:\nMPIR_Iallreduce_impl(5185): \n"
+                       "MPIR_Iallreduce_intra_sched_reduce_scatter_allgather(34): Out of memory")
+    assert str(out_of_memory("ngdist.AllReduce 'b' on rank 0", mpi)) == (
+        f"out of memory in ngdist.AllReduce 'b' on rank 0: {limit} and the step asked for more"
+        + tail)
+    assert out_of_memory("segment 1", RuntimeError("Invalid rank for input")) is None
+
+
+def test_each_rank_cuts_the_slice_of_the_padded_flat_without_making_it():
+    """rank_slice gives row r of the bucket's padded flat (ir/shards.py ``padded``), for
+    slices that start and end inside a tensor, cover several, and hold padding only."""
+    from ngdist.ir.shards import padded, rank_slice
+
+    rng = np.random.default_rng(0)
+    group = {"params": [{"count": 6}, {"count": 1}, {"count": 3}]}
+    names = ["a", "b", "c"]
+    full = {"a": rng.random((2, 3)), "c": rng.random(3)}  # b missing: zeros
+    for ranks in (3, 4, 5):
+        size = -(-10 // ranks)  # 10 elements padded to ranks * size
+        whole = padded({**group, "size": size}, names, full, np.float32, ranks)
+        for r in range(ranks):
+            got = rank_slice({**group, "size": size}, names, full, np.float32, ranks, r)
+            assert got.shape == (1, size) and got.dtype == np.float32
+            assert got.tobytes() == whole[r * size:(r + 1) * size].tobytes(), (ranks, r)
