@@ -17,6 +17,8 @@ torch) already registers for an operator is left in place and used.
 * ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
   (timm's halonet): :func:`_unfold`;
 * ``aten::permute`` with negative dims: counted from the end (:func:`_permute`);
+* ``aten::avg_pool2d`` whose one window covers the whole map: GlobalAveragePool
+  (:func:`_avg_pool2d`);
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`, and
   for the dynamo exporter the same as an ONNX Script translation of
   ``transformers::grouped_mm_fallback`` (:func:`dynamo_translations`);
@@ -225,6 +227,28 @@ def _permute(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``avg_pool2d`` whose one window covers the whole map (Hugging Face's EfficientNet pools
+    with ``AvgPool2d(hidden_dim, ceil_mode=True)``: a kernel of 1280 on a 2x2 map): torch
+    clips the window to the input and divides by what it covers, a global average, written
+    as GlobalAveragePool (an AveragePool whose window exceeds its input has no gradient)."""
+    def symbolic(g: Any, x: Any, kernel: Any, stride: Any, padding: Any, ceil_mode: Any,
+                 count_include_pad: Any, divisor_override: Any = None) -> Any:
+        h = _helper()
+        sizes = h._get_tensor_sizes(x)
+        spatial = sizes[-2:] if sizes is not None and len(sizes) == 4 else None
+        k, st, pad = (list(h._maybe_get_const(v, "is")) for v in (kernel, stride, padding))
+        st = st or k
+        covers = spatial is not None and all(isinstance(n, int) for n in spatial) and \
+            not any(pad) and all(kk >= n and ss >= n for kk, ss, n in zip(k, st, spatial))
+        if not covers or (divisor_override is not None and not h._is_none(divisor_override)):
+            return builtin(g, x, kernel, stride, padding, ceil_mode, count_include_pad,
+                           divisor_override)
+        return g.op("GlobalAveragePool", x)
+
+    return symbolic
+
+
 def _cumsum(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, x: Any, dim: Any, dtype: Any = None) -> Any:
         from torch.onnx._internal.torchscript_exporter import _type_utils
@@ -254,10 +278,12 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::cumsum": _cumsum,
     "aten::unfold": _unfold,
     "aten::permute": _permute,
+    "aten::avg_pool2d": _avg_pool2d,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
-_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute"}
+_WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
+          "aten::avg_pool2d"}
 
 
 @contextlib.contextmanager

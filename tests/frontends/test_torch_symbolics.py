@@ -127,7 +127,7 @@ def _custom_groups() -> dict[str, object]:
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
-                         "aten::unfold", "aten::permute", *SYMBOLICS)}
+                         "aten::unfold", "aten::permute", "aten::avg_pool2d", *SYMBOLICS)}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -360,3 +360,30 @@ def test_permute_with_negative_dims_is_valid_onnx_whose_shapes_infer():
     assert len(out.type.tensor_type.shape.dim) == 4
     (got,) = _ort(Fn(lambda t: t.permute(0, -2, -1, 1) * 2), x)
     np.testing.assert_array_equal(got, (x.permute(0, 2, 3, 1) * 2).numpy())
+
+
+def test_an_avg_pool_window_larger_than_the_map_is_a_global_average_with_a_gradient():
+    """Hugging Face's EfficientNet pools a 2x2 map with AvgPool2d(1280, ceil_mode=True)."""
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3, stride=2)
+            self.pool = torch.nn.AvgPool2d(1280, ceil_mode=True)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(self.pool(self.conv(x)).flatten(1))
+
+    torch.manual_seed(0)
+    module = Pooled()
+    x, y = torch.randn(5, 3, 6, 6), torch.randint(0, 3, (5,))
+    (got,) = _ort(module, x)
+    np.testing.assert_allclose(got, module.double()(x.double()).detach().numpy(), atol=1e-6)
+    module.float()
+    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd:lr=0.1")
+    assert "GlobalAveragePool" in {n.op_type for n in model.graph.node}
+    step = run_step(model, {"x": x.numpy(), "y": y.numpy()})
+    ref = Pooled().double()
+    ref.load_state_dict(module.state_dict())
+    _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
