@@ -44,8 +44,8 @@ class Stream:
         self.ptr = 0x1000 + Stream._count
         Stream._by_ptr[self.ptr] = self
         self._q: queue.Queue = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._pending = 0  # enqueued and not yet run (counted under the condition's lock:
+        self._idle = threading.Condition()  # an item enqueued as the last one ends is waited)
         self.failed: BaseException | None = None
         threading.Thread(target=self._run, daemon=True, name=f"fake-stream-{self.ptr}").start()
 
@@ -57,11 +57,14 @@ class Stream:
                     fn()
             except BaseException as exc:  # noqa: BLE001 - a failed kernel poisons the stream
                 self.failed = exc
-            if self._q.empty():
-                self._idle.set()
+            with self._idle:
+                self._pending -= 1
+                if not self._pending:
+                    self._idle.notify_all()
 
     def enqueue(self, fn: Callable[[], None]) -> None:
-        self._idle.clear()
+        with self._idle:
+            self._pending += 1
         self._q.put(fn)
 
     def wait_event(self, event: "Event") -> None:
@@ -69,7 +72,8 @@ class Stream:
         self.enqueue(lambda: flag.wait())
 
     def synchronize(self) -> None:
-        self._idle.wait()
+        with self._idle:
+            self._idle.wait_for(lambda: not self._pending)
 
     def __enter__(self) -> "Stream":
         _stack().append(self)

@@ -15,6 +15,7 @@ cases run ``NcclGroup`` and ``HostStagedGroup`` with real cupy.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -40,22 +41,39 @@ def _np_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+@functools.lru_cache(maxsize=None)
 def data(rank: int, size: int, count: int, dtype: str, salt: int = 0) -> np.ndarray:
-    """Rank ``rank``'s input: random floats on 1-2 ranks, integer values on more."""
+    """Rank ``rank``'s input: random floats on 1-2 ranks, integer values on more. Made once
+    per process (every rank makes every rank's input for its oracle, in every group) and
+    read-only: a case writes to a copy (``Ctx.dev``)."""
     rng = np.random.default_rng(1000 * rank + 17 * salt + count)
     if dtype == "int64":
-        return rng.integers(-50, 50, count).astype(np.int64)
-    if size <= 2:
-        return rng.standard_normal(count).astype(np.float32).astype(_np_dtype(dtype))
-    return rng.integers(-8, 8, count).astype(_np_dtype(dtype))
+        out = rng.integers(-50, 50, count).astype(np.int64)
+    elif size <= 2:
+        out = rng.standard_normal(count).astype(np.float32).astype(_np_dtype(dtype))
+    else:
+        out = rng.integers(-8, 8, count).astype(_np_dtype(dtype))
+    out.flags.writeable = False
+    return out
+
+
+_SUMS: dict[tuple[int, ...], tuple[list[np.ndarray], np.ndarray]] = {}
 
 
 def _sum(parts: list[np.ndarray]) -> np.ndarray:
-    """The exact sum (float64 or int64), rounded once to the parts' dtype."""
+    """The exact sum (float64 or int64), rounded once to the parts' dtype; once per process
+    for read-only parts (``data``'s: the cache keeps them, so their ids name them)."""
+    key = tuple(map(id, parts)) if not any(p.flags.writeable for p in parts) else None
+    if key in _SUMS:
+        return _SUMS[key][1]
     total = parts[0].astype(np.int64 if parts[0].dtype.kind in "iu" else np.float64)
     for p in parts[1:]:
         total = total + p.astype(total.dtype)
-    return total.astype(parts[0].dtype)
+    total = total.astype(parts[0].dtype)
+    if key is not None:
+        total.flags.writeable = False
+        _SUMS[key] = (list(parts), total)
+    return total
 
 
 def _mean(total: np.ndarray, n: int) -> np.ndarray:
