@@ -1,7 +1,9 @@
-"""Every way a rank's program can end, under ``ngdist run`` on 2 and 4 ranks, before
+"""Every way a rank's program can end, under ``ngdist run`` on 2 ranks, before
 ``ngdist.compile`` (the others are in its start-up collectives) and mid-training (the others
 are in a step): the job ends within 10 s of it, and the launcher's table names the rank, its
 real exit status and its message (comm/exits.py, comm/mpi.py's exit path, the supervisor).
+On 4 ranks (three peers to stop) one ending of each kind at both points: an exit with status
+0 (the peers name the rank), a Python exception (the abort hook), a death by a signal.
 
 One ``ngdist run`` per case; the last rank ends, the others go on until they notice. The
 ending rank writes the time it ends to a file first, so the bound is measured from the ending
@@ -132,9 +134,12 @@ def table(stderr: str) -> dict[int, tuple[str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("when", ["before_compile", "mid_training"])
-@pytest.mark.parametrize("how", list(EXPECTED))
+WHENS = ("before_compile", "mid_training")
+CASES = [(how, when, 2) for how in EXPECTED for when in WHENS] + \
+    [(how, when, 4) for how in ("exit0", "raise", "killed") for when in WHENS]
+
+
+@pytest.mark.parametrize("how, when, n", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_every_ending_ends_the_job_within_seconds_with_the_ranks_status(tmp_path, how, when, n):
     proc, after = run_case(tmp_path, n, how, when)
     r = n - 1
