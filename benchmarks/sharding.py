@@ -18,9 +18,10 @@ parameters and optimizer state a rank holds between steps; steps/s; MB sent per 
 loss of the first and last step (each rank feeds one fixed batch of random tokens, labels the
 inputs, every step). ``--limit-mb M`` runs every variant under ``RLIMIT_AS`` of
 the address space after imports plus M MiB, and reports the ones that fail with their error.
+``--points``: rank 0's resident memory at points of one more step (:func:`memory_points`).
 
     python benchmarks/sharding.py [--ranks 2] [--hidden 1024] [--steps 50] [--repeats 3]
-    python benchmarks/sharding.py --model gpt2 --ranks 4 --steps 10 [--limit-mb M]
+    python benchmarks/sharding.py --model gpt2 --ranks 4 --steps 10 [--limit-mb M] [--points]
 """
 from __future__ import annotations
 
@@ -81,6 +82,44 @@ def mlp_worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(best))
 
 
+def memory_points(tr, feed: dict) -> dict:
+    """One more step with the resident memory (``VmRSS``) read after each item of the plan:
+    at the step's start, after its last forward gather, its largest and at its end (MiB), and
+    at the largest, the step's values alive (MiB): all of them, and those gathered by
+    AllGather (whole parameters)."""
+    ex = tr.executor
+    gathered = {o for n in ex.comm_nodes.values() if n.op_type == "AllGather" for o in n.outputs}
+    points: list[tuple[str, float, float, float]] = []
+
+    def note(label: str, env: dict) -> None:
+        sizes = {name: v.numpy().nbytes for name, v in env.items()}
+        points.append((label, _status("VmRSS") / 2**20, sum(sizes.values()) / 2**20,
+                       sum(b for n, b in sizes.items() if n in gathered) / 2**20))
+
+    segment, comm = ex._segment, ex._comm
+
+    def on_segment(item, env, times):
+        segment(item, env, times)
+        note(f"segment {item.index}", env)
+
+    def on_comm(item, env, pending, times):
+        comm(item, env, pending, times)
+        pending.resolve(list(pending.futures))  # (its result in env: what it holds)
+        note(ex.comm_nodes[item.index].name, env)
+
+    start = _status("VmRSS") / 2**20
+    ex._segment, ex._comm = on_segment, on_comm
+    try:
+        tr.step(feed)
+    finally:
+        del ex._segment, ex._comm
+    forward = [i for i, p in enumerate(points) if p[0].endswith("/fwd")]
+    top = max(points, key=lambda p: p[1])
+    return {"start": start, "after_forward_gathers": points[forward[-1]][1] if forward else None,
+            "peak": top[1], "peak_at": top[0], "alive_at_peak": top[2],
+            "gathered_at_peak": top[3], "end": points[-1][1]}
+
+
 def gpt2_worker(args: argparse.Namespace) -> None:
     """One variant on every rank: memory, speed and bytes (module docstring)."""
     import numpy as np
@@ -120,6 +159,8 @@ def gpt2_worker(args: argparse.Namespace) -> None:
            "params_MB": _held(tr, "param") / 2**20, "state_MB": _held(tr, "state") / 2**20,
            "steps_s": steps_s, "MB": sent / args.steps / 1e6,
            "loss": [float(np.mean(losses[:1])), float(losses[-1])]}
+    if args.points:
+        run["points"] = memory_points(tr, feeds[0])
     tr.close()
     Path(f"{args.out}.{rank}").write_text(json.dumps(run))
 
@@ -169,8 +210,8 @@ def run_gpt2(args: argparse.Namespace) -> None:
                 results[name] = {"failed": failed[0] if failed else
                                  (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
             else:
-                results[name] = {k: max(g[k] for g in got) if k != "loss" else got[0][k]
-                                 for k in got[0]}
+                results[name] = {k: max(g[k] for g in got) if k not in ("loss", "points")
+                                 else got[0][k] for k in got[0]}
             print(name, json.dumps(results[name]), flush=True)
     finally:
         path.unlink(missing_ok=True)
@@ -218,6 +259,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32, help="gpt2: tokens per sequence")
     p.add_argument("--limit-mb", type=int, default=0, help="gpt2: RLIMIT_AS headroom")
+    p.add_argument("--points", action="store_true",
+                   help="gpt2: rank 0's resident memory at points of one more step")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
