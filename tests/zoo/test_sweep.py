@@ -229,3 +229,12 @@ def test_a_model_past_its_memory_or_wall_time_is_a_failed_row(monkeypatch):
     monkeypatch.setattr(model_sweep, "MEMORY", 8 << 30)
     row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 1)
     assert (row["stage"], row["error"]) == ("timeout", "no result within 1 s of wall time")
+
+
+def test_only_takes_a_case_name_alone_and_a_prefix_ending_in_a_slash(capsys):
+    model_sweep.main(["--source", "transformers", "--list", "--only", "hf/causal/llama",
+                      "hf/audiocls/"])
+    names = [line.split("\t")[0] for line in capsys.readouterr().out.splitlines()]
+    assert "hf/causal/llama" in names and "hf/causal/llama4" not in names
+    assert all(n == "hf/causal/llama" or n.startswith("hf/audiocls/") for n in names)
+    assert len([n for n in names if n.startswith("hf/audiocls/")]) > 5
