@@ -47,6 +47,7 @@ shape. Images are 32x32, 64x64 for the models with depthwise convolutions (see
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -81,6 +82,13 @@ def torch_gradients(module, feeds, float64: bool):
                                   for n, p in ref.named_parameters() if p.grad is not None}
 
 
+@functools.lru_cache(maxsize=None)
+def new_model_gradients(name: str, float64: bool) -> tuple[float, dict[str, np.ndarray]]:
+    """``torch_gradients`` of a new model ``name`` on its batch, computed once: the gradient
+    test and the first Adam step's noise both need them (float64 is torch's slow path)."""
+    return torch_gradients(vz.build(name), vz.batch(name), float64)
+
+
 @pytest.mark.parametrize("name", vz.MODELS)
 def test_gradients_match_torch_autograd(name):
     module = vz.build(name)
@@ -88,11 +96,11 @@ def test_gradients_match_torch_autograd(name):
     model, exp = tfront.training_model(module, vz.tensors(feeds), loss=None,
                                        optimizer="sgd:lr=0.01")
     got = run_step(model, feeds)
-    loss, grads = torch_gradients(module, feeds, float64=True)
+    loss, grads = new_model_gradients(name, True)
     assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)
     assert set(grads) == set(exp.params) == {n for n, _ in module.named_parameters()}
     errors = gradient_errors(got, grads)
-    _, grads32 = torch_gradients(module, feeds, float64=False)
+    _, grads32 = new_model_gradients(name, False)
     torch_errors = gradient_errors({f"{n}.grad": g for n, g in grads32.items()}, grads)
     errors32 = gradient_errors(got, grads32)
     _check(name, errors, torch_errors, errors32)
@@ -120,14 +128,15 @@ def _kind(key: str) -> str:
     return key.rsplit(".", 1)[-1] if "running_" in key else "param"
 
 
-def _noise_elements(module, feeds) -> dict[str, np.ndarray]:
+def _noise_elements(module, feeds, name: str | None = None) -> dict[str, np.ndarray]:
     """Per parameter, the entries whose float64 gradient is within 3x torch's float32 error of
     that tensor's gradient (or below 1e-6 of the model's largest): their float32 sign is
     rounding (BatchNorm biases followed by another BatchNorm get exactly zero in theory).
     Adam's first step is ``lr * sign(gradient)`` for every entry, so both sides step such
-    entries by up to ~lr in directions rounding picks."""
-    _, g64 = torch_gradients(module, feeds, float64=True)
-    _, g32 = torch_gradients(module, feeds, float64=False)
+    entries by up to ~lr in directions rounding picks. ``name``: ``module`` is a new model
+    ``name`` on its batch (new_model_gradients)."""
+    g64, g32 = (new_model_gradients(name, f64)[1] if name else
+                torch_gradients(module, feeds, float64=f64)[1] for f64 in (True, False))
     largest = max(float(np.abs(g).max()) for g in g64.values())
     return {n: np.abs(g) <= max(3 * float(np.abs(g32[n] - g).max()), 1e-6 * largest)
             for n, g in g64.items()}
@@ -212,7 +221,7 @@ def test_three_optimizer_steps_match_torch(name, opt):
         return
     module = vz.build(name)
     before = _state(module)
-    noise = _noise_elements(module, feeds) if opt != "sgd" else {}
+    noise = _noise_elements(module, feeds, name) if opt != "sgd" else {}
     ref32 = torch_train(name, make_opt, feeds, float64=False)
     ref64 = torch_train(name, make_opt, feeds, float64=True)
 
