@@ -1,6 +1,7 @@
 """``ngdist.compile``: model in, distributed trainer out."""
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -11,7 +12,7 @@ from typing import Any, ClassVar
 import onnx
 
 from ngdist import optim
-from ngdist.errors import ArgumentTypeError, GraphError, OptionError
+from ngdist.errors import ArgumentTypeError, GraphError, OptionError, OutOfMemoryError
 from ngdist.frontends.onnx import build_training_model
 from ngdist.ir.model import check_training_model, load_proto, split_training_model
 from ngdist.ir.modelfile import refuse_external_data
@@ -22,6 +23,7 @@ from ngdist.comm import LocalGroup, world_group, world_rank_size
 from ngdist.runtime import checkpoint
 from ngdist.runtime.cuda import CudaOptions
 from ngdist.runtime.metrics import DEFAULT_EVERY
+from ngdist.runtime.sessions import out_of_memory
 from ngdist.runtime.trainer import Trainer
 from ngdist.ir.shards import file_layout
 from ngdist.sharded import compile_sharded
@@ -200,6 +202,22 @@ def _checkpoint_options(every: int | None, folder: str | os.PathLike | None
     return every, (os.fspath(folder) if folder is not None else None)
 
 
+def _named_out_of_memory(build: Any) -> Any:
+    """``build``, whose refused allocations (a ``MemoryError`` from numpy, protobuf or Python
+    while the model is loaded, rewritten or split) end as an OutOfMemoryError naming the limit
+    in force and what to do, like those of a step."""
+    @functools.wraps(build)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return build(*args, **kwargs)
+        except OutOfMemoryError:
+            raise
+        except MemoryError as exc:
+            raise (out_of_memory("ngdist.compile", exc) or exc) from exc
+    return named
+
+
+@_named_out_of_memory
 def compile(model: onnx.ModelProto | str | os.PathLike | Any,  # noqa: A001
             example_inputs: Any = None, *, loss: Any = _UNSET, labels: str = "y",
             optimizer: Any = _UNSET, strategy: str = "allreduce",

@@ -231,3 +231,26 @@ def test_optimizer_specs_still_parse():
     assert from_spec("adam:lr=1e-3,betas=0.8/0.99, eps=1e-7") == \
         Adam(lr=1e-3, betas=(0.8, 0.99), eps=1e-7)
     assert from_spec("SGD") == SGD()
+
+
+def test_compile_names_an_allocation_it_was_refused(monkeypatch):
+    """A MemoryError while the model is built or split (numpy, protobuf, Python) ends as an
+    OutOfMemoryError naming the limit in force and what to do, as a step's does."""
+    import resource
+
+    from ngdist import api
+    from ngdist.errors import OutOfMemoryError
+
+    def refused(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 GiB")
+
+    monkeypatch.setattr(api, "split_training_model", refused)
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    limit = "this process has no more memory" if soft == resource.RLIM_INFINITY else \
+        f"this process's address space is limited to {soft >> 20} MiB (RLIMIT_AS)"
+    with pytest.raises(OutOfMemoryError) as info:
+        ngdist.compile(zoo.mlp((64, 8, 10), seed=0), optimizer=OPT, strategy="local")
+    assert str(info.value) == (f"out of memory in ngdist.compile: {limit} and the step asked "
+                               "for more; raise the limit, shard the parameters over the ranks "
+                               "(shard='parameters'), or use smaller batches")
+    assert isinstance(info.value.__cause__, MemoryError)
