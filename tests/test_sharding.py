@@ -289,9 +289,10 @@ def test_one_process_shards_like_allreduce():
 @pytest.mark.parametrize("options, message", [
     ({"shard": "params"}, r"unknown shard 'params'; choose one of \['none', 'optimizer', "
                           r"'gradients', 'parameters'\]"),
-    ({"shard": "optimizer", "compression": "fp16"},
-     r"cannot be combined with compression= yet \(the 16-bit sums with float32 accumulation "
-     r"exist as an AllReduce kernel only; the ReduceScatter sums float32 buckets\)"),
+    ({"shard": "optimizer", "compression": "fp16", "compression_error_feedback": True},
+     r"shard='optimizer' cannot be combined with compression_error_feedback yet \(the "
+     r"residual of what the 16-bit cast lost is kept for the whole bucket's AllReduce, which "
+     r"the ReduceScatter replaces\); leave compression_error_feedback out"),
     ({"shard": "optimizer", "reproducible_micro_batch": 4},
      r"cannot be combined with reproducible_micro_batch"),
     ({"shard": "parameters", "accumulate": 2},

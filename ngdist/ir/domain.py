@@ -95,9 +95,12 @@ COMM_OPS: dict[str, CommOpSpec] = {
         ),
         CommOpSpec(
             "ReduceScatter",
-            "Sums the inputs over ranks and gives rank r the r-th slice along axis 0.",
+            "Sums the inputs over ranks and gives rank r the r-th slice along axis 0. "
+            "compression 'fp16' or 'bf16': the input is a 16-bit cast of a float32 gradient "
+            "bucket, summed with float32 accumulation and rounded to 16 bits at each hop of "
+            "the ring (as AllReduce's).",
             "single",
-            {"reduction": "sum"},
+            {"reduction": "sum", "compression": "none"},
             same_shape=False,
         ),
         CommOpSpec(

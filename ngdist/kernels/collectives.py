@@ -15,6 +15,7 @@ from ngdist.comm.group import array_module
 from ngdist.kernels.allreduce import (allreduce, allreduce_batch, alone_identity, explain,
                                       plain, writable_in_place)
 from ngdist.kernels.base import CommNode, register_kernel
+from ngdist.kernels.compressed_rs import compressed_reduce_scatter
 
 if TYPE_CHECKING:
     from ngdist.comm.group import ProcessGroup
@@ -75,6 +76,8 @@ def cut_views(flat: Any, dims: list[int], ndims: list[int]) -> list[Any]:
 @register_kernel("ReduceScatter", alone_identity=True)
 def reduce_scatter(group: ProcessGroup, node: CommNode, inputs: Sequence[Any]) -> list[Any]:
     (x,) = inputs
+    if node.attributes["compression"] != "none":  # 16-bit values, float32 sums
+        return [compressed_reduce_scatter(group, node, x)]
     xp = array_module(x)
     x = xp.ascontiguousarray(x)
     if x.shape[0] % group.size:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -97,19 +98,27 @@ FORMATS = {"fp16": WireFormat("fp16", "float16", f16_to_f32, f32_to_f16),
            "bf16": WireFormat("bf16", "uint16", bf16_to_f32, f32_to_bf16)}
 
 
+def wire_format(node: Any, buf: np.ndarray, op: str, by: str) -> WireFormat:
+    """The format of ``node``'s ``compression``, checked against its 16-bit input ``buf``
+    (cast by the ``by`` pass)."""
+    compression = node.attributes["compression"]
+    fmt = FORMATS.get(compression)
+    if fmt is None:
+        raise CommError(f"unknown compression {compression!r} on ngdist.{op} "
+                        f"'{node.name}'; choose one of {sorted(FORMATS)}")
+    if buf.dtype != np.dtype(fmt.dtype):
+        raise CommError(f"ngdist.{op} '{node.name}' has compression={compression!r} but "
+                        f"its input is {buf.dtype}; the {by} pass casts it to "
+                        f"{'float16' if compression == 'fp16' else 'bfloat16'}: rewrite the "
+                        "model again instead of editing the file")
+    return fmt
+
+
 def compressed_allreduce(group, node, buf: np.ndarray, algorithm: str) -> None:
     """Sum (or mean, by ``node``'s ``reduction``) of the contiguous 16-bit ``buf`` over the
     ranks, in place; ``buf`` is float16 (``fp16``) or uint16 bfloat16 bits (``bf16``)."""
     compression = node.attributes["compression"]
-    fmt = FORMATS.get(compression)
-    if fmt is None:
-        raise CommError(f"unknown compression {compression!r} on ngdist.AllReduce "
-                        f"'{node.name}'; choose one of {sorted(FORMATS)}")
-    if buf.dtype != np.dtype(fmt.dtype):
-        raise CommError(f"ngdist.AllReduce '{node.name}' has compression={compression!r} but "
-                        f"its input is {buf.dtype}; the compression pass casts it to "
-                        f"{'float16' if compression == 'fp16' else 'bfloat16'}: rewrite the "
-                        "model again instead of editing the file")
+    fmt = wire_format(node, buf, "AllReduce", "compression")
     if algorithm not in ("mpi", "ring", "recursive_doubling"):
         raise CommError(f"ngdist.AllReduce '{node.name}': compression {compression!r} runs "
                         f"on algorithm 'mpi' (ngdist's ring), 'ring' or 'recursive_doubling', "

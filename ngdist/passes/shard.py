@@ -20,8 +20,9 @@ from ngdist.passes.optimizers import (OPTIMIZER_OPS, node_state_kinds,
                                       split_optimizer_inputs)
 from ngdist.passes.shard_params import (Gathered, bind_update, drop_parameter, insert_gathers,
                                         shard_input)
-from ngdist.passes.shard_values import drop_state as _drop_state, gather_params, \
-    rank_input as _rank_input, state_input as _state_input, typed as _typed
+from ngdist.passes.shard_values import bucket_input, bucket_result, drop_state as _drop_state, \
+    gather_params, rank_input as _rank_input, scatter_sum, state_input as _state_input, \
+    typed as _typed
 
 if TYPE_CHECKING:
     from ngdist.passes.step_options import StepOptions
@@ -156,10 +157,8 @@ class ShardingPass(ir.passes.InPlacePass):
         at.current = ctx.current
         g_flat = _padded(at, _flat_gradients(group.bucket, members), length, self.ranks,
                          size)
-        (g_shard,) = at.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
-                                 reduction="sum")
-        _typed(g_shard, [1, size], members[0].x.dtype)
-        g_shard.producer().name = f"ngdist/reducescatter/{prefix}"
+        g_shard = scatter_sum(at, g_flat, attr(group.bucket, "compression", "none"),
+                              f"ngdist/reducescatter/{prefix}")
         return _Shard(prefix, members, counts, length, size, g_shard)
 
     def _x_shard(self, ctx: GradContext, shard: _Shard, rank: ir.Value, meta: StepMeta
@@ -247,7 +246,7 @@ def _groups(node: ir.Node) -> list[_Group]:
             raise GraphError(f"shard=: the gradient of {x.name!r} is not reduced by a bucket's "
                              "AllReduce of one input (all_reduce_alg='exact' keeps lists)")
         if attr(bucket, "reduction", "mean") != "sum" or \
-                attr(bucket, "compression", "none") != "none":
+                bucket_input(bucket).dtype != x.dtype:
             raise GraphError(f"shard=: bucket {bucket.name!r} is not a plain sum of prescaled "
                              "float gradients")
         if x.shape is None or not x.shape.is_static():
@@ -259,7 +258,7 @@ def _groups(node: ir.Node) -> list[_Group]:
 
 def _bucket_size(bucket: ir.Node) -> int:
     """Tensors in a bucket: the Split's outputs of a flat bucket, else 1."""
-    uses = list(bucket.outputs[0].uses())
+    uses = list(bucket_result(bucket).uses())
     if len(uses) == 1 and uses[0].node.op_type == "Split":
         return len(uses[0].node.outputs)
     return 1
@@ -270,8 +269,8 @@ def _flat_gradients(bucket: ir.Node, members: list[_Member]) -> list[ir.Value]:
     it, else their own flattened gradients (a bucket shared with another optimizer node, e.g.
     a parameter group, or with buffer averages, whose AllReduce then stays for the rest)."""
     if len(members) == _bucket_size(bucket):
-        return [bucket.inputs[0]]
-    concat = bucket.inputs[0].producer()
+        return [bucket_input(bucket)]
+    concat = bucket_input(bucket).producer()
     assert concat is not None and concat.op_type == "Concat"
     return [concat.inputs[m.order] for m in members]  # type: ignore[misc]
 
@@ -282,6 +281,9 @@ def _keep_the_rest(ctx: GradContext, bucket: ir.Node, orders: set[int]) -> None:
     size = _bucket_size(bucket)
     if len(orders) == size:
         return  # wholly sharded: RemoveUnusedNodesPass drops it
+    if attr(bucket, "compression", "none") != "none":  # only gradients are compressed
+        raise GraphError(f"shard=: compressed bucket {bucket.name!r} holds gradients of no "
+                         "optimizer node; leave compression= out for this model")
     concat = bucket.inputs[0].producer()
     split = next(iter(bucket.outputs[0].uses())).node
     keep = [i for i in range(size) if i not in orders]
@@ -357,11 +359,11 @@ def passes(o: AllReduceOptions) -> list[ir.passes.PassBase]:
         raise OptionError(f"shard={o.shard!r} cannot be combined with reproducible_micro_batch "
                           "(the exact AllReduce sums lists of micro-batch gradients; there is "
                           "no exact ReduceScatter); leave one of the two out")
-    if o.compression != "none":
-        raise OptionError(f"shard={o.shard!r} cannot be combined with compression= yet (the "
-                          "16-bit sums with float32 accumulation exist as an AllReduce kernel "
-                          "only; the ReduceScatter sums float32 buckets); leave one of the "
-                          "two out")
+    if o.compression_error_feedback:
+        raise OptionError(f"shard={o.shard!r} cannot be combined with "
+                          "compression_error_feedback yet (the residual of what the 16-bit "
+                          "cast lost is kept for the whole bucket's AllReduce, which the "
+                          "ReduceScatter replaces); leave compression_error_feedback out")
     if o.shard_ranks < 1:
         raise OptionError(f"shard={o.shard!r} needs the rank count to size the shards: "
                           "ngdist.compile sets shard_ranks to the job's; pass shard_ranks=N "

@@ -1,7 +1,8 @@
 """The values of a sharded step (passes/shard.py, passes/shard_params.py): the rank
 hyper-parameter, the flat per-bucket inputs (optimizer state, ZeRO-3 parameters), each with an
 initializer of zeros that the runtime replaces with this rank's slice, and the gather of a
-bucket into its parameters.
+bucket into its parameters, and the (16-bit, with compression) ReduceScatter of a gradient
+bucket.
 
 A bucket's flat values are 2-D: ``[N, S]`` whole (row r is rank r's slice) and ``[1, S]`` per
 rank, so that ReduceScatter and AllGather split and join axis 0, and so that ONNX shape
@@ -17,6 +18,8 @@ import onnx_ir as ir
 
 from ngdist.ir.domain import DOMAIN, SHARD_RANK
 from ngdist.ir.model import StepMeta
+from ngdist.passes.autodiff.registry import GradContext, attr
+from ngdist.passes.compression import WIRE_TYPES
 
 
 def rank_input(graph: ir.Graph, meta: StepMeta) -> ir.Value:
@@ -78,3 +81,42 @@ def gather_params(emit: Emit, source: ir.Value, params: list[ir.Value], name: st
     for x, out in zip(params, outs):
         out.shape, out.type = x.shape, x.type
     return outs
+
+
+def bucket_input(bucket: ir.Node) -> ir.Value:
+    """What the bucket reduces, before the 16-bit ``Cast`` of compression (passes/compression.py)
+    where it has one: the float32 flat buffer or lone gradient."""
+    x = bucket.inputs[0]
+    if attr(bucket, "compression", "none") != "none":
+        cast = x.producer()  # type: ignore[union-attr]
+        assert cast is not None and cast.op_type == "Cast", bucket.name
+        return cast.inputs[0]  # type: ignore[return-value]
+    return x  # type: ignore[return-value]
+
+
+def bucket_result(bucket: ir.Node) -> ir.Value:
+    """The bucket's result as its tensors read it: after the ``Cast`` back to float32 of
+    compression where it has one."""
+    out = bucket.outputs[0]
+    if attr(bucket, "compression", "none") != "none":
+        (use,) = list(out.uses())
+        return use.node.outputs[0]
+    return out
+
+
+def scatter_sum(ctx: GradContext, g_flat: ir.Value, compression: str, name: str) -> ir.Value:
+    """The ReduceScatter'ed sum ``[1, S]`` of the padded ``[N, S]`` gradient bucket; with
+    ``compression``, of its 16-bit cast (kernels/compressed_rs.py), cast back to its type."""
+    ranks, size = (int(d) for d in g_flat.shape.dims)  # type: ignore[union-attr]
+    dtype = g_flat.dtype
+    if compression != "none":  # cast to 16 bits as the compressed AllReduce's input is
+        g_flat = ctx.op("Cast", g_flat, to=WIRE_TYPES[compression])
+        typed(g_flat, [ranks, size], WIRE_TYPES[compression])
+    (g_shard,) = ctx.op_multi("ReduceScatter", g_flat, num_outputs=1, domain=DOMAIN,
+                              reduction="sum", compression=compression)
+    typed(g_shard, [1, size], g_flat.dtype)
+    g_shard.producer().name = name  # type: ignore[union-attr]
+    if compression != "none":  # and the sum back to float32
+        g_shard = ctx.op("Cast", g_shard, to=dtype)
+        typed(g_shard, [1, size], dtype)
+    return g_shard
