@@ -77,7 +77,8 @@ class ShardingPass(ir.passes.InPlacePass):
         optimizer node (x shard, g shard, state shards [1, S]) -> new x shard, new states
         -> AllGather -> each parameter (views of the gathered [N, S], padding dropped)
 
-    (2-D flats: passes/shard_values.py says why.)
+    (2-D flats: passes/shard_values.py says why.) A bucket with ``compression`` pads its
+    float32 gradients, casts them to 16 bits and ReduceScatters those (``scatter_sum``).
 
     One optimizer node per bucket replaces the original node, with the same attributes (every
     supported update is elementwise, so a slice of the flat buffer updates exactly as its
