@@ -171,3 +171,40 @@ def test_nearest_integer_upsampling_sums_blocks_without_a_product(cid: str, bloc
     ops = [n.op_type for n in lowered.graph.node if n.name.startswith("node0/grad/")]
     assert ("MatMul" not in ops) == block
     assert ("ReduceSum" in ops) == block
+
+
+def test_interpolate_to_a_run_time_size_trains_as_torch_does() -> None:
+    """F.interpolate(size=a.shape[2:]) of a torch module (the size a Shape of the batch-
+    dynamic export, as in timm's csatv2) through ngdist.compile's segments and one SGD step:
+    the parameters equal torch's own step in float64 (1e-6)."""
+    torch = pytest.importorskip("torch")  # an extra of the suite's install: never skipped there
+    import torch.nn.functional as F
+    from torch import nn
+
+    import ngdist
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c, self.d = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, 2, padding=1)
+            self.h = nn.Linear(4, 3)
+
+        def forward(self, x):
+            a = self.c(x)
+            up = F.interpolate(self.d(a), size=a.shape[2:], mode="bilinear", align_corners=True)
+            return self.h((a + up).mean((2, 3)))
+
+    torch.manual_seed(0)
+    net, x, y = Net(), torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 0])
+    ref = Net().double()
+    ref.load_state_dict(net.state_dict())
+    trainer = ngdist.compile(net, (x,), loss=nn.CrossEntropyLoss(), strategy="local",
+                             optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    trainer.step({"x": x.numpy(), "y": y.numpy()})
+    nn.CrossEntropyLoss()(ref(x.double()), y).backward()
+    with torch.no_grad():
+        want = {k: (p - 0.1 * p.grad).numpy() for k, p in ref.named_parameters()}
+    got = trainer.parameters()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-6, err_msg=k)

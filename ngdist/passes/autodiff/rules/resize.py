@@ -103,13 +103,19 @@ def _same_extent(node, axis: int) -> bool:
         a.value is not None and a.value == b.value
 
 
+def _extent(ctx, v: ir.Value, axis: int) -> ir.Value:
+    """``v``'s extent on ``axis``, a 1-element int64 tensor read at run time: a Gather of
+    Shape, not a Shape with ``start``/``end``, which onnxruntime's shape inference (given a
+    segment's input shapes) took for an empty tensor and then refused the Resize it sizes."""
+    return ctx.op("Gather", ctx.op("Shape", v), ctx.ints([axis]), axis=0)
+
+
 def _runtime_matrix(ctx, node, g, axis: int, spec: dict) -> ir.Value:
     """M [n, m] of one axis (as :func:`axis_matrix`) computed at run time: the Resize of the
     node's kind applied to an identity [n, n] (n read from Shape(X)) along its second axis, to
     the output's extent on ``axis`` (read from Shape(Y)) or by the constant scale."""
     x, y = node.inputs[0], node.outputs[0]
-    n = ctx.ints([spec["n"]]) if spec["n"] is not None else \
-        ctx.op("Shape", x, start=axis, end=axis + 1)
+    n = ctx.ints([spec["n"]]) if spec["n"] is not None else _extent(ctx, x, axis)
     zeros = ctx.op("ConstantOfShape", ctx.op("Concat", n, n, axis=0),
                    value=ir.tensor(np.zeros(1, np.float32)))
     eye = ctx.op("CastLike", ctx.op("EyeLike", zeros), g)
@@ -120,8 +126,7 @@ def _runtime_matrix(ctx, node, g, axis: int, spec: dict) -> ir.Value:
     if spec["scale"] is not None:
         scales = ctx.const(np.asarray([1.0, spec["scale"]], np.float32))
         return ctx.op("Resize", eye, roi_v, scales, **kwargs)
-    m = ctx.ints([spec["size"]]) if spec["size"] is not None else \
-        ctx.op("Shape", y, start=axis, end=axis + 1)
+    m = ctx.ints([spec["size"]]) if spec["size"] is not None else _extent(ctx, y, axis)
     return ctx.op("Resize", eye, roi_v, ctx.const(np.zeros(0, np.float32)),
                   ctx.op("Concat", n, m, axis=0), **kwargs)
 
