@@ -65,8 +65,9 @@ class Placement:
             return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, onnx_type)
         if self.device == "cpu":
             return ort.OrtValue.ortvalue_from_numpy(array)
-        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device,
-                                                self.device_id)
+        # np.require keeps a 0-d array 0-d (np.ascontiguousarray makes it 1-d)
+        return ort.OrtValue.ortvalue_from_numpy(np.require(array, requirements="C"),
+                                                self.device, self.device_id)
 
 
 CPU = Placement()

@@ -59,6 +59,22 @@ def test_cuda_placement_providers():
     assert p.ort_device == "cuda"
 
 
+def test_device_value_keeps_shape_and_makes_strided_arrays_contiguous(monkeypatch):
+    """A device value is made from a C-contiguous array of the same shape: a 0-d value stays
+    0-d (a scalar parameter), a transposed one is copied contiguous."""
+    import ngdist.runtime.sessions as sessions
+
+    made = []
+    monkeypatch.setattr(sessions.ort.OrtValue, "ortvalue_from_numpy",
+                        lambda a, device="cpu", device_id=0: made.append((a, device)))
+    p = Placement("cuda", 0)
+    p.value(np.array(3.0, np.float32))
+    p.value(np.arange(6, dtype=np.float32).reshape(2, 3).T)
+    assert [(a.shape, d) for a, d in made] == [((), "cuda"), ((3, 2), "cuda")]
+    assert made[1][0].flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(made[1][0], np.arange(6).reshape(2, 3).T)
+
+
 @pytest.mark.parametrize("device", ["tpu", "CPU", "gpu", ""])
 def test_unknown_device(device):
     with pytest.raises(NgdistError) as info:
