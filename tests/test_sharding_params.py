@@ -4,7 +4,9 @@ backward's first reader of each bucket. After 20 steps of the digits MLP (severa
 the gathers chain bucket to bucket) and of the transformers zoo's GPT-2 (a tied LM head: one
 parameter read by the embedding and the head) it equals plain allreduce within 1e-5 (SGD with
 momentum) and 1e-4 (AdamW) on 2 and 4 ranks; the gathered parameters are the same bytes on
-every rank; the step graph holds no whole parameter, only the flat shards. GPT-2 is exported
+every rank; the step graph holds no whole parameter, only the flat shards. ZeRO-1 and ZeRO-2
+(``shard="optimizer"``, ``"gradients"``) equal it on GPT-2 within the same bounds and send
+allreduce's bytes up to the padding (the MLP's: tests/test_sharding.py). GPT-2 is exported
 by the torch frontend (with torch's SGD and AdamW) once, into the training model file every
 rank compiles, so the ranks import neither torch nor transformers."""
 from __future__ import annotations
@@ -40,17 +42,18 @@ def record(key, t, sent):
 
 
 for opt in ("sgd", "adamw"):
-    for shard in ("none", "parameters"):
-        t = ngdist.compile(zoo.mlp((64, 32, 16, 10), seed=0), loss="softmax_cross_entropy",
-                           labels="y", optimizer=OPTIMIZERS[opt](), shard=shard, timeout=60,
-                           bucket_bytes=2048)
-        sent = set()
-        for i in range(STEPS):
-            b = slice(16 * t.size * i, 16 * t.size * (i + 1))
-            (mine,) = t.shard([(x[b], y[b])])
-            sent.add(t.step({"x": mine[0], "y": mine[1]}).bytes_sent)
-        record(f"mlp.{opt}.{shard}", t, sent)
-        t.close()
+    for shard in ("none", "parameters", "optimizer", "gradients"):
+        if shard in ("none", "parameters"):  # (the MLP's ZeRO-1/2: tests/test_sharding.py)
+            t = ngdist.compile(zoo.mlp((64, 32, 16, 10), seed=0), loss="softmax_cross_entropy",
+                               labels="y", optimizer=OPTIMIZERS[opt](), shard=shard, timeout=60,
+                               bucket_bytes=2048)
+            sent = set()
+            for i in range(STEPS):
+                b = slice(16 * t.size * i, 16 * t.size * (i + 1))
+                (mine,) = t.shard([(x[b], y[b])])
+                sent.add(t.step({"x": mine[0], "y": mine[1]}).bytes_sent)
+            record(f"mlp.{opt}.{shard}", t, sent)
+            t.close()
         t = ngdist.compile(GPT2 / f"gpt2.{opt}.onnx", shard=shard, timeout=60,
                            bucket_bytes=20000)
         batches = np.load(GPT2 / f"batches{t.size}.npz")
@@ -96,7 +99,7 @@ def gpt2(tmp_path_factory):
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n", [2, 4])
-def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, gpt2, n):
+def test_zero3_equals_allreduce_on_the_mlp_and_gpt2_and_zero1_2_on_gpt2(ranks, tmp_path, gpt2, n):
     ranks(n, SCRIPT, args=[str(gpt2)], timeout=260)
     params = [same_on_every_rank(tmp_path, n)]
     info = [json.loads((tmp_path / f"info{r}.json").read_text()) for r in range(n)]
@@ -132,6 +135,20 @@ def test_zero3_equals_allreduce_on_the_mlp_and_gpt2(ranks, tmp_path, gpt2, n):
             # every bucket gathered for the forward and again for the backward (a bucket of
             # biases alone, read by no backward node, only once)
             assert len(mine["shards"]) < mine["gathers"] <= 2 * len(mine["shards"])
+    for opt, tol in (("sgd", 1e-5), ("adamw", 1e-4)):  # GPT-2 under ZeRO-1 and ZeRO-2
+        plain = {k.split(".", 3)[3]: v for k, v in params[0].items()
+                 if k.startswith(f"gpt2.{opt}.none.")}
+        for level in ("optimizer", "gradients"):
+            sharded = {k.split(".", 3)[3]: v for k, v in params[0].items()
+                       if k.startswith(f"gpt2.{opt}.{level}.")}
+            assert sorted(sharded) == sorted(plain), sorted(sharded)
+            for k, v in plain.items():
+                np.testing.assert_allclose(sharded[k], v, rtol=0, atol=tol,
+                                           err_msg=f"gpt2 {opt} {level} {k}")
+            # ReduceScatter and AllGather of each padded bucket: allreduce's bytes (+ padding)
+            whole, mine = info[0][f"gpt2.{opt}.none"], info[0][f"gpt2.{opt}.{level}"]
+            assert len(mine["sent"]) == 1 and whole["sent"][0] <= mine["sent"][0] <= \
+                whole["sent"][0] + 4 * n * len(mine["shards"]), (mine["sent"], whole["sent"])
 
 
 def test_each_gather_is_freed_before_the_next_and_issued_one_bucket_ahead():
