@@ -112,9 +112,10 @@ def _judge(errors: dict[str, float], own: dict[str, float], vs32: dict[str, floa
     """(worst error from float64, torch's own worst float32 error, the first tensor out of
     bounds or None). Tensor by tensor: within TOL of float64, or FACTOR x torch's float32
     error of that tensor, or within TOL of torch's float32 result."""
+    # (written so that a NaN error is out of bounds: NaN compares false to everything)
     bad = [k for k, e in errors.items()
-           if e > max(TOL, FACTOR * own.get(k, 0.0)) and vs32.get(k, 0.0) > TOL]
-    worst = max(errors.values(), default=0.0)
+           if not e <= max(TOL, FACTOR * own.get(k, 0.0)) and not vs32.get(k, 0.0) <= TOL]
+    worst = max(errors.values(), default=0.0, key=lambda e: np.inf if np.isnan(e) else e)
     return worst, max(own.values(), default=0.0), max(bad, key=errors.get) if bad else None
 
 
@@ -140,6 +141,10 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                                             FACTOR * abs(loss32 - loss)):
         raise StageError(f"loss {float(got['loss']):.6g}, torch float64 {loss:.6g}, float32 "
                          f"{loss32:.6g}")
+    broken = sorted(n for n, g in g64.items() if not np.isfinite(g).all())
+    if broken:
+        raise StageError(f"no float64 oracle: torch's float64 gradients of {len(broken)} "
+                         f"parameters are not finite, e.g. {broken[:3]}")
     errors = gradient_errors(got, g64)
     own = gradient_errors({f"{n}.grad": g for n, g in g32.items()}, g64)
     err, own32, bad = _judge(errors, own, gradient_errors(got, g32))

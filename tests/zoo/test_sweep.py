@@ -238,3 +238,17 @@ def test_only_takes_a_case_name_alone_and_a_prefix_ending_in_a_slash(capsys):
     assert "hf/causal/llama" in names and "hf/causal/llama4" not in names
     assert all(n == "hf/causal/llama" or n.startswith("hf/audiocls/") for n in names)
     assert len([n for n in names if n.startswith("hf/audiocls/")]) > 5
+
+
+def test_a_nan_error_is_out_of_bounds_and_its_tensor_named():
+    """The sweep's judge: an error that is NaN (a NaN gradient of ngdist, or against torch's
+    float32) fails the tensor, never passes as 'not above the bound'."""
+    import sweep_check
+
+    nan = float("nan")
+    assert sweep_check._judge({"a": 1e-6, "b": 1e-6}, {"a": 1e-7, "b": 1e-7},
+                              {"a": 1e-6, "b": 1e-6})[2] is None
+    worst, _, bad = sweep_check._judge({"a": 1e-6, "b": nan}, {"a": 1e-7, "b": 1e-7},
+                                       {"a": 1e-6, "b": nan})
+    assert bad == "b" and np.isnan(worst)
+    assert sweep_check._judge({"a": 2e-3}, {"a": 1e-3}, {"a": nan})[2] is None  # 2x own: in
