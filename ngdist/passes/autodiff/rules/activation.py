@@ -20,18 +20,9 @@ def relu(ctx, node, gys):
 
 @register("Sigmoid")
 def sigmoid(ctx, node, gys):
-    """s (1 - s) = 1 / (2 + 2 cosh x), from x: onnxruntime's float32 Sigmoid is accurate to
-    ~1.6e-7 absolute but not relative below x ~ -8 (5x off at -17.8), so s (1 - s) from its
-    output would carry that error into every small gradient (a gate's bias)."""
-    (x,) = node.inputs
-    den = ctx.op("Add", ctx.op("Mul", ctx.op("Cosh", x), ctx.scalar(2.0, x)), ctx.scalar(2.0, x))
-    return [ctx.op("Div", gys[0], den)]
-
-
-def accurate_sigmoid(ctx, x):
-    """1 / (1 + exp(-x)), relatively accurate for every x (see :func:`sigmoid`)."""
-    one = ctx.scalar(1.0, x)
-    return ctx.op("Div", one, ctx.op("Add", one, ctx.op("Exp", ctx.op("Neg", x))))
+    (y,) = node.outputs
+    one_minus = ctx.op("Sub", ctx.scalar(1.0, y), y)
+    return [ctx.op("Mul", gys[0], ctx.op("Mul", y, one_minus))]
 
 
 @register("Tanh")
@@ -156,7 +147,7 @@ def celu(ctx, node, gys):
 
 @register("Softplus")
 def softplus(ctx, node, gys):
-    return [ctx.op("Mul", gys[0], accurate_sigmoid(ctx, node.inputs[0]))]
+    return [ctx.op("Mul", gys[0], ctx.op("Sigmoid", node.inputs[0]))]
 
 
 @register("Softsign")
@@ -173,7 +164,7 @@ def mish(ctx, node, gys):
     (x,), g = node.inputs, gys[0]
     t = ctx.op("Tanh", ctx.op("Softplus", x))
     sech2 = ctx.op("Sub", ctx.scalar(1.0, x), ctx.op("Mul", t, t))
-    dy = ctx.op("Add", t, ctx.op("Mul", ctx.op("Mul", x, accurate_sigmoid(ctx, x)), sech2))
+    dy = ctx.op("Add", t, ctx.op("Mul", ctx.op("Mul", x, ctx.op("Sigmoid", x)), sech2))
     return [ctx.op("Mul", g, dy)]
 
 
@@ -182,7 +173,7 @@ def swish(ctx, node, gys):
     """y = x sigmoid(alpha x): s + alpha y (1 - s)."""
     (x,), (y,), g = node.inputs, node.outputs, gys[0]
     alpha = attr(node, "alpha", 1.0)
-    s = accurate_sigmoid(ctx, ctx.op("Mul", x, ctx.scalar(alpha, x)))
+    s = ctx.op("Sigmoid", ctx.op("Mul", x, ctx.scalar(alpha, x)))
     dy = ctx.op("Add", s, ctx.op("Mul", ctx.op("Mul", y, ctx.scalar(alpha, y)),
                                  ctx.op("Sub", ctx.scalar(1.0, x), s)))
     return [ctx.op("Mul", g, dy)]
