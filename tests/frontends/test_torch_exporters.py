@@ -2,9 +2,9 @@
 
 A mixture-of-experts layer with top-k routing (``torch.histc`` counts for the load-balancing
 loss, ``F.one_hot`` gates, ``index_add_`` to combine the experts' outputs) exports with the
-TorchScript exporter and ngdist's lent ``aten::histc`` symbolic; counted with
-``torch.count_nonzero`` (no TorchScript symbolic) it fails there and the dynamo exporter exports
-it, the frontend says so. Either way one step's loss and gradients, and three SGD steps, equal
+TorchScript exporter and ngdist's lent ``aten::histc`` symbolic; with its counts passed
+through ``torch.special.erfcx`` (times 0: no TorchScript symbolic, lent or torch's) it fails
+there and the dynamo exporter exports it, the frontend says so. Either way one step's loss and gradients, and three SGD steps, equal
 torch's in float64 at several batch sizes (experts that get no token included). Asked for the dynamo exporter first, a
 module with BatchNorm goes to the TorchScript exporter (the dynamo exporter drops training-mode
 BatchNorm). When neither exporter can export, one GraphError carries both messages.
@@ -57,7 +57,8 @@ class MoE(nn.Module):
         if self.counter == "histc":
             counts = torch.histc(idx.to(h.dtype), bins=E, min=0, max=E - 1)
         else:
-            counts = torch.stack([torch.count_nonzero(idx == j) for j in range(E)]).to(h.dtype)
+            counts = torch.stack([(idx == j).sum() for j in range(E)]).to(h.dtype)
+            counts = counts + 0 * torch.special.erfcx(counts)  # no TorchScript symbolic
         balance = E * (counts / counts.sum() * probs.mean(0)).sum()
         return self.head(self.out_norm(out + x)), balance
 
@@ -101,13 +102,13 @@ def test_torch_alone_cannot_export_histc_with_the_lent_symbolic_it_can():
         torch.onnx.export(MoELoss(), EXAMPLE, io.BytesIO(), dynamo=False, opset_version=18)
     model = export_graph("torchscript", MoELoss(), EXAMPLE, True, ["x", "y"], ["loss"], 18)
     assert "ReduceSum" in {n.op_type for n in model.graph.node}
-    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="count_nonzero"):
-        export_graph("torchscript", MoELoss("count_nonzero"), EXAMPLE, True, ["x", "y"],
+    with pytest.raises(torch.onnx.errors.UnsupportedOperatorError, match="special_erfcx"):
+        export_graph("torchscript", MoELoss("erfcx"), EXAMPLE, True, ["x", "y"],
                      ["loss"], 18)
 
 
 @pytest.mark.parametrize("counter,exporter", [("histc", "torchscript"),
-                                              ("count_nonzero", "dynamo")])
+                                              ("erfcx", "dynamo")])
 def test_moe_layer_gradients_match_torch(caplog, counter, exporter):
     module = MoELoss(counter)
     with caplog.at_level(logging.INFO, logger="ngdist.frontends"):
@@ -116,7 +117,7 @@ def test_moe_layer_gradients_match_torch(caplog, counter, exporter):
     if exporter == "dynamo":
         assert ("ngdist.frontends.torch_exporters", logging.WARNING,
                 "exported MoELoss with the dynamo exporter (the torchscript exporter: "
-                "UnsupportedOperatorError: Exporting the operator 'aten::count_nonzero' to ONNX "
+                "UnsupportedOperatorError: Exporting the operator 'aten::special_erfcx' to ONNX "
                 "opset version 18 is not supported)") in caplog.record_tuples
     assert set(exp.params) == {n for n, _ in module.named_parameters()}
     used = set()
@@ -131,7 +132,7 @@ def test_moe_layer_gradients_match_torch(caplog, counter, exporter):
     assert min(used) < E and max(used) == E  # some batches leave experts without tokens
 
 
-@pytest.mark.parametrize("counter", ["histc", "count_nonzero"])
+@pytest.mark.parametrize("counter", ["histc", "erfcx"])
 def test_moe_layer_trains_three_sgd_steps_like_torch(counter):
     module = MoELoss(counter)
     ref = copy.deepcopy(module).double()
@@ -173,7 +174,7 @@ def test_dynamo_first_hands_a_batchnorm_module_to_the_torchscript_exporter(caplo
 
 
 class Unexportable(nn.Module):
-    """count_nonzero (no TorchScript symbolic) and a branch on a value (no torch.export
+    """torch.special.erfcx (no TorchScript symbolic) and a branch on a value (no torch.export
     guard)."""
 
     def __init__(self) -> None:
@@ -181,7 +182,7 @@ class Unexportable(nn.Module):
         self.fc = nn.Linear(D, CLASSES)
 
     def forward(self, x):
-        counts = torch.count_nonzero(x > 0, dim=0).to(x.dtype)
+        counts = torch.special.erfcx((x > 0).sum(0).to(x.dtype))
         return self.fc(x) * counts[int(x.sum().item() > 0)]
 
 
@@ -191,7 +192,7 @@ def test_when_both_exporters_fail_one_error_carries_both_messages():
                        optimizer="sgd:lr=0.01")
     assert str(info.value) == (
         "torch.onnx.export cannot export Unexportable: the torchscript exporter: "
-        "UnsupportedOperatorError: Exporting the operator 'aten::count_nonzero' to ONNX opset "
+        "UnsupportedOperatorError: Exporting the operator 'aten::special_erfcx' to ONNX opset "
         "version 18 is not supported; the dynamo exporter: GuardOnDataDependentSymNode: Could not "
         "guard on data-dependent expression zuf0 > 0.0 (unhinted: zuf0 > 0.0).  (Size-like "
         "symbols: none). Rewrite the unsupported operation or compile an ONNX file you "
