@@ -65,36 +65,52 @@ def _add(acc: np.ndarray, other: np.ndarray) -> None:
 
 def ring(comm: Any, node: Any, buf: np.ndarray, add: Add = None) -> int:
     """Ring reduce-scatter + all-gather; returns the bytes this rank sent."""
-    add = add or _add
     p, r = comm.size, comm.rank
     if p == 1 or buf.size == 0:
         return 0
     world = _dup(comm)
-    right, left = (r + 1) % p, (r - 1) % p
     seg = _bounds(buf.size, p)
+    # rank r ends the reduce-scatter with segment r + 1 whole; it starts the all-gather
+    sent = ring_reduce_scatter(world, node, buf, seg, add or _add, r)
+    step = max(1, CHUNK_BYTES // buf.itemsize)
+    for s in range(p - 1):
+        (slo, shi), (rlo, rhi) = seg[(r + 1 - s) % p], seg[(r - s) % p]
+        recvs = [world.exchange([], [(buf[a:b], (r - 1) % p)], _TAG, node)
+                 for a, b in _chunks(rlo, rhi, step)]
+        sends = [world.exchange([(buf[a:b], (r + 1) % p)], [], _TAG, node)
+                 for a, b in _chunks(slo, shi, step)]
+        for work in (*recvs, *sends):
+            work.wait()
+        sent += (shi - slo) * buf.itemsize
+    return sent
+
+
+def ring_reduce_scatter(world: Any, node: Any, buf: np.ndarray, seg: list[tuple[int, int]],
+                        add: Callable[[np.ndarray, np.ndarray], None], first: int) -> int:
+    """The reduce-scatter half of the ring ``r -> r+1`` on ``world`` (a group of ``_dup``),
+    in place over ``buf``'s segments ``seg`` (one per rank): step ``s`` sends segment
+    ``first - s`` to the right and adds the left's into segment ``first - s - 1``, so after
+    ``p - 1`` steps segment ``first + 1`` holds the sum of every rank's (summed in ring order
+    from rank ``first + 2 - p``). Chunks of at most ``CHUNK_BYTES``, so that adding one
+    overlaps with the transfer of the next; returns the bytes this rank sent."""
+    p, r = world.size, world.rank
+    right, left = (r + 1) % p, (r - 1) % p
     step = max(1, CHUNK_BYTES // buf.itemsize)
     tmp = np.empty(max(hi - lo for lo, hi in seg), buf.dtype)
     sent = 0
-    for phase in ("reduce-scatter", "all-gather"):
-        for s in range(p - 1):
-            if phase == "reduce-scatter":
-                send_i, recv_i = (r - s) % p, (r - s - 1) % p
-            else:
-                send_i, recv_i = (r + 1 - s) % p, (r - s) % p
-            (slo, shi), (rlo, rhi) = seg[send_i], seg[recv_i]
-            into = tmp if phase == "reduce-scatter" else buf[rlo:rhi]
-            recvs = [(a - rlo, b - rlo,
-                      world.exchange([], [(into[a - rlo:b - rlo], left)], _TAG, node))
-                     for a, b in _chunks(rlo, rhi, step)]
-            sends = [world.exchange([(buf[a:b], right)], [], _TAG, node)
-                     for a, b in _chunks(slo, shi, step)]
-            for a, b, work in recvs:
-                work.wait()
-                if phase == "reduce-scatter":
-                    add(buf[rlo + a:rlo + b], tmp[a:b])
-            for work in sends:
-                work.wait()
-            sent += (shi - slo) * buf.itemsize
+    for s in range(p - 1):
+        (slo, shi), (rlo, rhi) = seg[(first - s) % p], seg[(first - s - 1) % p]
+        recvs = [(a - rlo, b - rlo,
+                  world.exchange([], [(tmp[a - rlo:b - rlo], left)], _TAG, node))
+                 for a, b in _chunks(rlo, rhi, step)]
+        sends = [world.exchange([(buf[a:b], right)], [], _TAG, node)
+                 for a, b in _chunks(slo, shi, step)]
+        for a, b, work in recvs:
+            work.wait()
+            add(buf[rlo + a:rlo + b], tmp[a:b])
+        for work in sends:
+            work.wait()
+        sent += (shi - slo) * buf.itemsize
     return sent
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from ngdist.errors import CommError
-from ngdist.kernels.allreduce_algs import CHUNK_BYTES, _chunks, _dup, _TAG
-from ngdist.kernels.compressed import WireFormat, wire_format
+from ngdist.kernels.allreduce_algs import _dup, ring_reduce_scatter
+from ngdist.kernels.compressed import wire_format
 
 
 def compressed_reduce_scatter(group: Any, node: Any, x: np.ndarray) -> np.ndarray:
@@ -28,34 +28,12 @@ def compressed_reduce_scatter(group: Any, node: Any, x: np.ndarray) -> np.ndarra
         raise CommError(f"ngdist.ReduceScatter '{node.name}' needs axis 0 ({x.shape[0]}) "
                         f"divisible by the {p} ranks")
     rows = np.array(x, order="C").reshape(p, -1).view(np.uint16)  # a copy: summed in place
-    if p > 1:
-        _ring(group, node, rows, fmt)
+    if p > 1:  # row r ends whole on rank r, summed from rank r + 1 on
+        size = rows.shape[1]
+        group.bytes_sent += ring_reduce_scatter(  # (as the compressed AllReduce counts)
+            _dup(group), node, rows.reshape(-1), [(k * size, (k + 1) * size) for k in range(p)],
+            fmt.add, group.rank - 1)
     mine = rows[group.rank]
     if node.attributes["reduction"] == "mean" and p > 1:
         fmt.divide(mine, p)
     return mine.view(x.dtype).reshape((x.shape[0] // p, *x.shape[1:]))
-
-
-def _ring(group: Any, node: Any, rows: np.ndarray, fmt: WireFormat) -> None:
-    """Reduce-scatter around the ring ``r -> r+1``: step s sends row ``r-s-1`` and adds the
-    received row ``r-s-2``; after ``p-1`` steps row ``r`` is the sum, on rank ``r``."""
-    p, r = group.size, group.rank
-    world = _dup(group)
-    right, left = (r + 1) % p, (r - 1) % p
-    size = rows.shape[1]
-    step = max(1, CHUNK_BYTES // rows.itemsize)
-    tmp = np.empty(size, rows.dtype)
-    sent = 0
-    for s in range(p - 1):
-        out, into = rows[(r - s - 1) % p], rows[(r - s - 2) % p]
-        recvs = [(a, b, world.exchange([], [(tmp[a:b], left)], _TAG, node))
-                 for a, b in _chunks(0, size, step)]
-        sends = [world.exchange([(out[a:b], right)], [], _TAG, node)
-                 for a, b in _chunks(0, size, step)]
-        for a, b, work in recvs:
-            work.wait()
-            fmt.add(into[a:b], tmp[a:b])
-        for work in sends:
-            work.wait()
-        sent += out.nbytes
-    group.bytes_sent += sent  # counted as the compressed AllReduce counts its ring's
