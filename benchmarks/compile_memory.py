@@ -112,7 +112,7 @@ def instrument(stages: Stages) -> None:
             (ftorch, "export_training", "torch.onnx export, training"),
             (torch_loss, "export_with_loss", "torch.onnx export, training + loss"),
             (ftorch, "export_graph", "torch.onnx export, eval"),
-            (ftorch, "_rename_initializers", "rename initializers"),
+            (ftorch, "rename_initializers", "rename initializers"),
             (ftorch, "fold_static_shapes", "fold static shapes (export)"),
             (fonnx, "build_training_model", "build training model"),
             (fonnx, "normalize_forward", "normalize forward"),

@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ngdist import optim
 from ngdist.errors import ArgumentError, ArgumentTypeError, GraphError
@@ -59,6 +58,8 @@ from ngdist.frontends.torch_exporters import (export_graph, export_training, ren
                                                tied_aliases)
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends import torch_loss
+from ngdist.frontends.torch_state import (check_batchnorm, mark_unique, rename_initializers,
+                                          restore, snapshot)
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
 from ngdist.ir.copies import with_tensor_data, without_tensor_data
@@ -132,91 +133,6 @@ def _default_input_names(module: Any, n: int) -> list[str]:
     return names
 
 
-def _rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> None:
-    """Give every initializer that holds a state_dict tensor under another name that name.
-
-    With constant folding off the exporter keeps state_dict names; an exporter that renames
-    (``onnx::MatMul_12``) is matched by exact value and shape, refusing ambiguous matches.
-    """
-    g = model.graph
-    taken = {t.name for t in g.initializer if t.name in state}
-    renames: dict[str, str] = {}
-    for t in g.initializer:
-        if t.name in state or torch_loss.is_loss_initializer(t.name):
-            continue
-        arr = numpy_helper.to_array(t)
-        if arr.dtype.kind != "f":
-            continue
-        hits = [k for k, v in state.items() if k not in taken and v.shape == arr.shape
-                and v.dtype == arr.dtype and np.array_equal(v, arr)]
-        if len(hits) == 1:
-            renames[t.name] = hits[0]
-            taken.add(hits[0])
-        elif len(hits) > 1:
-            raise GraphError(f"the exported initializer {t.name!r} equals several state_dict "
-                             f"entries {hits}; cannot tell which one it is")
-    if not renames:
-        return
-    for t in g.initializer:
-        t.name = renames.get(t.name, t.name)
-    for node in g.node:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
-
-
-def _mark_unique(module: Any) -> dict[str, np.ndarray]:
-    """Fills every float parameter and buffer with distinct values in [0.5, 1.5); returns
-    views of them (valid until the module's values change again)."""
-    torch = _torch()
-    rng = np.random.default_rng(0)
-    tensors = module.state_dict(keep_vars=True)
-    seen: set[int] = set()
-    with torch.no_grad():
-        for t in tensors.values():
-            if t.is_floating_point() and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                t.copy_(torch.from_numpy(rng.uniform(0.5, 1.5, tuple(t.shape))).to(t.dtype))
-    return {k: t.detach().cpu().numpy() for k, t in tensors.items() if t.is_floating_point()}
-
-
-def _snapshot(module: Any) -> dict[str, tuple[Any, Any]]:
-    """state_dict name -> (the tensor object, a copy of its value), for ``_restore``."""
-    torch = _torch()
-    return {k: (v, v.detach().clone()) for k, v in module.state_dict(keep_vars=True).items()
-            if isinstance(v, torch.Tensor)}
-
-
-def _restore(module: Any, snapshot: dict[str, tuple[Any, Any]]) -> None:
-    """Puts every parameter and buffer back as ``_snapshot`` found it: the same tensor objects
-    (a module that rebound one gets the original back) holding the same values.
-
-    Values are copied in place, not through ``load_state_dict``: that would run the modules'
-    ``_load_from_state_dict`` hooks without the state dict's ``_metadata`` (module versions),
-    and torchvision's MNASNet, for one, refuses a state dict without its version.
-    """
-    torch = _torch()
-    current = module.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, (tensor, value) in snapshot.items():
-            tensor.copy_(value)
-            if current.get(name) is not tensor:
-                owner, _, leaf = name.rpartition(".")
-                sub = module.get_submodule(owner) if owner else module
-                table = sub._parameters if leaf in sub._parameters else sub._buffers
-                table[leaf] = tensor
-
-
-def _check_batchnorm(module: Any) -> None:
-    torch = _torch()
-    for name, sub in module.named_modules():
-        if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
-            if sub.momentum is None and sub.track_running_stats:
-                raise GraphError(f"BatchNorm '{name}' has momentum=None (cumulative moving "
-                                 "average), which ONNX BatchNormalization cannot express; "
-                                 "give it a momentum (e.g. 0.1)")
-
-
 def _check_not_hf_model(module: Any) -> None:
     """A Hugging Face model returns a ModelOutput with a key/value cache, which the
     TorchScript exporter cannot trace: refused with the wrapper to write instead."""
@@ -244,7 +160,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         raise ArgumentTypeError(f"expected a torch.nn.Module; got {type(module).__name__}")
     if opset < 15:
         raise ArgumentError("opset must be >= 15 (training-mode BatchNormalization)")
-    _check_batchnorm(module)
+    check_batchnorm(module)
     _check_not_hf_model(module)
     args = _as_tuple(example_inputs)
     in_names = list(input_names) if input_names else _default_input_names(module, len(args))
@@ -252,7 +168,7 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         raise ArgumentError(f"{len(in_names)} input names for {len(args)} example inputs")
     out_names = list(output_names) if output_names else ["output"]
     was_training = module.training
-    snapshot = _snapshot(module)
+    saved = snapshot(module)
     feed_values = dict(zip(in_names, args))
     try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
         # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
@@ -262,20 +178,20 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
             torch_loss.check_labels_name(labels, in_names, out_names)
             used, train, feed_values[labels] = torch_loss.export_with_loss(
                 module, loss, args, in_names, out_names[0], labels, opset, exporter)
-            _restore(module, snapshot)  # the example labels ran the forward once more
+            restore(module, saved)  # the example labels ran the forward once more
         # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
         # running_var are both ones), so every tensor gets unique values while it runs
-        marked = _mark_unique(module)
+        marked = mark_unique(module)
         ev = export_graph(used, module, args, False, in_names, out_names, opset)
-        _rename_initializers(ev, marked)  # (while the module holds the marked values)
+        rename_initializers(ev, marked)  # (while the module holds the marked values)
         del marked
     finally:
-        _restore(module, snapshot)  # tracing in training mode moved BN statistics
+        restore(module, saved)  # tracing in training mode moved BN statistics
         module.train(was_training)
-    state = {k: v.cpu().numpy() for k, (_, v) in snapshot.items() if v.is_floating_point()}
+    state = {k: v.cpu().numpy() for k, (_, v) in saved.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
     aliases = tied_aliases(module)
-    _rename_initializers(train, state)
+    rename_initializers(train, state)
     for model in (train, ev):
         rename_aliases(model, aliases)
     del model
