@@ -120,6 +120,16 @@ def _cases() -> list[Case]:
         c(f"AveragePool-symbolic-spatial-cip{cip}", "AveragePool", lambda g: [g.n(2, 2, 7, 6)],
           kernel_shape=[3, 2], strides=[2, 2], pads=[1, 1, 1, 0], count_include_pad=cip,
           symbolic="spatial")
+    for cip in (0, 1):  # ceil_mode's last windows reach past the end pad; sizes at run time
+        c(f"AveragePool-symbolic-spatial-ceil-cip{cip}", "AveragePool",
+          lambda g: [g.n(2, 2, 7, 6)], kernel_shape=[3, 2], strides=[2, 2], pads=[1, 1, 1, 0],
+          count_include_pad=cip, ceil_mode=1, symbolic="spatial")
+        c(f"AveragePool-symbolic-spatial-ceil-overhang-cip{cip}", "AveragePool",
+          lambda g: [g.n(1, 2, 5, 4)], kernel_shape=[4, 3], strides=[3, 2], pads=[1, 0, 0, 1],
+          count_include_pad=cip, ceil_mode=1, symbolic="spatial")
+    c("AveragePool-ceil-dilation-symbolic", "AveragePool", lambda g: [g.n(1, 2, 8, 7)],
+      kernel_shape=[2, 3], strides=[3, 2], dilations=[2, 1], pads=[0, 1, 1, 0], ceil_mode=1,
+      opset=19, symbolic="spatial")
     c("AveragePool-symbolic-spatial-drops-dilation", "AveragePool",
       lambda g: [g.n(1, 2, 8, 9)], kernel_shape=[2, 2], strides=[3, 3], dilations=[1, 2],
       opset=19, symbolic="spatial")
@@ -154,6 +164,42 @@ CASES = _cases()
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_rule_matches_central_differences(case: Case) -> None:
     check_case(case)
+
+
+@pytest.mark.parametrize("hw, k, s, p, cip, symbolic", [
+    ((2, 3), 7, 7, 0, 0, False), ((2, 3), 7, 7, 0, 1, False),  # one window over the whole map
+    ((2, 3), 7, 7, 0, 0, True), ((2, 3), 7, 7, 0, 1, True),
+    ((7, 6), 3, 2, 1, 0, True), ((7, 6), 3, 2, 1, 1, True),
+    ((5, 4), 4, 3, 1, 0, False), ((5, 4), 4, 3, 1, 1, True)])
+def test_average_pool_ceil_mode_gradient_matches_torch_float64(hw, k, s, p, cip,
+                                                               symbolic) -> None:
+    """ceil_mode windows that reach past the input and its end pad (Hugging Face
+    EfficientNet's pooler: a kernel of hidden_dim over a 2x2 map), static or read at run time,
+    count_include_pad 0/1: ngdist's float32 gradient on onnxruntime against torch autograd in
+    float64 (ONNX's reference AveragePool gives NaN for a window over the whole map, and
+    onnxruntime has no float64 AveragePool, so the central differences cannot serve)."""
+    import torch
+
+    cid = f"AveragePool-torch-{hw}-{k}-{s}-{p}-{cip}-{symbolic}"
+    x = np.random.default_rng(5).standard_normal((2, 3, *hw))
+    case = make_case(cid, "AveragePool", lambda g: [x], kernel_shape=[k, k], strides=[s, s],
+                     pads=[p] * 4, count_include_pad=cip, ceil_mode=1,
+                     symbolic="spatial" if symbolic else False)
+    xt = torch.tensor(x, requires_grad=True)
+    y = torch.nn.functional.avg_pool2d(xt, k, s, p, ceil_mode=True, count_include_pad=bool(cip))
+    w = np.random.default_rng(6).standard_normal(tuple(y.shape))
+    loss = (y * torch.from_numpy(w)).sum()
+    loss.backward()
+    lowered = grad_model(case, np.float32, {"w0": w})
+    if hw[0] < k and not symbolic:  # one window, static: the scaled value expanded, no
+        # transposed window as large as the kernel
+        backward = {n.op_type for n in lowered.graph.node if "/grad/" in n.name}
+        assert "Expand" in backward and "ConvTranspose" not in backward
+    got = Runner(lowered, ort_only=True)({"in0": x.astype(np.float32)})
+    assert abs(float(got[0]) - loss.item()) <= 1e-5 * max(1.0, abs(loss.item()))
+    expected = xt.grad.numpy()
+    np.testing.assert_allclose(got[1], expected, rtol=1e-5,
+                               atol=1e-6 * float(np.abs(expected).max()))
 
 
 @pytest.mark.parametrize("cid", ["MaxPool-2x2", "MaxPool-with-indices"])
@@ -281,10 +327,6 @@ def _one_node_gradient(node: onnx.NodeProto, x_dims: list, extra_inits=()) -> No
 
 
 @pytest.mark.parametrize("node, dims, message", [
-    (helper.make_node("AveragePool", ["x"], ["y"], name="pool0", kernel_shape=[2], ceil_mode=1),
-     [2, 3, "n"], "gradient rule of AveragePool failed on node 'pool0': AveragePool with "
-     "ceil_mode=1 needs static spatial sizes to differentiate, got input shape [2, 3, n]; "
-     "export with ceil_mode=0 or static spatial sizes"),
     (helper.make_node("MaxPool", ["x"], ["y"], name="pool1", kernel_shape=[2],
                       auto_pad="SAME_UPPER"),
      [2, 3, "n"], None),
@@ -299,8 +341,8 @@ def _one_node_gradient(node: onnx.NodeProto, x_dims: list, extra_inits=()) -> No
      "from several sizes can hide the rank from shape inference)"),
 ])
 def test_symbolic_sizes_that_cannot_be_read_at_run_time_are_named(node, dims, message) -> None:
-    """What needs a static size (the pads of auto_pad=SAME, AveragePool's ceil_mode windows)
-    or a known rank says so, and what to do; MaxPool reads everything at run time."""
+    """What needs a static size (the pads of auto_pad=SAME) or a known rank says so, and what
+    to do; MaxPool reads everything at run time."""
     w = numpy_helper.from_array(np.ones([4, 3, 3], np.float32), "w")
     if message is None:
         _one_node_gradient(node, dims, [w])

@@ -68,12 +68,14 @@ def window(node: ir.Node, spatial: list[int | None], kernel: list[int]
         raise ValueError(f"{node.op_type} '{node.name}' has kernel {kernel}, strides {strides}, "
                          f"dilations {dilations}, pads {begin + end}: kernel sizes, strides and "
                          "dilations must be at least 1 and pads at least 0")
-    for axis, (size, k, d, b, e) in enumerate(zip(spatial, kernel, dilations, begin, end)):
+    ceil = bool(attr(node, "ceil_mode", 0))  # a last window may then reach past the end pad
+    for axis, (size, k, s, d, b, e) in enumerate(zip(spatial, kernel, strides, dilations, begin,
+                                                     end)):
         if size is not None and size < 1:
             raise ValueError(f"{node.op_type} '{node.name}': its input '{node.inputs[0].name}' "
                              f"has extent {size} on spatial axis {axis}; a node before it "
                              "leaves no positions there (a window larger than its input?)")
-        if size is not None and size + b + e < (k - 1) * d + 1:
+        if size is not None and size + b + e + (s - 1 if ceil else 0) < (k - 1) * d + 1:
             raise ValueError(f"{node.op_type} '{node.name}': its window of {(k - 1) * d + 1} "
                              f"(kernel {k}, dilation {d}) does not fit spatial axis {axis} of "
                              f"size {size} with pads {b} + {e}; its output would be empty")

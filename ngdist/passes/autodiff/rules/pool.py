@@ -5,9 +5,11 @@ added to the forward node when absent, so the argmax is never recomputed; ties g
 maximum in row-major order, as onnxruntime's kernel picks): MaxUnpool when the windows are
 disjoint (stride >= window extent), else a ScatterElements that adds where windows overlap.
 AveragePool divides the gradient by each window's divisor and spreads it over the window: a
-nearest Resize when the windows tile the input, else a ConvTranspose of a ones kernel
-(count_include_pad either way, ceil_mode, pads, strides, dilations); over symbolic spatial sizes
-the divisors come from a Conv of ones at run time and the spread is fitted to Shape(x).
+nearest Resize when the windows tile the input, an Expand when one window covers the whole
+input, else a ConvTranspose of a ones kernel (count_include_pad either way, ceil_mode, pads,
+strides, dilations); over symbolic spatial sizes the divisors come from a Conv of ones at run
+time (ceil_mode's last windows, which reach past the input and its end pad, counted on an
+indicator padded with zeros) and the spread is fitted to Shape(x).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import attr, register
 from ngdist.passes.autodiff.rules._common import (dims, ensure_output, fit_spatial, known_rank,
-                                                  shape_text, window, window_attributes)
+                                                  window, window_attributes)
 
 
 # element types of onnxruntime's CPU MaxUnpool and Resize kernels (no float64)
@@ -107,6 +109,12 @@ def average_pool(ctx, node, gys):
         crop_end.append(max(0, reach - n))
         extra.append(max(0, n - reach))
     scaled = ctx.op("Mul", g, ctx.const((1.0 / divisor).astype(np.float32), like=g))
+    if all(o == 1 and b == 0 and (k - 1) * d + 1 >= n and (d == 1 or n == 1)
+           for n, k, d, b, o in zip(spatial, kernel, dilations, begin, sizes)):
+        # one window covers the whole input (a global pool written as AveragePool, as Hugging
+        # Face's EfficientNet pooler with its kernel of hidden_dim and ceil_mode): every element
+        # gets the one scaled value; a transposed window as large as the kernel is never built
+        return [ctx.op("Expand", scaled, ctx.op("Shape", x))]
     tiles = all(s == k and d == 1 and b == e == 0 and n == o * k for n, k, s, d, b, e, o
                 in zip(spatial, kernel, strides, dilations, begin, end, sizes))
     if tiles and x.dtype in UNPOOL_TYPES:
@@ -123,28 +131,49 @@ def average_pool(ctx, node, gys):
 
 
 def _average_pool_dynamic(ctx, node, x, g, kernel, strides, dilations, begin, end):
-    """AveragePool's gradient over spatial sizes known only at run time: the divisors are
-    prod(kernel), or (count_include_pad=0) a Conv of ones counting each window's taps inside
-    the input; the transposed windows are padded or cropped to the input's extents."""
-    if attr(node, "ceil_mode", 0):
-        raise ValueError("AveragePool with ceil_mode=1 needs static spatial sizes to "
-                         f"differentiate, got input shape {shape_text(x)}; export with "
-                         "ceil_mode=0 or static spatial sizes")
+    """AveragePool's gradient over spatial sizes known only at run time: the output gradient
+    divided by each window's divisor (``_run_time_counts``), spread by a transposed window of
+    ones and padded or cropped to the input's extents."""
     n = len(kernel)
     window_attrs = dict(strides=strides, dilations=dilations)
     ones_k = ctx.const(np.ones([1, 1, *kernel], np.float32), like=g)
-    if attr(node, "count_include_pad", 0):
-        scaled = ctx.op("Mul", g, ctx.scalar(1.0 / float(np.prod(kernel)), g))
-    else:
-        plane = ctx.op("Concat", ctx.ints([1, 1]), ctx.op("Shape", x, start=2), axis=0)
-        ones = ctx.op("CastLike", ctx.op("ConstantOfShape", plane,
-                                         value=ir.tensor(np.ones(1, np.float32))), g)
-        counts = ctx.op("Conv", ones, ones_k, pads=[*begin, *end], **window_attrs)
-        scaled = ctx.op("Div", g, counts)
+    counts = _run_time_counts(ctx, node, x, g, ones_k, begin, end, window_attrs)
+    scaled = ctx.op("Mul", g, ctx.scalar(1.0 / float(np.prod(kernel)), g)) if counts is None \
+        else ctx.op("Div", g, counts)
     flat = ctx.op("Reshape", scaled, ctx.op("Concat", ctx.ints([-1, 1]),
                                             ctx.op("Shape", g, start=2), axis=0))
     spread = ctx.op("ConvTranspose", flat, ones_k, pads=[*begin, *[0] * n], **window_attrs)
     return ctx.op("Reshape", fit_spatial(ctx, spread, x, n), ctx.op("Shape", x))
+
+
+def _run_time_counts(ctx, node, x, g, ones_k, begin, end, window_attrs):
+    """Each window's divisor [1, 1, *out] as a Conv of ones over an indicator of the counted
+    positions (the input; with count_include_pad=1 its pads too), or None where every window
+    counts prod(kernel) (count_include_pad=1 without ceil_mode: no window leaves the pads).
+    ceil_mode's last window may reach past the end pad (torch and onnxruntime count only the
+    taps before it): the indicator gets zeros there, enough for any input size (a window's
+    extent plus a stride), and the Conv's output is cut to the pooled sizes, Shape(g)."""
+    include_pad, ceil = attr(node, "count_include_pad", 0), attr(node, "ceil_mode", 0)
+    if include_pad and not ceil:
+        return None
+    n = len(begin)
+    plane = ctx.op("Concat", ctx.ints([1, 1]), ctx.op("Shape", x, start=2), axis=0)
+    ones = ctx.op("CastLike", ctx.op("ConstantOfShape", plane,
+                                     value=ir.tensor(np.ones(1, np.float32))), g)
+    if not ceil:
+        return ctx.op("Conv", ones, ones_k, pads=[*begin, *end], **window_attrs)
+    over = [(k - 1) * d + s - 1 for k, d, s in zip(list(attr(node, "kernel_shape")),
+                                                   window_attrs["dilations"],
+                                                   window_attrs["strides"])]
+    if include_pad:  # the pads count: ones there, zeros past them
+        ones = ctx.op("Pad", ones, ctx.ints([0, 0, *begin, 0, 0, *end]),
+                      ctx.const(np.float32(1.0), like=g))
+        begin, end = [0] * n, [0] * n
+    padded = ctx.op("Pad", ones, ctx.ints([0, 0, *begin, 0, 0,
+                                           *[e + o for e, o in zip(end, over)]]))
+    counts = ctx.op("Conv", padded, ones_k, **window_attrs)
+    return ctx.op("Slice", counts, ctx.ints([0] * n), ctx.op("Shape", g, start=2),
+                  ctx.ints(list(range(2, n + 2))))
 
 
 @register("GlobalAveragePool")
