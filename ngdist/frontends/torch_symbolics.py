@@ -17,6 +17,9 @@ torch) already registers for an operator is left in place and used.
 * ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
   (timm's halonet): :func:`_unfold`;
 * ``aten::permute`` with negative dims: counted from the end (:func:`_permute`);
+* ``aten::repeat_interleave`` along a negative dim: torch's symbolic adds the rank to the
+  traced constant in place, which every other user of that constant then reads
+  (:func:`_repeat_interleave`);
 * ``aten::avg_pool2d`` whose one window covers the whole map: GlobalAveragePool
   (:func:`_avg_pool2d`);
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`, and
@@ -227,6 +230,22 @@ def _permute(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _repeat_interleave(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``repeat_interleave`` with a constant ``dim``: torch's symbolic (opset 13) makes a
+    negative dim positive by ``dim += rank`` on the constant's own tensor, so every node that
+    shares the traced constant (the tracer pools equal constants) reads the new value: Hugging
+    Face Cohere's rotary table repeats along -1 on 3 axes, then its ``stack(dim=-1)`` on 4
+    axes stacked along axis 2. The builtin is given a fresh constant of its own instead."""
+    def symbolic(g: Any, x: Any, repeats: Any, dim: Any = None, output_size: Any = None
+                 ) -> Any:
+        h = _helper()
+        if dim is not None and not h._is_none(dim) and h._is_constant(dim):
+            dim = _const(g, int(h._get_const(dim, "i", "dim")))
+        return builtin(g, x, repeats, dim, output_size)
+
+    return symbolic
+
+
 def _avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
     """``avg_pool2d`` whose one window covers the whole map (Hugging Face's EfficientNet pools
     with ``AvgPool2d(hidden_dim, ceil_mode=True)``: a kernel of 1280 on a 2x2 map): torch
@@ -279,11 +298,12 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::unfold": _unfold,
     "aten::permute": _permute,
     "aten::avg_pool2d": _avg_pool2d,
+    "aten::repeat_interleave": _repeat_interleave,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
-          "aten::avg_pool2d"}
+          "aten::avg_pool2d", "aten::repeat_interleave"}
 
 
 @contextlib.contextmanager

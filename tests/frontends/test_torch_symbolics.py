@@ -127,7 +127,8 @@ def _custom_groups() -> dict[str, object]:
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
-                         "aten::unfold", "aten::permute", "aten::avg_pool2d", *SYMBOLICS)}
+                         "aten::unfold", "aten::permute", "aten::avg_pool2d",
+                         "aten::repeat_interleave", *SYMBOLICS)}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
@@ -360,6 +361,19 @@ def test_permute_with_negative_dims_is_valid_onnx_whose_shapes_infer():
     assert len(out.type.tensor_type.shape.dim) == 4
     (got,) = _ort(Fn(lambda t: t.permute(0, -2, -1, 1) * 2), x)
     np.testing.assert_array_equal(got, (x.permute(0, 2, 3, 1) * 2).numpy())
+
+
+def test_repeat_interleave_along_a_negative_dim_leaves_the_shared_constant_alone():
+    """torch's symbolic turns the traced -1 into 2 in place (a 3-axis input); the tracer pools
+    equal constants, so the later stack(dim=-1) of 4 axes stacked along axis 2 (Hugging Face
+    Cohere's rotary embedding)."""
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        u = t.repeat_interleave(2, dim=-1).unsqueeze(1)
+        return torch.stack([u, -u], dim=-1).flatten(-2)
+
+    x = torch.randn(2, 3, 4)
+    (got,) = _ort(Fn(fn), x)
+    np.testing.assert_array_equal(got, fn(x).numpy())
 
 
 def test_an_avg_pool_window_larger_than_the_map_is_a_global_average_with_a_gradient():
