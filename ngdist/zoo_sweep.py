@@ -38,6 +38,11 @@ _TV_KWARGS: dict[str, dict[str, Any]] = {
 _TV_SIDE = {"alexnet": 64, "squeezenet1_0": 64, "squeezenet1_1": 64, "inception_v3": 80,
             "maxvit_t": 224}
 _TV_VIT_SIDE = {"vit_h_14": 28}
+# the fewest values a training-mode BatchNorm channel may normalize (the batch's images times
+# the map's positions): over 4 (1x1 maps) a channel almost constant across the images has a
+# variance below eps and its normalized values are float32 rounding noise, torch's own
+# float32 gradients 0.3-1.7 off float64 (timm's inception_v3, dpn68, ghostnet_050 at 32x32)
+BN_VALUES = 16
 
 
 @dataclasses.dataclass
@@ -170,21 +175,49 @@ def _timm_build(name: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     cfg = timm.get_pretrained_cfg(name)
     channels, *default = cfg.input_size if cfg is not None else (3, 224, 224)
     kwargs = {"pretrained": False, "num_classes": CLASSES}
-    # the smallest that runs: 32, then 64 and 128 (window and block sizes that need more,
-    # e.g. halonet's), then the default (256 held halonet at 13 GB resident)
-    for side, extra in ((SIDE, {"img_size": SIDE}), (SIDE, {}), (2 * SIDE, {}), (4 * SIDE, {}),
-                        (default[0], {})):
+    # the smallest that runs, each side told to the model where it takes one: 32, then 64
+    # and 128 (window and block sizes that need more, e.g. halonet's; BatchNorms over 1x1
+    # maps), then the default (256 held halonet at 13 GB resident)
+    tries = [(side, extra) for side in (SIDE, 2 * SIDE, 4 * SIDE)
+             for extra in ({"img_size": side}, {})]
+    for side, extra in [*tries, (default[0], {})]:
         torch.manual_seed(0)
         try:
             model = timm.create_model(name, **kwargs, **extra)
             feeds = _image_feeds(side, channels)
-            with torch.no_grad():
-                model.eval()(torch.from_numpy(feeds["x"][:2]))
+            fewest = _fewest_bn_values(model, feeds["x"])
         except (TypeError, RuntimeError, ValueError, AssertionError) as exc:
             logger.info("timm %s at %d (%s): %s", name, side, extra, exc)
             continue
+        if fewest < BN_VALUES and side < default[0]:
+            logger.info("timm %s at %d: a BatchNorm normalizes %d values", name, side, fewest)
+            continue
         return _no_dropout(model), feeds, torch.nn.CrossEntropyLoss()
     raise RuntimeError(f"timm {name}: no input size of {SIDE} or {default[0]} runs")
+
+
+def _fewest_bn_values(model: Any, images: np.ndarray) -> int:
+    """Runs ``model`` (eval mode, no gradient) on two of ``images`` and returns the fewest
+    values one channel of its BatchNorms would normalize on the whole batch (``images``'
+    count times the channel's positions; a large number where it has none). A BatchNorm of
+    [N, C] features normalizes the batch alone at any side: not counted."""
+    torch = _torch()
+    counts: list[int] = []
+
+    def hook(module: Any, args: tuple[Any, ...]) -> None:
+        x = args[0]
+        if x.dim() > 2:
+            counts.append(len(images) * (x.numel() // (2 * x.shape[1])))
+
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    handles = [m.register_forward_pre_hook(hook) for m in bns]
+    try:
+        with torch.no_grad():
+            model.eval()(torch.from_numpy(images[:2]))
+    finally:
+        for h in handles:
+            h.remove()
+    return min(counts, default=1 << 30)
 
 
 def timm_cases(cache: Path | None = None) -> list[Case]:

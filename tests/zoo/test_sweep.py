@@ -252,3 +252,21 @@ def test_a_nan_error_is_out_of_bounds_and_its_tensor_named():
                                        {"a": 1e-6, "b": nan})
     assert bad == "b" and np.isnan(worst)
     assert sweep_check._judge({"a": 2e-3}, {"a": 1e-3}, {"a": nan})[2] is None  # 2x own: in
+
+
+def test_a_batchnorm_normalizing_a_few_values_is_counted_and_the_timm_case_gets_larger_images():
+    """At 32x32 a network that downsamples 32 times ends on 1x1 maps, where each BatchNorm
+    channel normalizes the batch's 4 values and float32 is noise: the case takes the next
+    side at which every BatchNorm normalizes at least ``BN_VALUES`` values."""
+    import torch
+
+    from ngdist import zoo_sweep
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=2, padding=1),
+                              torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 16 * 16, 8), torch.nn.BatchNorm1d(8))
+    images = np.zeros((4, 3, 32, 32), np.float32)
+    assert zoo_sweep._fewest_bn_values(net, images) == 4 * 16 * 16  # BatchNorm1d of [N, C]: none
+    assert not net.training and all(not m._forward_pre_hooks for m in net.modules())
+    _, feeds, _ = zoo_sweep._timm_build("resnet10t")  # 1x1 maps at 32, 2x2 at 64
+    assert feeds["x"].shape == (zoo_sweep.BATCH, 3, 64, 64)
