@@ -30,7 +30,10 @@ torch) already registers for an operator is left in place and used.
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
   the factor cases keep torch's own symbolic;
 * elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
-  ``count_nonzero``, ``nanmean``, ...): ``frontends/torch_math.py``.
+  ``count_nonzero``, ``nanmean``, ...): ``frontends/torch_math.py``;
+* complex tensors as (real, imaginary) pairs (``polar``, ``view_as_complex``,
+  ``view_as_real``, complex products; any other op of a complex value refused):
+  ``frontends/torch_complex.py``.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ngdist.errors import GraphError
+from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_math import SYMBOLICS, _const, _helper
 
 logger = logging.getLogger(__name__)
@@ -300,10 +304,12 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::avg_pool2d": _avg_pool2d,
     "aten::repeat_interleave": _repeat_interleave,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
+    **{name: (lambda _, f=f: f) for name, f in torch_complex.SYMBOLICS.items()},
+    **torch_complex.WRAPS,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
-          "aten::avg_pool2d", "aten::repeat_interleave"}
+          "aten::avg_pool2d", "aten::repeat_interleave", *torch_complex.WRAPS}
 
 
 @contextlib.contextmanager
@@ -327,7 +333,8 @@ def lent_symbolics(opset: int) -> Iterator[list[str]]:
                 continue
             torch.onnx.register_custom_op_symbolic(name, make(current), opset)
             lent.append(name)
-        yield lent
+        with torch_complex.complex_checked():
+            yield lent
     finally:
         for name in lent:
             torch.onnx.unregister_custom_op_symbolic(name, opset)

@@ -13,6 +13,7 @@ from step_probe import gradient_errors, run_step
 from torch.onnx._internal.torchscript_exporter import registration
 
 from ngdist.frontends import torch as tfront
+from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_math import SYMBOLICS
 from ngdist.frontends.torch_symbolics import lent_symbolics
 
@@ -128,7 +129,8 @@ def _custom_groups() -> dict[str, object]:
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
                          "aten::unfold", "aten::permute", "aten::avg_pool2d",
-                         "aten::repeat_interleave", *SYMBOLICS)}
+                         "aten::repeat_interleave", *SYMBOLICS, *torch_complex.SYMBOLICS,
+                         *torch_complex.WRAPS)}
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
