@@ -7,6 +7,8 @@ Face DeepSeek-V2 and Llama 4: ``polar``, ``view_as_complex``, a complex product,
 
 * ``aten::polar(abs, angle)``: ``abs * cos(angle)`` and ``abs * sin(angle)`` stacked last;
 * ``aten::view_as_complex`` / ``aten::view_as_real``: the same tensor (the layouts agree);
+* ``aten::to`` of a complex tensor: the pairs (a device move), or both parts cast (another
+  complex type);
 * ``aten::mul`` with a complex operand: ``(ar br - ai bi, ar bi + ai br)``, a real operand
   broadcast over both parts; products of real tensors keep torch's symbolic.
 
@@ -31,11 +33,14 @@ _FRONT_DIM = {"aten::unsqueeze": 1, "aten::slice": 1, "aten::select": 1}
 
 
 def _is_complex(value: Any) -> bool:
+    return _scalar_type(value).startswith("Complex")
+
+
+def _scalar_type(value: Any) -> str:
     import torch
 
     kind = value.type()
-    return isinstance(kind, torch._C.TensorType) and \
-        str(kind.scalarType() or "").startswith("Complex")
+    return str(kind.scalarType() or "") if isinstance(kind, torch._C.TensorType) else ""
 
 
 def _part(g: Any, z: Any, i: int) -> Any:
@@ -56,22 +61,44 @@ def view_as_pairs(g: Any, x: Any) -> Any:
     return x
 
 
-# which inputs of the node being converted are complex in the traced graph (the converted
-# values are real pairs: their types no longer say so); set by complex_checked's converter
-_TRACED: list[bool] = []
+# the traced scalar types of the inputs of the node being converted (the converted values
+# of complex ones are real pairs: their types no longer say so); set by complex_checked
+_TRACED: list[str] = []
+_TRACED_OUT: list[str] = []
+_PARTS = {"ComplexFloat": 1, "ComplexDouble": 11}  # the ONNX type of a complex's parts
 
 
 def _mul(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, a: Any, b: Any) -> Any:
-        ca, cb = (_TRACED + [False, False])[:2]
+        ta, tb = (_TRACED + ["", ""])[:2]
+        ca, cb = ta.startswith("Complex"), tb.startswith("Complex")
         if not (ca or cb):
             return builtin(g, a, b)
         if ca and cb:
             ar, ai, br, bi = _part(g, a, 0), _part(g, a, 1), _part(g, b, 0), _part(g, b, 1)
             return _pair(g, g.op("Sub", g.op("Mul", ar, br), g.op("Mul", ai, bi)),
                          g.op("Add", g.op("Mul", ar, bi), g.op("Mul", ai, br)))
-        z, r = (a, b) if ca else (b, a)  # r real: broadcast over (real, imaginary)
+        (z, kind), r = ((a, ta), b) if ca else ((b, tb), a)  # r real: in z's parts' type,
+        r = g.op("Cast", r, to_i=_PARTS.get(kind, 1))  # broadcast over (real, imaginary)
         return g.op("Mul", z, g.op("Unsqueeze", r, _const(g, [-1])))
+
+    return symbolic
+
+
+def _to(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.to`` of a complex tensor: a device move is the pairs themselves, another
+    complex type a Cast of both parts; a real type (which drops the imaginary part) refused."""
+    def symbolic(g: Any, x: Any, *args: Any) -> Any:
+        if not _TRACED or not _TRACED[0].startswith("Complex"):
+            return builtin(g, x, *args)
+        out = (_TRACED_OUT + [""])[0]
+        if out == _TRACED[0]:
+            return x
+        if out in _PARTS:
+            return g.op("Cast", x, to_i=_PARTS[out])
+        raise GraphError(f"cannot export aten::to from {_TRACED[0]} to {out or 'a real type'}: "
+                         "ngdist writes complex tensors as (real, imaginary) pairs; take "
+                         "torch.view_as_real(z)[..., 0] for the real part")
 
     return symbolic
 
@@ -105,11 +132,13 @@ def complex_checked() -> Iterator[None]:
 
     def run(graph: Any, block: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
         _check(node)
-        _TRACED[:] = [_is_complex(v) for v in node.inputs()]
+        _TRACED[:] = [_scalar_type(v) for v in node.inputs()]
+        _TRACED_OUT[:] = [_scalar_type(v) for v in node.outputs()]
         try:
             return builtin(graph, block, node, *args, **kwargs)
         finally:
             _TRACED.clear()
+            _TRACED_OUT.clear()
 
     utils._run_symbolic_function = run
     try:
@@ -123,4 +152,5 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::view_as_complex": view_as_pairs,
     "aten::view_as_real": view_as_pairs,
 }
-WRAPS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {"aten::mul": _mul}
+WRAPS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {"aten::mul": _mul,
+                                                                       "aten::to": _to}

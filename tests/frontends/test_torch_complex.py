@@ -21,8 +21,8 @@ OPSET = 18
 
 class Rotary(torch.nn.Module):
     """q = Linear(x) per head, rotated by complex frequencies (DeepSeek-V2's
-    apply_rotary_emb: view_as_complex, a product with polar(1, angle) * scale,
-    view_as_real, flatten), then a linear head."""
+    apply_rotary_emb: view_as_complex, a product with polar(1, angle) * scale moved to q's
+    device, view_as_real, flatten), then a linear head."""
 
     def __init__(self, heads: int = 2, dim: int = 8) -> None:
         super().__init__()
@@ -39,7 +39,8 @@ class Rotary(torch.nn.Module):
         cis = torch.polar(torch.ones_like(freqs), freqs) * 0.5
         q = self.q(x).view(b, t, self.heads, self.dim).transpose(1, 2)
         qc = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))
-        rotated = torch.view_as_real(qc * cis.unsqueeze(0)[:, None]).flatten(3).type_as(q)
+        cis = cis.unsqueeze(0)[:, None].to(q.device)  # traced as aten::to
+        rotated = torch.view_as_real(qc * cis).flatten(3).type_as(q)
         return self.out(rotated.transpose(1, 2).reshape(b, t, -1)).mean(1)
 
 
