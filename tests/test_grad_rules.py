@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from grad_harness import (Case, Const, Gen, check_case, check_reuse, grad_model, grads_of,
-                          graph_case, lowering_error, mk, op_case, weights_for)
+                          graph_case, mk, op_case, weights_for)
 from ngdist.errors import GradientError
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import IR_VERSION
@@ -333,13 +333,3 @@ def test_missing_rules_are_listed_all_at_once() -> None:
         "Frobnicate (node 'frob0'), Det (node 'det0'). Ops without a rule: Det, "
         "com.example.Frobnicate. Mark the inputs that feed them as frozen, or register a rule "
         "with ngdist.passes.autodiff.register")
-
-
-def test_pad_without_constant_mode_names_the_mode_and_the_node() -> None:
-    pads = numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64))
-    nodes = [helper.make_node("Constant", [], ["pads"], name="pads0", value=pads),
-             helper.make_node("Pad", ["x", "pads"], ["y"], name="pad0", mode="reflect")]
-    assert lowering_error(nodes, [2, 3]) == (
-        "gradient rule of Pad failed on node 'pad0': Pad mode 'reflect' has no gradient rule "
-        "(only 'constant'); pad with zeros in the model, or mark the inputs that feed it as "
-        "frozen")

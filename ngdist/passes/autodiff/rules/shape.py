@@ -7,6 +7,7 @@ import numpy as np
 
 from ngdist.passes.autodiff.registry import attr, register
 from ngdist.passes.autodiff.rules._common import known_rank
+from ngdist.passes.autodiff.rules.pad_modes import folded_pad
 
 
 @register("Reshape", "Flatten")
@@ -63,11 +64,10 @@ def pad(ctx, node, gys):
     """Constant padding: the gradient is the output gradient padded by the negated pads (a
     positive pad is cut off, a negative one, which cropped, becomes zeros). The pads may be
     computed at run time. Reflect, edge and wrap padding fold several outputs onto one input
-    element and have no rule here."""
+    element: ``pad_modes.folded_pad``."""
     mode = attr(node, "mode", "constant")
     if mode != "constant":
-        raise ValueError(f"Pad mode {mode!r} has no gradient rule (only 'constant'); pad "
-                         "with zeros in the model, or mark the inputs that feed it as frozen")
+        return folded_pad(ctx, node, gys, mode)
     if ctx.opset < 11:
         pads = ctx.ints([-p for p in attr(node, "pads")])
         return [ctx.op("Pad", gys[0], pads)]
