@@ -9,6 +9,7 @@ import onnx_ir as ir
 from ngdist.errors import GradientError
 from ngdist.ir.domain import PREVIEW_TRAINING
 import ngdist.passes.autodiff.rules  # noqa: F401  (registers every rule family)
+from ngdist.passes.autodiff.lowering import lower_sigmoids
 from ngdist.passes.autodiff.registry import (NON_DIFFERENTIABLE, GradContext, attr, get_rule,
                                              taken_names)
 
@@ -145,7 +146,8 @@ class AutodiffPass(ir.passes.InPlacePass):
     gets a zero gradient (with a warning). An op on the path without a rule raises
     GradientError listing every such node at once. An axis-0 Gather carrying
     ``metadata_props[PADDING_IDX] = p`` (nn.Embedding's padding_idx) adds nothing to row p
-    of its table's gradient.
+    of its table's gradient. Every Sigmoid (and Swish's sigmoid) of the graph is then computed as
+    1 / (1 + exp(-x)) (``lowering.lower_sigmoids``: onnxruntime's is accurate only absolutely).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -180,4 +182,8 @@ class AutodiffPass(ir.passes.InPlacePass):
                 taken.add(out_name)
             graph.remove(node, safe=True)
             modified = True
+        if modified:
+            lowered = lower_sigmoids(graph, opset, taken)
+            if lowered:
+                logger.debug("%d Sigmoid/Swish node(s) computed with 1 / (1 + exp(-x))", lowered)
         return ir.passes.PassResult(model, modified)
