@@ -66,6 +66,8 @@ def _model(task: str, model_type: str) -> Any:
         _fsmt_masks()
     if model_type == "canine":
         _canine_masks()
+    if model_type == "led":
+        _led_float64()
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():  # a zero router ties every expert: see the module's docstring
@@ -92,18 +94,50 @@ def _canine_masks() -> None:
     in float64 float64's lowest value times a float32 tensor is -inf, and 0 * -inf NaN, so the
     model has no float64 oracle. Its module sees float32's lowest value for a float64 dtype
     instead: the same mask in float32, and one softmax zeroes the same in float64."""
-    torch = _torch()
     from transformers.models.canine import modeling_canine
 
-    class Torch:
+    modeling_canine.torch = _Float32Lowest()
+
+
+def _led_float64() -> None:
+    """LED's windowed attention masks with ``torch.finfo(dtype).min`` and adds such a mask to
+    scores already masked so, then takes ``softmax(..., dtype=torch.float32)`` ("fp32 for
+    numerical stability"): in float64 the sums round to -inf in float32, a padding query's
+    window is all -inf, and its NaN softmax makes torch's float64 gradients NaN. The float64
+    model masks with float32's lowest value (what torch float32 computes with) and keeps its
+    softmax in float64 (at least float32, as the model asks); float32 is unchanged."""
+    torch = _torch()
+    from transformers.models.led import modeling_led
+
+    class Functional:
         def __getattr__(self, name: str) -> Any:
-            return getattr(torch, name)
+            return getattr(torch.nn.functional, name)
 
         @staticmethod
-        def finfo(dtype: Any = None) -> Any:
-            return torch.finfo(torch.float32 if dtype == torch.float64 else dtype)
+        def softmax(x: Any, dim: Any = None, dtype: Any = None, **kw: Any) -> Any:
+            keep = x.dtype == torch.float64
+            return torch.nn.functional.softmax(x, dim=dim, dtype=None if keep else dtype, **kw)
 
-    modeling_canine.torch = Torch()
+    class Nn:
+        functional = Functional()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.nn, name)
+
+    modeling_led.torch, modeling_led.nn = _Float32Lowest(), Nn()
+
+
+class _Float32Lowest:
+    """``torch`` for a model module, but ``finfo(torch.float64)`` is float32's: its masks
+    fill float32's lowest value in float64 too."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_torch(), name)
+
+    @staticmethod
+    def finfo(dtype: Any = None) -> Any:
+        torch = _torch()
+        return torch.finfo(torch.float32 if dtype == torch.float64 else dtype)
 
 
 def _tokens(rng: np.random.Generator, vocab: int) -> tuple[np.ndarray, np.ndarray]:

@@ -270,3 +270,22 @@ def test_a_batchnorm_normalizing_a_few_values_is_counted_and_the_timm_case_gets_
     assert not net.training and all(not m._forward_pre_hooks for m in net.modules())
     _, feeds, _ = zoo_sweep._timm_build("resnet10t")  # 1x1 maps at 32, 2x2 at 64
     assert feeds["x"].shape == (zoo_sweep.BATCH, 3, 64, 64)
+
+
+def test_leds_float64_oracle_has_finite_gradients_that_agree_with_float32():
+    """LED's windowed attention in float64 masks with float32's lowest value and keeps its
+    softmax in float64 (zoo_sweep_hf._led_float64): float64's lowest value, summed twice and
+    cast to float32 by the model's softmax, made a padding query's window all -inf, and 24
+    parameters' float64 gradients NaN."""
+    from step_probe import gradient_errors
+    from sweep_check import torch_grads
+
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds, loss_fn = hf._build("seq2seq", "led")
+    assert (feeds["attention_mask"] == 0).any()  # padding tokens in the batch
+    _, g64 = torch_grads(module, feeds, loss_fn, True)
+    _, g32 = torch_grads(module, feeds, loss_fn, False)
+    assert all(np.isfinite(g).all() for g in g64.values())
+    errors = gradient_errors({f"{n}.grad": g for n, g in g32.items()}, g64)
+    assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
