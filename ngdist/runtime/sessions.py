@@ -124,12 +124,18 @@ def placement_for(device: str | None, local_rank: int = 0,
     return placement
 
 
-def session_options(intra_op_threads: int | None = None, shared_arena: bool = False
-                    ) -> ort.SessionOptions:
+def session_options(intra_op_threads: int | None = None, shared_arena: bool = False,
+                    device: str = "cpu") -> ort.SessionOptions:
     """onnxruntime options for ngdist's sessions: ``intra_op_threads`` (one inter-op thread),
     quiet logging, and the CPU memory arena unless ``NGDIST_CPU_ARENA=0``: the session's own,
     or with ``shared_arena`` or ``NGDIST_CPU_ARENA_MAX_MB`` one arena shared by the process's
     sessions (capped by the latter).
+
+    On the CPU the memory pattern is off: onnxruntime records a run's allocations and from
+    the second run on takes them as one block, which the arena cannot carve from the chunks
+    the first run left free, so it holds a second set of activations for good (a step's
+    resident size grew by its activations at step 2). The arena serves each allocation from
+    those chunks instead, at the same step time (docs/benchmarks.md, "Memory pattern").
 
     The arena is on by default: without it the CNN step of benchmarks/cnn_step_memory.py needs
     half the memory at batch 4096 but runs slower (docs/benchmarks.md, "Peak memory"). A
@@ -142,6 +148,7 @@ def session_options(intra_op_threads: int | None = None, shared_arena: bool = Fa
         opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
+    opts.enable_mem_pattern = device != "cpu"
     opts.enable_cpu_mem_arena = os.environ.get("NGDIST_CPU_ARENA", "1").strip() != "0"
     limit = arena_limit_mb()
     if opts.enable_cpu_mem_arena and (limit is not None or shared_arena):
@@ -265,7 +272,7 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     if optimize and placement.device == "cpu" and blocked_conv.requested():
         model = session_rewrites(model, nchwc_block_size, shapes)
     data = model if isinstance(model, bytes) else model.SerializeToString()
-    opts = session_options(intra_op_threads, shared_arena)
+    opts = session_options(intra_op_threads, shared_arena, placement.device)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(data, opts, providers=placement.providers)
