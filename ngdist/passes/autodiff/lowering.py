@@ -1,15 +1,14 @@
 """Forward ops of a training graph rewritten into forms accurate enough to differentiate.
 
 onnxruntime's float32 ``Sigmoid`` (MLAS's rational approximation of the logistic) is accurate
-to ~1.6e-7 absolute only: below x ~ -8 its relative error grows without bound (5x at
-x = -17.8, some 7e7 float32 ulps over the whole range), and a sigmoid's gradient,
-``y (1 - y)``, inherits the relative error of ``y``. A gate that sits in that region (a
-decay rate, a forget gate) then gets a gradient that is wrong in every digit. torch computes
-``1 / (1 + exp(-x))``: to 2.4 ulps over the whole float32 range, 0 below x ~ -88.7 (where
-the logistic is subnormal) and 1 above x ~ 16.6, never NaN or inf. Every Sigmoid of a
-training graph becomes that chain after autodiff, the backward's own Sigmoids included
-(Softplus', Swish's and Mish's gradients), and so does the sigmoid inside a Swish (whose
-onnxruntime kernel uses the same approximation: 0 instead of -1.4e-33 at x = -80); the
+only absolutely: below x ~ -8 its relative error grows without bound, and a sigmoid's
+gradient, ``y (1 - y)``, inherits the relative error of ``y``. A gate that sits in that region
+(a decay rate, a forget gate) then gets a gradient that is wrong in every digit. torch
+computes ``1 / (1 + exp(-x))``: a few ulps over the whole float32 range, 0 below x ~ -88.7
+(where the logistic is subnormal) and 1 above x ~ 16.6, never NaN or inf (measurements in
+docs/benchmarks.md). Every Sigmoid of a training graph becomes that chain after autodiff,
+the backward's own Sigmoids included (Softplus', Swish's and Mish's gradients), and so does
+the sigmoid inside a Swish (whose onnxruntime kernel uses the same approximation); the
 gradient rules still read the nodes' outputs, now accurate.
 """
 from __future__ import annotations
