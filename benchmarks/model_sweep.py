@@ -143,8 +143,12 @@ def _one(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     row = check(find_case(args.one, args.family))
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    row["cpu_s"] = use.ru_utime + use.ru_stime
+    use, oracle = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                       resource.RUSAGE_CHILDREN))
+    row["cpu_s"] = use.ru_utime + use.ru_stime + oracle.ru_utime + oracle.ru_stime
+    # resident peaks (KiB on Linux): the model's process, which the cap holds, and the
+    # largest of the torch oracle's processes (sweep_check.forked)
+    row["peak_mib"], row["oracle_peak_mib"] = use.ru_maxrss >> 10, oracle.ru_maxrss >> 10
     Path(args.result).write_text(json.dumps(row, default=float))
 
 

@@ -18,6 +18,10 @@ entries whose float64 gradient is within float32's error of zero step by ~lr in 
 direction on both sides; they are bounded by twice the model's largest update, not compared.
 A gradient off in one slice alone (one output channel: an activation within float32's error
 of a ReLU kink) is checked again on a second batch of float inputs, the first failure kept.
+
+The torch oracle (float64 and float32 autograd, each step's torch optimizer step) runs in a
+forked child process (``forked``): the sweep's memory cap is on ngdist and the model, and the
+states it keeps are float32 where they are exact (only the float64 oracle's in float64).
 """
 from __future__ import annotations
 
@@ -131,8 +135,13 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                                        input_names=list(inputs), optimizer="sgd:lr=0.01")
     out["stage"] = "gradients"
     got = run_step(model, feeds)
-    loss, g64 = torch_grads(module, feeds, loss_fn, True)
-    loss32, g32 = torch_grads(module, feeds, loss_fn, False)
+    def oracle() -> dict[str, Any]:
+        (loss, g64), (loss32, g32) = (torch_grads(module, feeds, loss_fn, f)
+                                      for f in (True, False))
+        return {"loss": loss, "loss32": loss32, "g64": g64, "g32": g32}
+
+    ref = forked(oracle)
+    loss, loss32, g64, g32 = ref["loss"], ref["loss32"], ref["g64"], ref["g32"]
     missing = sorted(set(g64) - set(exp.params))
     if missing:
         raise StageError(f"{len(missing)} parameters with a torch gradient are not trained "
@@ -191,8 +200,70 @@ def _slices(got: np.ndarray, exact: np.ndarray) -> str:
 
 
 def _state(module: Any) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().astype(np.float64) for k, v in module.state_dict().items()
+    """The module's float parameters and buffers, copied in their own type (a float32 state
+    is kept in float32, exactly: the comparisons take one tensor to float64 at a time)."""
+    return {k: v.detach().numpy().copy() for k, v in module.state_dict().items()
             if v.is_floating_point()}
+
+
+def forked(fn: Any) -> dict[str, Any]:
+    """``fn()`` (a dict of numbers and of dicts of arrays) computed in a forked child process,
+    which sees this process's modules and optimizer as they are (copy-on-write) and sends the
+    result back one array at a time: the torch oracle's float64 model copies, optimizer
+    state, activations and gradients live and die there, so the sweep's process (its
+    resident size is what the 8 GiB cap measures) holds ngdist and the model, not the oracle."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            for key, value in fn().items():
+                send.send((key, isinstance(value, dict), None, None if
+                           isinstance(value, dict) else value))
+                for name, array in (value.items() if isinstance(value, dict) else ()):
+                    send.send((key, True, name, array))
+        except BaseException as exc:  # noqa: BLE001 - the parent raises it as its own
+            send.send(("error", False, None, f"{type(exc).__name__}: {exc}"))
+        send.send(None)
+        send.close()
+
+    proc = context.Process(target=child)
+    proc.start()
+    send.close()
+    out: dict[str, Any] = {}
+    try:
+        while (item := receive.recv()) is not None:
+            key, nested, name, value = item
+            if nested:
+                out.setdefault(key, {})
+                if name is not None:
+                    out[key][name] = value
+            else:
+                out[key] = value
+    except EOFError:
+        proc.join()
+        raise StageError(f"the torch oracle's process ended without a result (exit code "
+                         f"{proc.exitcode})") from None
+    proc.join()
+    if "error" in out:
+        raise RuntimeError(f"in the torch oracle: {out['error']}")
+    return out
+
+
+def release_freed() -> None:
+    """Hands memory freed by the oracle (a float64 model copy, its activations and
+    gradients) back to the system: glibc keeps freed blocks below its mmap threshold (which
+    grows to 32 MiB as large blocks are freed) in the heap, so without this the process's
+    resident size is its oracle's high-water mark, not what the model holds."""
+    import ctypes
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def torch_step(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
@@ -247,10 +318,15 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
     worst = own_worst = 0.0
     for step in range(1, 4):
         before = _state(mine_module)
-        noise = noise_entries(*(torch_grads(mine_module, feeds, loss_fn, f)[1]
-                                for f in (True, False))) if opt == "adamw" else {}
-        ref64, ref32 = (torch_step(mine_module, optimizer, feeds, loss_fn, make_opt, f)
-                        for f in (True, False))
+
+        def oracle() -> dict[str, Any]:
+            noise = noise_entries(*(torch_grads(mine_module, feeds, loss_fn, f)[1]
+                                    for f in (True, False))) if opt == "adamw" else {}
+            return {"noise": noise, **{f"ref{64 if f else 32}": torch_step(
+                mine_module, optimizer, feeds, loss_fn, make_opt, f) for f in (True, False)}}
+
+        ref = forked(oracle)
+        noise, ref64, ref32 = ref["noise"], ref["ref64"], ref["ref32"]
         trainer.step(feeds, fetch_stats=False)
         trainer.to_torch()
         mine = _state(mine_module)
@@ -265,6 +341,8 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
         if bad:
             raise StageError(f"{opt} step {step}: {bad} {errors[bad]:.2e} from float64 (torch "
                              f"float32: {own[bad]:.1e})")
+        del ref, noise, ref64, ref32
+        release_freed()
     out[f"{opt}_err"], out[f"{opt}_torch32_err"] = worst, own_worst
     return trainer
 
@@ -317,6 +395,7 @@ def check(case: Any) -> dict[str, Any]:
             # run in float64 (no oracle: fsmt fills float32's -inf), is not built
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
             float(loss_of(to_float64(copy.deepcopy(module)), loss_fn, _tensors(feeds, True)))
+        release_freed()
         feeds = gradients_or_second_batch(module, feeds, loss_fn, out)
         check_training(module, feeds, loss_fn, "sgd", out)
         gc.collect()  # the SGD trainer's sessions, before AdamW's are made

@@ -289,3 +289,48 @@ def test_leds_float64_oracle_has_finite_gradients_that_agree_with_float32():
     assert all(np.isfinite(g).all() for g in g64.values())
     errors = gradient_errors({f"{n}.grad": g for n, g in g32.items()}, g64)
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
+
+
+def test_the_trained_state_is_kept_in_its_own_type_as_a_copy():
+    """The sweep keeps the state before and after each step of ngdist and of torch float32
+    in float32 (exact; the float64 oracle's in float64), copied: half the bytes of float64
+    copies, which with the oracle's own took beit_base past the sweep's 8 GiB."""
+    import torch
+    from sweep_check import _state
+
+    module = torch.nn.Linear(3, 2)
+    state = _state(module)
+    assert {k: v.dtype for k, v in state.items()} == {"weight": np.float32, "bias": np.float32}
+    before = state["weight"].copy()
+    with torch.no_grad():
+        module.weight.add_(1.0)
+    np.testing.assert_array_equal(state["weight"], before)
+    assert _state(module.double())["weight"].dtype == np.float64
+
+
+def test_timm_vgg_is_built_with_a_narrow_pre_logits_layer():
+    """VGG's 7x7 pre-logits convolution to 4096 channels (103 M parameters) gets 64 hidden
+    channels: the architecture at 10 M parameters, under the sweep's memory cap."""
+    from ngdist import zoo_sweep
+
+    module, _, _ = zoo_sweep._timm_build("vgg11")
+    assert module.pre_logits.fc1.out_channels == 64
+    assert sum(p.numel() for p in module.parameters()) < 12_000_000
+
+
+def test_the_oracle_runs_in_a_child_process_and_sends_its_arrays_back():
+    import os
+
+    from sweep_check import forked
+
+    out = forked(lambda: {"pid": os.getpid(), "empty": {},
+                          "g": {"a": np.arange(3.0), "b": np.ones((2, 2), np.float32)}})
+    assert out["pid"] != os.getpid() and out["empty"] == {}
+    np.testing.assert_array_equal(out["g"]["a"], np.arange(3.0))
+    assert out["g"]["b"].dtype == np.float32 and out["g"]["b"].shape == (2, 2)
+
+    def fails() -> dict:
+        raise ValueError("no oracle")
+
+    with pytest.raises(RuntimeError, match="^in the torch oracle: ValueError: no oracle$"):
+        forked(fails)
