@@ -43,6 +43,12 @@ _TV_VIT_SIDE = {"vit_h_14": 28}
 # variance below eps and its normalized values are float32 rounding noise, torch's own
 # float32 gradients 0.3-1.7 off float64 (timm's inception_v3, dpn68, ghostnet_050 at 32x32)
 BN_VALUES = 16
+# timm models built with an argument of their own: VGG's pre-logits 7x7 convolution from 512 to
+# 4096 channels holds 103 M parameters (float64 oracle, optimizer states: past the memory
+# cap); a 64-channel hidden layer (mlp_ratio 1/64) holds 1.9 M (the model 11 M)
+_TIMM_KWARGS: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("vgg11", "vgg11_bn", "vgg13", "vgg16", "vgg19"), {"mlp_ratio": 1 / 64}),
+}
 
 
 @dataclasses.dataclass
@@ -174,7 +180,7 @@ def _timm_build(name: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     timm = vz.import_timm()
     cfg = timm.get_pretrained_cfg(name)
     channels, *default = cfg.input_size if cfg is not None else (3, 224, 224)
-    kwargs = {"pretrained": False, "num_classes": CLASSES}
+    kwargs = {"pretrained": False, "num_classes": CLASSES, **_TIMM_KWARGS.get(name, {})}
     # the smallest that runs, each side told to the model where it takes one: 32, then 64
     # and 128 (window and block sizes that need more, e.g. halonet's; BatchNorms over 1x1
     # maps), then the default (256 held halonet at 13 GB resident)

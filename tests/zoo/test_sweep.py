@@ -310,7 +310,7 @@ def test_the_trained_state_is_kept_in_its_own_type_as_a_copy():
 
 def test_timm_vgg_is_built_with_a_narrow_pre_logits_layer():
     """VGG's 7x7 pre-logits convolution to 4096 channels (103 M parameters) gets 64 hidden
-    channels: the architecture at 10 M parameters, under the sweep's memory cap."""
+    channels: the architecture at 11 M parameters, under the sweep's memory cap."""
     from ngdist import zoo_sweep
 
     module, _, _ = zoo_sweep._timm_build("vgg11")
