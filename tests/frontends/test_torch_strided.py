@@ -13,7 +13,8 @@ from step_probe import gradient_errors, run_step
 
 from ngdist.errors import GraphError
 from ngdist.frontends import torch as tfront
-from ngdist.frontends.torch_symbolics import lent_symbolics, memory_order
+from ngdist.frontends.torch_strided import memory_order
+from ngdist.frontends.torch_symbolics import lent_symbolics
 
 
 class Chunked(torch.nn.Module):
