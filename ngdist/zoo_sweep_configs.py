@@ -56,7 +56,7 @@ _SCALARS = {
 _CAPS = {"num_groups": 8}
 # per stage: depths 1; head counts HEADS (they divide every stage's width, 32 * 2**i)
 _LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None,
-          "embed_dim": None, "num_heads": HEADS}
+          "embed_dim": None, "num_heads": HEADS, "num_attention_heads": HEADS}
 _ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
          "mask_time_prob", "mask_feature_prob")
 
@@ -162,6 +162,20 @@ def _qwen3_asr(cfg: Any) -> None:
     cfg.audio_config.downsample_hidden_size = WIDTH  # its convolutions held 4 M parameters
 
 
+def _mamba2(cfg: Any) -> None:
+    """A Mamba-2 mixer's heads times head size is its inner width, expand x hidden (64: 4
+    heads of 16), its heads split into ``n_groups`` (2) groups; a 16-wide state."""
+    cfg.head_dim = cfg.expand * cfg.hidden_size // cfg.num_heads
+    cfg.n_groups, cfg.state_size = 2, 16
+
+
+def _zamba2(cfg: Any) -> None:
+    """Zamba2 derives its attention and Mamba head sizes from the hidden size when the config
+    is made (``__post_init__``): derived again from the tiny one."""
+    cfg.n_mamba_heads, cfg.intermediate_size = HEADS, None
+    cfg.__post_init__()
+
+
 def _moonshine_streaming(cfg: Any) -> None:
     """The decoder reads ``num_key_value_heads`` from the top-level config, whose default
     lacks it (only the encoder's sub-config has one): as many as heads."""
@@ -172,8 +186,10 @@ _FIXUPS: dict[str, Callable[[Any], None]] = {
     "efficientnet": _efficientnet,
     "kyutai_speech_to_text": _kyutai,
     "levit": _levit,
+    "mamba2": _mamba2,
     "moonshine_streaming": _moonshine_streaming,
     "qwen3_asr": _qwen3_asr,
+    "zamba2": _zamba2,
 }
 
 

@@ -66,6 +66,8 @@ def _model(task: str, model_type: str) -> Any:
         _fsmt_masks()
     if model_type == "canine":
         _canine_masks()
+    if model_type == "xglm":
+        _xglm_masks()
     if model_type == "led":
         _led_float64()
     torch.manual_seed(0)
@@ -125,6 +127,15 @@ def _led_float64() -> None:
             return getattr(torch.nn, name)
 
     modeling_led.torch, modeling_led.nn = _Float32Lowest(), Nn()
+
+
+def _xglm_masks() -> None:
+    """XGLM clamps its masked scores at ``torch.full((), torch.finfo(dtype).min)``, a float32
+    tensor: float64's lowest value overflows it, so the model has no float64 oracle. The
+    clamp at float32's lowest value in float64 too (what float32 computes)."""
+    from transformers.models.xglm import modeling_xglm
+
+    modeling_xglm.torch = _Float32Lowest()
 
 
 class _Float32Lowest:
@@ -195,6 +206,8 @@ def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
     main input is token ids and that takes ``input_features`` as its encoder's input
     embeddings, Pop2Piano: frames by d_model)."""
     name = model.main_input_name
+    if name == "inputs":  # SpeechEncoderDecoder: its encoder's input, passed as ``inputs``
+        return {"inputs": next(iter(_audio_feeds(model.encoder, rng).values()))}
     cfg = model.config
     embeds = name not in ("input_values", "input_features") and \
         "input_features" in inspect.signature(model.forward).parameters
@@ -316,12 +329,20 @@ def _codes_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.n
     return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
 
 
+# recurrent language models whose forward takes an attention_mask and ignores it: the exported
+# graph has no such input, and a trainer refuses a batch with one
+_MASKLESS = {"rwkv"}
+
+
 def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     torch = _torch()
     model = _model(task, model_type)
     rng = np.random.default_rng(0)
     if task in ("imgcls", "audiocls"):
-        if task == "imgcls":
+        if task == "imgcls" and model.main_input_name == "input_ids":  # ImageGPT: pixels
+            feeds = {"input_ids": rng.integers(0, min(_vocab(model), VOCAB), (BATCH, LENGTH))
+                     .astype(np.int64)}  # as colour-cluster tokens
+        elif task == "imgcls":
             vision = getattr(model.config, "vision_config", None) or model.config  # siglip
             side = getattr(vision, "image_size", 32)
             side = side[0] if isinstance(side, (list, tuple)) else side
@@ -344,7 +365,9 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
     if task == "causal":
         feeds = {"input_ids": ids, "attention_mask": mask,
                  "y": _labels(ids, mask)[:, 1:].reshape(-1)}
-        return _Logits.wrap(model, ["input_ids", "attention_mask"], True, True), feeds, None
+        if model_type in _MASKLESS:
+            del feeds["attention_mask"]
+        return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
     if task == "seqcls":
         feeds = {"input_ids": ids, "attention_mask": mask,
                  "y": rng.integers(0, LABELS, BATCH).astype(np.int64)}
