@@ -321,10 +321,13 @@ _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::pe
 @contextlib.contextmanager
 def lent_symbolics(opset: int) -> Iterator[list[str]]:
     """The symbolics above registered at ``opset`` for the block (the names lent), each only
-    where no custom symbolic is registered, and unregistered after it, also on error."""
+    where no custom symbolic is registered, and unregistered after it, also on error. torch
+    registers its symbolics of opsets above 9 at its first export: done here first, so that a
+    wrapped builtin is the one of ``opset``, not opset 9's."""
     import torch
-    from torch.onnx._internal.torchscript_exporter import registration
+    from torch.onnx._internal.torchscript_exporter import registration, utils
 
+    utils._trigger_symbolic_function_registration()
     lent: list[str] = []
     absent = set(_LENT) - registration.registry.all_functions()
     try:

@@ -135,6 +135,9 @@ def _custom_groups() -> dict[str, object]:
 
 
 def test_the_registry_is_as_it_was_after_an_export_and_after_a_failed_one():
+    from torch.onnx._internal.torchscript_exporter import utils
+
+    utils._trigger_symbolic_function_registration()  # torch's own, as any export does first
     before = _custom_groups()
     with lent_symbolics(OPSET) as lent:
         assert sorted(lent) == sorted(before)
@@ -377,6 +380,33 @@ def test_repeat_interleave_along_a_negative_dim_leaves_the_shared_constant_alone
     x = torch.randn(2, 3, 4)
     (got,) = _ort(Fn(fn), x)
     np.testing.assert_array_equal(got, fn(x).numpy())
+
+
+def test_a_wrapped_symbolic_is_the_opsets_own_in_a_fresh_process():
+    """torch registers its symbolics above opset 9 at its first export: lent before that, the
+    wrapped repeat_interleave was opset 9's, which refuses an axis of unknown extent (Hugging
+    Face Qwen3.5's gated delta net)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import io, numpy as np, onnxruntime as ort, torch
+        from ngdist.frontends.torch_symbolics import lent_symbolics
+        class Fn(torch.nn.Module):
+            def forward(self, t):
+                return t.reshape(t.shape[0], -1, 2).repeat_interleave(3, dim=1)
+        x, buf = torch.randn(2, 8), io.BytesIO()
+        with lent_symbolics(18):
+            torch.onnx.export(Fn(), (x,), buf, dynamo=False, opset_version=18,
+                              input_names=["x"], dynamic_axes={"x": {0: "n", 1: "m"}})
+        sess = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"])
+        x = torch.randn(3, 6)
+        np.testing.assert_array_equal(sess.run(None, {"x": x.numpy()})[0], Fn()(x).numpy())
+        print("same")
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 and out.stdout.strip() == "same", out.stderr[-2000:]
 
 
 def test_an_avg_pool_window_larger_than_the_map_is_a_global_average_with_a_gradient():
