@@ -176,6 +176,12 @@ def _zamba2(cfg: Any) -> None:
     cfg.__post_init__()
 
 
+def _xlstm(cfg: Any) -> None:
+    """xLSTM's blocks are ``embedding_dim`` wide (its hidden size under another name) and
+    ``num_blocks`` deep."""
+    cfg.embedding_dim, cfg.num_blocks = cfg.hidden_size, cfg.num_hidden_layers
+
+
 def _moonshine_streaming(cfg: Any) -> None:
     """The decoder reads ``num_key_value_heads`` from the top-level config, whose default
     lacks it (only the encoder's sub-config has one): as many as heads."""
@@ -189,6 +195,7 @@ _FIXUPS: dict[str, Callable[[Any], None]] = {
     "mamba2": _mamba2,
     "moonshine_streaming": _moonshine_streaming,
     "qwen3_asr": _qwen3_asr,
+    "xlstm": _xlstm,
     "zamba2": _zamba2,
 }
 
