@@ -76,13 +76,17 @@ def _image_feeds(side: int, channels: int = 3, classes: int = CLASSES, seed: int
 
 
 def _no_dropout(module: Any) -> Any:
-    """Dropout p=0 and stochastic depth off: a step is a deterministic function."""
+    """Dropout p=0 and stochastic depth off: a step is a deterministic function. A module's
+    float ``drop_rate`` is 0 too: timm heads apply ``F.dropout(x, p=self.drop_rate)`` in their
+    forward (ghostnet's default is 0.2), which no Dropout module holds."""
     torch = _torch()
     for m in module.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             m.p = 0.0
+        if isinstance(getattr(m, "drop_rate", None), float):
+            m.drop_rate = 0.0
         kind = type(m).__name__
-        for attr in ("drop_prob", "p", "drop_rate"):
+        for attr in ("drop_prob", "p"):
             if ("DropPath" in kind or "StochasticDepth" in kind) and \
                     isinstance(getattr(m, attr, None), float):
                 setattr(m, attr, 0.0)

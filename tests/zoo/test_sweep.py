@@ -334,3 +334,23 @@ def test_the_oracle_runs_in_a_child_process_and_sends_its_arrays_back():
 
     with pytest.raises(RuntimeError, match="^in the torch oracle: ValueError: no oracle$"):
         forked(fails)
+
+
+def test_a_timm_heads_functional_dropout_is_off_and_the_forward_deterministic():
+    """timm's GhostNet applies ``F.dropout(x, p=self.drop_rate)`` (0.2 by default) in its
+    head, held by no Dropout module: the case sets every module's float ``drop_rate`` to 0,
+    so that torch's and ngdist's forwards see the same function (with different masks their
+    losses were 1.70 and 1.67)."""
+    import torch
+
+    from ngdist import zoo_sweep
+
+    module, feeds, _ = zoo_sweep._timm_build("ghostnet_050")
+    assert module.training and module.drop_rate == 0.0
+    x = torch.from_numpy(feeds["x"])
+    outs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            outs.append(module(x).numpy().tobytes())
+    assert outs[0] == outs[1]
