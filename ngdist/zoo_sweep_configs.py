@@ -58,7 +58,7 @@ _CAPS = {"num_groups": 8}
 _LISTS = {"depths": 1, "num_layers_per_block": 1, "hidden_sizes": None, "embed_dims": None,
           "embed_dim": None, "num_heads": HEADS, "num_attention_heads": HEADS}
 _ZERO = ("dropout", "_pdrop", "dropout_prob", "dropout_rate", "layerdrop", "drop_path_rate",
-         "mask_time_prob", "mask_feature_prob")
+         "mask_time_prob", "mask_feature_prob", "jitter_noise")  # (a router's random jitter)
 
 
 def transformers() -> Any:
