@@ -331,7 +331,7 @@ def _codes_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.n
 
 # recurrent language models whose forward takes an attention_mask and ignores it: the exported
 # graph has no such input, and a trainer refuses a batch with one
-_MASKLESS = {"rwkv"}
+_MASKLESS = {"rwkv", "xlstm"}
 
 
 def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
