@@ -10,7 +10,7 @@ regenerated from it.
 
     python benchmarks/model_sweep.py [--source torchvision timm transformers]
         [--only NAME ...] [--json FILE] [--merge FILE ...] [--failed] [--skip-done]
-        [--limit N] [--timeout 300] [--jobs 1] [--all-constructors] [--list] [--no-docs]
+        [--limit N] [--timeout 600] [--jobs 1] [--all-constructors] [--list] [--no-docs]
         [--report]
 
 ``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``: that
@@ -231,8 +231,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="fold these results files into --json first")
     p.add_argument("--report", action="store_true",
                    help="only regenerate the docs table from --json")
-    p.add_argument("--timeout", type=float, default=300,
-                   help="CPU seconds a model (wall time: 5x that)")
+    p.add_argument("--timeout", type=float, default=600,
+                   help="CPU seconds of a model's process: export, both compiles, the steps "
+                        "and eager torch (the forked oracle has a limit of its own); wall "
+                        "time: 5x that")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--all-constructors", action="store_true",
                    help="every torchvision constructor, not the smallest of each family")

@@ -235,7 +235,7 @@ LIMIT_MESSAGE = re.compile(
 @pytest.mark.mpi
 @pytest.mark.timeout(280)
 def test_a_model_allreduce_cannot_start_under_a_memory_limit_trains_sharded(ranks, tmp_path):
-    """Every rank limited to its address space at start plus 850 MiB (RLIMIT_AS; glibc's
+    """Every rank limited to its address space at start plus 725 MiB (RLIMIT_AS; glibc's
     per-thread malloc arenas, 64 MiB of address space each whatever they hold, limited to two):
     plain allreduce, whose ranks each hold the whole parameters, AdamW moments and gradients,
     stops in its first step on every rank with an OutOfMemoryError naming the limit and what
@@ -243,7 +243,7 @@ def test_a_model_allreduce_cannot_start_under_a_memory_limit_trains_sharded(rank
     env = {"MALLOC_ARENA_MAX": "2"}
     got = {}
     for shard in ("none", "parameters"):
-        ranks(4, LIMITED, args=[shard, "850"], env=env, timeout=120)
+        ranks(4, LIMITED, args=[shard, "725"], env=env, timeout=120)
         got[shard] = [json.loads((tmp_path / f"limited.{r}.json").read_text())
                       for r in range(4)]
     for out in got["none"]:
