@@ -252,20 +252,6 @@ def forked(fn: Any) -> dict[str, Any]:
     return out
 
 
-def release_freed() -> None:
-    """Hands memory freed by the oracle (a float64 model copy, its activations and
-    gradients) back to the system: glibc keeps freed blocks below its mmap threshold (which
-    grows to 32 MiB as large blocks are freed) in the heap, so without this the process's
-    resident size is its oracle's high-water mark, not what the model holds."""
-    import ctypes
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
 def torch_step(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                make_opt: Any, float64: bool) -> dict[str, np.ndarray]:
     """The state after one torch step from ``module``'s state and ``optimizer``'s (its
@@ -306,6 +292,7 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
     import torch
 
     import ngdist
+    from ngdist.runtime.state import release_freed_memory
 
     make_opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
                 "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1)}[opt]
@@ -342,7 +329,7 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
             raise StageError(f"{opt} step {step}: {bad} {errors[bad]:.2e} from float64 (torch "
                              f"float32: {own[bad]:.1e})")
         del ref, noise, ref64, ref32
-        release_freed()
+        release_freed_memory()  # the oracle's freed blocks, so the cap measures the model
     out[f"{opt}_err"], out[f"{opt}_torch32_err"] = worst, own_worst
     return trainer
 
@@ -386,6 +373,8 @@ def check(case: Any) -> dict[str, Any]:
     ``error``)."""
     import torch
 
+    from ngdist.runtime.state import release_freed_memory
+
     torch.set_num_threads(1)
     out: dict[str, Any] = {"name": case.name, "family": case.family, "source": case.source,
                            "status": "fail", "stage": "build"}
@@ -395,7 +384,7 @@ def check(case: Any) -> dict[str, Any]:
             # run in float64 (no oracle: fsmt fills float32's -inf), is not built
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
             float(loss_of(to_float64(copy.deepcopy(module)), loss_fn, _tensors(feeds, True)))
-        release_freed()
+        release_freed_memory()
         feeds = gradients_or_second_batch(module, feeds, loss_fn, out)
         check_training(module, feeds, loss_fn, "sgd", out)
         gc.collect()  # the SGD trainer's sessions, before AdamW's are made
