@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ngdist.errors import GraphError
-from ngdist.frontends.torch_math import _const
+from ngdist.frontends.torch_math import const
 
 # operators whose symbolics here, or whose torch symbolics, are right on the pair layout:
 # these, and indexing with dims counted from the front (checked by check_complex)
@@ -44,11 +44,11 @@ def _scalar_type(value: Any) -> str:
 
 
 def _part(g: Any, z: Any, i: int) -> Any:
-    return g.op("Gather", z, _const(g, i), axis_i=-1)
+    return g.op("Gather", z, const(g, i), axis_i=-1)
 
 
 def _pair(g: Any, re: Any, im: Any) -> Any:
-    last = _const(g, [-1])
+    last = const(g, [-1])
     return g.op("Concat", g.op("Unsqueeze", re, last), g.op("Unsqueeze", im, last), axis_i=-1)
 
 
@@ -80,7 +80,7 @@ def _mul(builtin: Callable[..., Any]) -> Callable[..., Any]:
                          g.op("Add", g.op("Mul", ar, bi), g.op("Mul", ai, br)))
         (z, kind), r = ((a, ta), b) if ca else ((b, tb), a)  # r real: in z's parts' type,
         r = g.op("Cast", r, to_i=_PARTS.get(kind, 1))  # broadcast over (real, imaginary)
-        return g.op("Mul", z, g.op("Unsqueeze", r, _const(g, [-1])))
+        return g.op("Mul", z, g.op("Unsqueeze", r, const(g, [-1])))
 
     return symbolic
 

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 
 
-def _helper() -> Any:
+def helper() -> Any:
+    """torch's TorchScript ``symbolic_helper`` module (imported when a symbolic runs)."""
     from torch.onnx._internal.torchscript_exporter import symbolic_helper
     return symbolic_helper
 
 
-def _const(g: Any, value: Any, dtype: Any = np.int64) -> Any:
+def const(g: Any, value: Any, dtype: Any = np.int64) -> Any:
+    """A Constant node of ``value`` in ``dtype`` in the graph ``g`` being exported."""
     import torch
     return g.op("Constant", value_t=torch.tensor(np.asarray(value, dtype)))
 
@@ -49,7 +51,7 @@ def _floats(g: Any, *values: Any) -> list[Any]:
 
 
 def _scalar(g: Any, value: float, like: Any) -> Any:
-    return g.op("CastLike", _const(g, value, np.float32), like)
+    return g.op("CastLike", const(g, value, np.float32), like)
 
 
 def _logaddexp(base2: bool) -> Callable[..., Any]:
@@ -89,7 +91,7 @@ def copysign(g: Any, a: Any, b: Any) -> Any:
 
 def _axes(g: Any, dim: Any) -> Any | None:
     """``dim`` (an int, a list or None) as ONNX axes, None for every axis."""
-    h = _helper()
+    h = helper()
     if dim is None or h._is_none(dim):
         return None
     try:
@@ -97,7 +99,7 @@ def _axes(g: Any, dim: Any) -> Any | None:
     except TypeError:  # one int: the exporter's list parse iterates it
         value = h._maybe_get_const(dim, "i")
     value = np.atleast_1d(np.asarray(value, np.int64)).tolist()
-    return _const(g, value) if value else None
+    return const(g, value) if value else None
 
 
 def _reduce_sum(g: Any, x: Any, dim: Any, keepdim: int) -> Any:
@@ -108,12 +110,12 @@ def _reduce_sum(g: Any, x: Any, dim: Any, keepdim: int) -> Any:
 
 
 def count_nonzero(g: Any, x: Any, dim: Any = None) -> Any:
-    nonzero = g.op("Not", g.op("Equal", x, g.op("CastLike", _const(g, 0), x)))
+    nonzero = g.op("Not", g.op("Equal", x, g.op("CastLike", const(g, 0), x)))
     return _reduce_sum(g, g.op("Cast", nonzero, to_i=7), dim, 0)
 
 
 def _keep(keepdim: Any) -> int:
-    h = _helper()
+    h = helper()
     return 0 if keepdim is None or h._is_none(keepdim) else int(h._maybe_get_const(keepdim, "i"))
 
 
@@ -121,7 +123,7 @@ def _as(g: Any, out: Any, dtype: Any) -> Any:
     """``out`` cast to torch's ``dtype=`` argument where one is given."""
     from torch.onnx._internal.torchscript_exporter import _type_utils as t
 
-    h = _helper()
+    h = helper()
     if dtype is None or h._is_none(dtype):
         return out
     return g.op("Cast", out, to_i=t.JitScalarType(h._get_const(dtype, "i", "dtype")).onnx_type())

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ngdist.errors import GraphError
-from ngdist.frontends.torch_math import _helper
+from ngdist.frontends.torch_math import helper
 
 
 def as_strided(builtin: Callable[..., Any]) -> Callable[..., Any]:
@@ -21,7 +21,7 @@ def as_strided(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, x: Any, sizes: Any, strides: Any, offset: Any = None) -> Any:
         kind = x.type()
         steps = kind.strides() if hasattr(kind, "strides") else None
-        shape = _helper()._get_tensor_sizes(x)
+        shape = helper()._get_tensor_sizes(x)
         if not steps or None in steps or shape is None or len(shape) != len(steps):
             return builtin(g, x, sizes, strides, offset)
         order = memory_order(list(shape), list(steps))

@@ -51,13 +51,13 @@ import numpy as np
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_strided import as_strided
-from ngdist.frontends.torch_math import SYMBOLICS, _const, _helper
+from ngdist.frontends.torch_math import SYMBOLICS, const, helper
 
 logger = logging.getLogger(__name__)
 
 
 def expm1(g: Any, x: Any) -> Any:
-    half, one, two = (g.op("CastLike", _const(g, v, np.float32), x) for v in (0.5, 1.0, 2.0))
+    half, one, two = (g.op("CastLike", const(g, v, np.float32), x) for v in (0.5, 1.0, 2.0))
     small = g.op("Min", x, one)  # the tanh form's input: finite gradients where unused
     t = g.op("Tanh", g.op("Mul", small, half))
     near = g.op("Div", g.op("Mul", two, t), g.op("Sub", one, t))
@@ -66,49 +66,49 @@ def expm1(g: Any, x: Any) -> Any:
 
 
 def diff(g: Any, x: Any, n: Any, dim: Any, prepend: Any, append: Any) -> Any:
-    h = _helper()
+    h = helper()
     n, dim = h._get_const(n, "i", "n"), h._get_const(dim, "i", "dim")
     parts = [v for v in (prepend, x, append) if v is x or not h._is_none(v)]
     if len(parts) > 1:
         x = g.op("Concat", *parts, axis_i=dim)
-    axes, big = _const(g, [dim]), _const(g, [np.iinfo(np.int64).max])
+    axes, big = const(g, [dim]), const(g, [np.iinfo(np.int64).max])
     for _ in range(n):
-        upper = g.op("Slice", x, _const(g, [1]), big, axes)
-        lower = g.op("Slice", x, _const(g, [0]), _const(g, [-1]), axes)
+        upper = g.op("Slice", x, const(g, [1]), big, axes)
+        lower = g.op("Slice", x, const(g, [0]), const(g, [-1]), axes)
         x = g.op("Sub", upper, lower)
     return x
 
 
 def histc(g: Any, x: Any, bins: Any, low: Any, high: Any) -> Any:
-    h = _helper()
+    h = helper()
     bins = h._get_const(bins, "i", "bins")
     low, high = h._get_const(low, "f", "min"), h._get_const(high, "f", "max")
-    flat = g.op("Reshape", x, _const(g, [-1]))
+    flat = g.op("Reshape", x, const(g, [-1]))
     if low == high:  # the data's range, widened where it is one value
         lo, hi = g.op("ReduceMin", flat, keepdims_i=1), g.op("ReduceMax", flat, keepdims_i=1)
         same = g.op("Cast", g.op("Equal", lo, hi), to_i=1)
         same = g.op("CastLike", same, x)
         lo, hi = g.op("Sub", lo, same), g.op("Add", hi, same)
     else:
-        lo, hi = (g.op("CastLike", _const(g, [v], np.float32), x) for v in (low, high))
-    nbins = g.op("CastLike", _const(g, [bins], np.float32), x)
+        lo, hi = (g.op("CastLike", const(g, [v], np.float32), x) for v in (low, high))
+    nbins = g.op("CastLike", const(g, [bins], np.float32), x)
     pos = g.op("Floor", g.op("Div", g.op("Mul", g.op("Sub", flat, lo), nbins),
                              g.op("Sub", hi, lo)))
     pos = g.op("Cast", pos, to_i=7)  # int64
-    last = _const(g, [bins - 1])
+    last = const(g, [bins - 1])
     pos = g.op("Min", pos, last)  # x == max: the last bin
     inside = g.op("And", g.op("GreaterOrEqual", flat, lo), g.op("LessOrEqual", flat, hi))
-    pos = g.op("Where", inside, pos, _const(g, [-1]))  # outside (and NaN): no bin
-    hits = g.op("Equal", g.op("Unsqueeze", pos, _const(g, [1])),
-                g.op("Range", _const(g, 0), _const(g, bins), _const(g, 1)))
-    counts = g.op("ReduceSum", g.op("Cast", hits, to_i=7), _const(g, [0]), keepdims_i=0)
+    pos = g.op("Where", inside, pos, const(g, [-1]))  # outside (and NaN): no bin
+    hits = g.op("Equal", g.op("Unsqueeze", pos, const(g, [1])),
+                g.op("Range", const(g, 0), const(g, bins), const(g, 1)))
+    counts = g.op("ReduceSum", g.op("Cast", hits, to_i=7), const(g, [0]), keepdims_i=0)
     return g.op("CastLike", counts, x)
 
 
 def _size0(g: Any, x: Any) -> Any:
     """Axis 0's size, a scalar (Gather of Shape: the exporter's folding ignores Shape's
     start and end attributes)."""
-    return g.op("Gather", g.op("Shape", x), _const(g, 0), axis_i=0)
+    return g.op("Gather", g.op("Shape", x), const(g, 0), axis_i=0)
 
 
 def grouped_mm(g: Any, x: Any, weight: Any, offs: Any, bias: Any = None,
@@ -117,24 +117,24 @@ def grouped_mm(g: Any, x: Any, weight: Any, offs: Any, bias: Any = None,
     ``weight[e]`` [K, N]. Each row's expert is the count of offsets at or below its index;
     its weight is gathered and multiplied row by row ([S, 1, K] @ [S, K, N]; S x K x N
     memory); rows past the last offset are zero, as torch leaves them."""
-    h = _helper()
+    h = helper()
     if h._get_tensor_rank(x) != 2 or h._get_tensor_rank(weight) != 3 or h._is_none(offs) \
             or not h._is_none(bias):
         raise GraphError("ngdist's aten::_grouped_mm symbolic takes a 2-D input, 3-D "
                          "weights and offsets, without bias; export such a product yourself")
-    rows = g.op("Range", _const(g, 0), _size0(g, x), _const(g, 1))
+    rows = g.op("Range", const(g, 0), _size0(g, x), const(g, 1))
     ends = g.op("Cast", offs, to_i=7)
-    after = g.op("GreaterOrEqual", g.op("Unsqueeze", rows, _const(g, [1])),
-                 g.op("Unsqueeze", ends, _const(g, [0])))  # [S, E]: row past expert e's end
-    expert = g.op("ReduceSum", g.op("Cast", after, to_i=7), _const(g, [1]), keepdims_i=0)
+    after = g.op("GreaterOrEqual", g.op("Unsqueeze", rows, const(g, [1])),
+                 g.op("Unsqueeze", ends, const(g, [0])))  # [S, E]: row past expert e's end
+    expert = g.op("ReduceSum", g.op("Cast", after, to_i=7), const(g, [1]), keepdims_i=0)
     experts = _size0(g, weight)
-    last = g.op("Sub", experts, _const(g, 1))
+    last = g.op("Sub", experts, const(g, 1))
     picked = g.op("Gather", weight, g.op("Min", expert, last), axis_i=0)  # [S, K, N]
-    out = g.op("MatMul", g.op("Unsqueeze", x, _const(g, [1])), picked)
-    out = g.op("Squeeze", out, _const(g, [1]))
+    out = g.op("MatMul", g.op("Unsqueeze", x, const(g, [1])), picked)
+    out = g.op("Squeeze", out, const(g, [1]))
     inside = g.op("Less", expert, experts)
-    return g.op("Where", g.op("Unsqueeze", inside, _const(g, [1])), out,
-                g.op("CastLike", _const(g, 0.0, np.float32), out))
+    return g.op("Where", g.op("Unsqueeze", inside, const(g, [1])), out,
+                g.op("CastLike", const(g, 0.0, np.float32), out))
 
 
 def _grouped_mm_onnxscript(x: Any, weight: Any, offs: Any) -> Any:
@@ -179,7 +179,7 @@ def _pool_matrix(n: int, m: int) -> np.ndarray:
 
 def _adaptive_avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
     def symbolic(g: Any, x: Any, output_size: Any) -> Any:
-        h = _helper()
+        h = helper()
         sizes = h._get_tensor_sizes(x)
         out = h._maybe_get_const(output_size, "is")
         spatial = None if sizes is None or len(sizes) < 3 else sizes[-2:]
@@ -202,21 +202,21 @@ def _unfold(builtin: Callable[..., Any]) -> Callable[..., Any]:
     Gather along d ([.., windows, size, ..]), the offsets' axis moved last (torch's layout).
     A static extent keeps torch's symbolic."""
     def symbolic(g: Any, x: Any, dimension: Any, size: Any, step: Any) -> Any:
-        h = _helper()
+        h = helper()
         sizes, rank = h._get_tensor_sizes(x), h._get_tensor_rank(x)
         d, k, st = (h._get_const(v, "i", n) for v, n in ((dimension, "dimension"),
                                                           (size, "size"), (step, "step")))
         d = d % rank if rank else d
         if rank is None or (sizes is not None and isinstance(sizes[d], int)):
             return builtin(g, x, dimension, size, step)
-        extent = g.op("Gather", g.op("Shape", x), _const(g, d), axis_i=0)
-        windows = g.op("Add", g.op("Div", g.op("Sub", extent, _const(g, k)), _const(g, st)),
-                       _const(g, 1))
-        starts = g.op("Mul", g.op("Range", _const(g, 0), windows, _const(g, 1)),
-                      _const(g, st))
-        idx = g.op("Add", g.op("Unsqueeze", starts, _const(g, [1])),
-                   g.op("Unsqueeze", g.op("Range", _const(g, 0), _const(g, k), _const(g, 1)),
-                        _const(g, [0])))
+        extent = g.op("Gather", g.op("Shape", x), const(g, d), axis_i=0)
+        windows = g.op("Add", g.op("Div", g.op("Sub", extent, const(g, k)), const(g, st)),
+                       const(g, 1))
+        starts = g.op("Mul", g.op("Range", const(g, 0), windows, const(g, 1)),
+                      const(g, st))
+        idx = g.op("Add", g.op("Unsqueeze", starts, const(g, [1])),
+                   g.op("Unsqueeze", g.op("Range", const(g, 0), const(g, k), const(g, 1)),
+                        const(g, [0])))
         picked = g.op("Gather", x, idx, axis_i=d)  # axes d, d + 1: windows, offsets
         perm = [a for a in range(rank + 1) if a != d + 1] + [d + 1]
         return g.op("Transpose", picked, perm_i=perm)
@@ -230,7 +230,7 @@ def _permute(builtin: Callable[..., Any]) -> Callable[..., Any]:
     symbolic writes them into Transpose's ``perm`` as they are, which ONNX refuses (shape
     inference stops there, and every value after it has no rank)."""
     def symbolic(g: Any, x: Any, dims: Any) -> Any:
-        perm = _helper()._maybe_get_const(dims, "is")
+        perm = helper()._maybe_get_const(dims, "is")
         if not isinstance(perm, (list, tuple)) or all(d >= 0 for d in perm):
             return builtin(g, x, dims)
         return g.op("Transpose", x, perm_i=[int(d) % len(perm) for d in perm])
@@ -246,9 +246,9 @@ def _repeat_interleave(builtin: Callable[..., Any]) -> Callable[..., Any]:
     axes stacked along axis 2. The builtin is given a fresh constant of its own instead."""
     def symbolic(g: Any, x: Any, repeats: Any, dim: Any = None, output_size: Any = None
                  ) -> Any:
-        h = _helper()
+        h = helper()
         if dim is not None and not h._is_none(dim) and h._is_constant(dim):
-            dim = _const(g, int(h._get_const(dim, "i", "dim")))
+            dim = const(g, int(h._get_const(dim, "i", "dim")))
         return builtin(g, x, repeats, dim, output_size)
 
     return symbolic
@@ -261,7 +261,7 @@ def _avg_pool2d(builtin: Callable[..., Any]) -> Callable[..., Any]:
     as GlobalAveragePool (an AveragePool whose window exceeds its input has no gradient)."""
     def symbolic(g: Any, x: Any, kernel: Any, stride: Any, padding: Any, ceil_mode: Any,
                  count_include_pad: Any, divisor_override: Any = None) -> Any:
-        h = _helper()
+        h = helper()
         sizes = h._get_tensor_sizes(x)
         spatial = sizes[-2:] if sizes is not None and len(sizes) == 4 else None
         k, st, pad = (list(h._maybe_get_const(v, "is")) for v in (kernel, stride, padding))
@@ -281,7 +281,7 @@ def _cumsum(builtin: Callable[..., Any]) -> Callable[..., Any]:
         from torch.onnx._internal.torchscript_exporter import _type_utils
 
         kind = _type_utils.JitScalarType.from_value(x, _type_utils.JitScalarType.UNDEFINED)
-        h = _helper()
+        h = helper()
         if kind in _promoted() and (dtype is None or h._is_none(dtype)):
             x = g.op("Cast", x, to_i=7)  # torch: a bool or integer cumsum is int64
         return builtin(g, x, dim, dtype)
