@@ -18,6 +18,8 @@ import onnx_ir as ir
 
 from ngdist.errors import GradientError
 
+MIN_ROW_SUM = 64  # a whole-tensor sum starts with rows at least this long (see sum_over)
+
 GradRule = Callable[["GradContext", ir.Node, list["ir.Value | None"]], Sequence["ir.Value | None"]]
 
 _RULES: dict[tuple[str, str], GradRule] = {}
@@ -198,14 +200,32 @@ class GradContext:
         """ReduceSum of ``value`` (of ``rank``) over ``axes``, kept as 1s. Where the innermost
         axis is kept, onnxruntime adds the reduced positions one after another into each
         output, an error growing with their count (a bias over [B, T, C]: 12x torch's sum);
-        one ReduceSum an axis, the inner first, keeps each run short at the same cost
+        one ReduceSum an axis, the inner first, keeps each run short at the same cost.
+        Over every axis (a scalar's gradient) its single sum runs as long (and its long rows
+        too): the innermost axes are summed first, as many as make rows of
+        ``MIN_ROW_SUM`` values (shorter rows are slow), then one axis at a time
         (docs/benchmarks.md)."""
         axes = sorted(a % rank for a in axes)
-        if len(axes) < 2 or rank - 1 in axes:
+        if rank > 1 and axes == list(range(rank)):
+            first = self._row_start(value, rank)
+            value = self.op("ReduceSum", value, self.ints(axes[first:]), keepdims=1)
+            axes = axes[:first]
+        elif len(axes) < 2 or rank - 1 in axes:
             return self.op("ReduceSum", value, self.ints(axes), keepdims=1)
         for axis in reversed(axes):
             value = self.op("ReduceSum", value, self.ints([axis]), keepdims=1)
         return value
+
+    @staticmethod
+    def _row_start(value: ir.Value, rank: int) -> int:
+        """The first of the innermost axes of ``value`` whose static extents make rows of at
+        least ``MIN_ROW_SUM`` values (an unknown extent counts as enough)."""
+        dims = list(value.shape.dims) if value.shape is not None else [None] * rank
+        first, row = rank - 1, dims[rank - 1]
+        while first > 0 and isinstance(row, int) and row < MIN_ROW_SUM:
+            first -= 1
+            row = row * dims[first] if isinstance(dims[first], int) else None
+        return first
 
     def unbroadcast(self, grad: ir.Value, like: ir.Value, grad_rank: int | None = None) -> ir.Value:
         """Sum ``grad`` down to the shape of ``like`` (the inverse of numpy broadcasting).
@@ -238,6 +258,8 @@ class GradContext:
                     if not (isinstance(xd, int) and xd != 1):
                         static_axes = None  # symbolic dims that may or may not broadcast
                         break
+        elif xshape is not None and all(d == 1 for d in xshape.dims):
+            static_axes = list(range(rg))  # a scalar (or [1, ..., 1]): every axis is summed
         else:
             static_axes = None
         if static_axes is not None:
