@@ -78,8 +78,9 @@ def shrink(cfg: Any) -> None:
             setattr(cfg, key, _SCALARS[key])
         elif key in _CAPS and isinstance(value, int):
             setattr(cfg, key, min(value, _CAPS[key]))
-        elif "audio_token" in key and isinstance(value, int):
-            setattr(cfg, key, AUDIO_TOKEN)  # inside the tiny vocabulary
+        elif "audio_token" in key and (isinstance(value, int) or (
+                value is None and key.endswith(("_id", "_index")))):
+            setattr(cfg, key, AUDIO_TOKEN)  # inside the tiny vocabulary (Voxtral: none set)
         elif key in _LISTS and isinstance(value, (list, tuple)):
             n = len(value)
             setattr(cfg, key, [_LISTS[key]] * n if _LISTS[key] else
@@ -145,6 +146,29 @@ def _efficientnet(cfg: Any) -> None:
     cfg.hidden_dim = round_filters(cfg, 1280)
 
 
+def _blt(cfg: Any) -> None:
+    """BLT's local encoder and decoder read the global model's width as
+    ``hidden_size_global`` (2048 by default) and the config derives the global model's input
+    projection from the widths when it is made (``__post_init__``): derived again from the
+    tiny ones; its hashed byte n-gram embeddings 97 rows each (500002: 16 M parameters a
+    table)."""
+    for sub in (cfg.encoder_config, cfg.decoder_config):
+        sub.hidden_size_global = cfg.global_config.hidden_size
+    cfg.encoder_hash_byte_group_vocab = VOCAB + 1
+    cfg.__post_init__()
+
+
+def _hgnet_v2(cfg: Any) -> None:
+    """HGNetV2's stages are ``stage_*_channels`` wide (each stage's input the last one's
+    output) and its head reads ``hidden_sizes[-1]``: shrunk together (the default's last
+    stage is 2048 wide, the shrunk ``hidden_sizes`` 256: the head did not fit)."""
+    cfg.stem_channels = (3, 16, 16)
+    cfg.stage_in_channels, cfg.stage_mid_channels = (16, 32, 64, 128), (16, 16, 32, 32)
+    cfg.stage_out_channels = (32, 64, 128, 256)
+    cfg.hidden_sizes = list(cfg.stage_out_channels)
+    cfg.stage_num_blocks, cfg.stage_numb_of_layers = (1, 1, 1, 1), (2, 2, 2, 2)
+
+
 def _kyutai(cfg: Any) -> None:
     """4 audio code streams of 16 codes (+1); the embedding's padding row is the one after
     the text vocabulary and every stream's codes, as transformers' default derives it."""
@@ -189,7 +213,9 @@ def _moonshine_streaming(cfg: Any) -> None:
 
 
 _FIXUPS: dict[str, Callable[[Any], None]] = {
+    "blt": _blt,
     "efficientnet": _efficientnet,
+    "hgnet_v2": _hgnet_v2,
     "kyutai_speech_to_text": _kyutai,
     "levit": _levit,
     "mamba2": _mamba2,
