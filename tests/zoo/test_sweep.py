@@ -354,3 +354,96 @@ def test_a_timm_heads_functional_dropout_is_off_and_the_forward_deterministic():
         with torch.no_grad():
             outs.append(module(x).numpy().tobytes())
     assert outs[0] == outs[1]
+
+
+def _conv_net(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                               torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.Flatten(),
+                               torch.nn.LazyLinear(5))
+
+
+def test_each_torch_float32_run_is_a_float32_run_of_the_same_function_by_another_path():
+    """torch's own float32 error is taken over several equally valid float32 runs: each is
+    near float64 (the same function), and the conv model's runs are not all the same bits
+    (another summation order each: one sample of float32's error is one of several)."""
+    import torch
+    from step_probe import gradient_errors
+    from sweep_oracle import TORCH32_RUNS, float32_runs, torch_grads
+
+    module = _conv_net()
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 3, 12, 12)).astype(np.float32),
+             "y": rng.integers(0, 5, 4)}
+    module(torch.from_numpy(feeds["x"]))  # the lazy layer's shape
+    loss_fn = torch.nn.CrossEntropyLoss()
+    assert float32_runs(module, feeds) == TORCH32_RUNS
+    tokens = {"ids": np.arange(6).reshape(2, 3), "mask": np.ones((2, 3), np.float32)}
+    assert float32_runs(torch.nn.Linear(3, 2), tokens) == ("default", "no_mkldnn",
+                                                            "two_threads")
+    threads = torch.get_num_threads()
+    _, g64 = torch_grads(module, feeds, loss_fn, True)
+    seen = set()
+    for run in TORCH32_RUNS:
+        _, g32 = torch_grads(module, feeds, loss_fn, False, run)
+        assert torch.get_num_threads() == threads and torch.backends.mkldnn.enabled
+        errors = gradient_errors({f"{n}.grad": g for n, g in g32.items()}, g64)
+        assert max(errors.values()) < 1e-5, (run, errors)
+        seen.add(b"".join(g32[n].tobytes() for n in sorted(g32)))
+    assert len(seen) >= 3, "the float32 runs of a conv net all gave the same bits"
+    with pytest.raises(ValueError, match="^unknown torch float32 run 'fp16'; one of "):
+        torch_grads(module, feeds, loss_fn, False, "fp16")
+
+
+def test_the_runs_set_torchs_settings_inside_and_move_a_float_input_by_one_ulp():
+    import torch
+    from sweep_oracle import float32_run
+
+    module = _conv_net()
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 3, 5, 5)).astype(np.float32),
+             "mask": np.ones((2, 5), np.float32), "y": np.array([1, 2])}
+    with float32_run("no_mkldnn", module, feeds):
+        assert not torch.backends.mkldnn.enabled
+    with float32_run("two_threads", module, feeds):
+        assert torch.get_num_threads() == 2
+    with float32_run("channels_last", module, feeds) as (net, tensors):
+        assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+        assert tensors[0].is_contiguous(memory_format=torch.channels_last)
+    with float32_run("input_ulp", module, feeds) as (_, (x, mask, y)):
+        steps = np.abs(x.numpy().view(np.int32) - feeds["x"].view(np.int32))
+        assert (steps == 1).all()  # every entry one float32 ulp away (none crosses 0 here)
+        assert (x.numpy() > feeds["x"]).any() and (x.numpy() < feeds["x"]).any()
+        assert mask.numpy().tobytes() == feeds["mask"].tobytes()
+        assert y.tolist() == [1, 2]
+
+
+def test_torchs_own_float32_error_is_the_largest_of_its_runs_and_only_widens_the_bound():
+    """A tensor 20x torch's default run's error fails against that run alone; it passes when
+    another valid torch float32 run is 3x off too, and fails again past 10x the largest."""
+    import sweep_check
+
+    runs = {"default": {"a": 1e-5, "b": 1e-7}, "no_mkldnn": {"a": 3e-5, "b": 1e-7}}
+    own = sweep_check.largest_of_runs(runs)
+    assert own == {"a": 3e-5, "b": 1e-7}
+    far = {"a": 1e-6, "b": 1e-6}
+    assert sweep_check._judge({"a": 2e-4, "b": 1e-6}, runs["default"], far)[2] == "a"
+    assert sweep_check._judge({"a": 2e-4, "b": 1e-6}, own, far)[2] is None
+    assert sweep_check._judge({"a": 4e-4, "b": 1e-6}, own, far)[2] == "a"
+    spread = sweep_check.spread({"a": 2e-4, "b": 1e-6}, runs, step=2)
+    assert spread == {"tensor": "a", "step": 2, "ngdist": 2e-4, "default": 1e-5,
+                      "no_mkldnn": 3e-5, "default_ratio": 2.0, "ratio": pytest.approx(2 / 3)}
+
+
+def test_a_trained_state_off_in_one_slice_says_so_relative_to_the_states_scale():
+    import sweep_check
+
+    before = {"w": np.ones((4, 3)), "b": np.zeros(4)}
+    exact = {"w": before["w"] - 0.01, "b": before["b"] + 0.5}
+    scales = sweep_check._scales(exact, before)
+    assert scales == {"w": 0.99, "b": 0.5}  # the largest entry, or the largest update
+    got = exact["w"].copy()
+    got[1, 2] += 1e-3
+    assert sweep_check._slices(got, exact["w"], scales["w"]) == \
+        "; 1 of 4 slices along axis 0 off, the rest within 0.0e+00"
