@@ -110,11 +110,8 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
                                  helper.make_node("Shape", [node.input[0]], [in_shape])])
     names = [*candidates, *(name for pair in probes for name in pair)]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
-    try:
-        sess = make_session(probe, optimize=False)
-        runs = [dict(zip(names, sess.run(names, {**f, **weights}))) for f in feeds]
-    except Exception as exc:  # folding is an optimisation; the graph stays as exported
-        logger.warning("shape folding skipped: %s", exc)
+    runs = _probe_runs(probe, names, feeds, weights)
+    if runs is None:
         return 0
     fixed: dict[str, np.ndarray] = {}
     for name in candidates:
@@ -153,6 +150,40 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     g.node.extend(kept)
     _remove_dead(g)
     return len(folded)
+
+
+def _probe_runs(probe: onnx.ModelProto, names: list[str],
+                feeds: Sequence[Mapping[str, np.ndarray]], weights: Mapping[str, np.ndarray]
+                ) -> list[dict[str, np.ndarray]] | None:
+    """``names`` computed by ``probe`` at each of ``feeds``; None (logged) where a run fails:
+    folding is an optimisation, the graph then stays as exported. A graph that runs at some
+    of the batch sizes only holds a size traced from the example batch."""
+    try:
+        sess = make_session(probe, optimize=False)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("shape folding skipped: %s", exc)
+        return None
+    wanted = {i.name for i in sess.get_inputs()}
+    runs: list[dict[str, np.ndarray]] = []
+    failed: dict[int, str] = {}
+    for f in feeds:
+        batch = next((len(v) for v in f.values() if np.ndim(v)), 0)
+        try:
+            runs.append(dict(zip(names, sess.run(names, {**{k: v for k, v in f.items()
+                                                            if k in wanted}, **weights}))))
+        except Exception as exc:  # noqa: BLE001
+            failed[batch] = str(exc).splitlines()[0]
+    if not failed:
+        return runs
+    if runs:
+        batch, why = next(iter(failed.items()))
+        logger.warning("the exported graph does not run at a batch of %d (%s): it holds a size "
+                       "traced from the example batch (len(tensor) or int(...) of a size in "
+                       "the module), so it trains only at the batch sizes where it runs; "
+                       "shape folding skipped", batch, why)
+    else:
+        logger.warning("shape folding skipped: %s", next(iter(failed.values())))
+    return None
 
 
 def _probe_model(model: onnx.ModelProto, tensors: Mapping[str, onnx.TensorProto]

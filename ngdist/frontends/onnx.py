@@ -12,7 +12,7 @@ import difflib
 import json
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -35,10 +35,14 @@ LOSSES = {"softmax_cross_entropy": "softmax_cross_entropy", "cross_entropy": "so
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 
 
-def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
+def normalize_forward(model: onnx.ModelProto,
+                      probes: Sequence[Mapping[str, np.ndarray]] | None = None
+                      ) -> onnx.ModelProto:
     """Opset >= 18, symbolic batch dimension on data inputs, shape computations that do not
     depend on the batch folded (``cleanup.fold_static_shapes``), fresh shape inference.
-    Worked on a copy whose large tensors hold no data until the end (each copied once)."""
+    Worked on a copy whose large tensors hold no data until the end (each copied once).
+    ``probes``: the inputs to fold with, at several batch sizes (``cleanup.batch_feeds`` of
+    an example batch); default ``cleanup.probe_feeds``, made from the declared types."""
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < MIN_OPSET:
         try:  # (a new model: the caller's stays as it is)
@@ -63,7 +67,8 @@ def normalize_forward(model: onnx.ModelProto) -> onnx.ModelProto:
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del model.graph.value_info[:]
-    folded = fold_static_shapes(model, probe_feeds(model), tensors)
+    folded = fold_static_shapes(model, probe_feeds(model) if probes is None else probes,
+                                tensors)
     if folded:
         logger.info("%d shape values and Reshape targets folded to constants", folded)
     try:
@@ -238,7 +243,8 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
                          optimizer: optim.Optimizer | str,
                          loss: str | None = "softmax_cross_entropy", labels: str = "y",
                          params: list[str] | None = None, frozen: list[str] | None = None,
-                         output: str | None = None, buffers: dict[str, str] | None = None
+                         output: str | None = None, buffers: dict[str, str] | None = None,
+                         probes: Sequence[Mapping[str, np.ndarray]] | None = None
                          ) -> onnx.ModelProto:
     """Forward model -> training model (TrainingInfoProto with Gradient + optimizer op).
 
@@ -246,6 +252,7 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
     trained, updated each step from the node's running_mean/running_var outputs through
     ``update_binding``; ``model.graph`` uses them in inference mode. ``buffers`` maps further
     initializers (or a BatchNorm statistic, to override) to the step value that updates them.
+    ``probes``: see ``normalize_forward``.
     """
     if not isinstance(forward, onnx.ModelProto):
         forward = load_proto(forward)
@@ -253,7 +260,7 @@ def build_training_model(forward: onnx.ModelProto | str | os.PathLike, *,
         raise GraphError("the model already holds a training_info; load it with "
                          "ngdist.compile(path) without loss/optimizer, or strip it first")
     opt = optim.from_spec(optimizer)
-    model = normalize_forward(forward)
+    model = normalize_forward(forward, probes)
     g = model.graph
     running, fixed_stats = batchnorm_statistics(g)
     explicit = dict(buffers or {})

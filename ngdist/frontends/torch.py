@@ -100,6 +100,10 @@ class TorchExport:
     params: dict[str, str] = field(default_factory=dict)   # onnx name -> parameter name
     buffers: dict[str, str] = field(default_factory=dict)  # onnx name -> buffer name
     exporter: str = "torchscript"  # the torch.onnx exporter that made both graphs
+    # the example inputs (labels included) cycled to cleanup.BATCH_SIZES: what the graph's
+    # shapes are probed with (made-up inputs, zeros for indices and masks, can drive a model
+    # into empty tensors onnxruntime crashes on); emptied once the training model is built
+    probes: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- export
@@ -198,11 +202,11 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     # the values before tracing touched them
     train = with_tensor_data(train, state)
     ev = with_tensor_data(ev, state)
-    result = TorchExport(train, ev, in_names, out_names, exporter=used)
+    feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in feed_values.items()})
+    result = TorchExport(train, ev, in_names, out_names, exporter=used, probes=feeds)
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
-    feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in feed_values.items()})
     folded = [fold_static_shapes(model, feeds) for model in (train, ev)]
     logger.info("exported %s with the %s exporter: %d nodes (train), %d (eval), %d params, "
                 "%d buffers, %s shape values folded", type(module).__name__, used,
@@ -257,14 +261,14 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     model = build_training_model(exp.train, loss=None if with_loss else translate_loss(loss),
                                  labels=labels, optimizer=opt, params=trained,
                                  output=torch_loss.LOSS_OUTPUT if with_loss
-                                 else exp.output_names[0])
+                                 else exp.output_names[0], probes=exp.probes)
     unbiased_running_var(model)
     # the model holds the values: the export's record (a write-back lives as long as the
     # trainer) keeps its graphs without data, once the eval graph's own tensors are moved
     held = {t.name for t in model.graph.initializer}
     ev = without_tensor_data(exp.eval, held.__contains__)
     exp = dataclasses.replace(exp, train=without_tensor_data(exp.train, lambda _: True),
-                              eval=without_tensor_data(exp.eval, lambda _: True))
+                              eval=without_tensor_data(exp.eval, lambda _: True), probes=[])
     return use_inference_graph(model, ev), exp
 
 

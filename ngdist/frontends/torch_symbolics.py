@@ -25,6 +25,8 @@ torch) already registers for an operator is left in place and used.
 * ``aten::as_strided`` of a view whose memory is a permuted dense block (Longformer's and
   LED's overlapping chunks, taken from a transposed tensor): transposed to memory order first,
   since torch's symbolic reads the input in logical order (frontends/torch_strided.py);
+* ``aten::col2im`` (``F.fold``) with an ``output_size`` computed from a shape (VOLO): the
+  spatial rank from ``dilation``, the sizes concatenated (frontends/torch_strided.py);
 * ``aten::_grouped_mm`` (Hugging Face's mixture-of-experts layers): :func:`grouped_mm`, and
   for the dynamo exporter the same as an ONNX Script translation of
   ``transformers::grouped_mm_fallback`` (:func:`dynamo_translations`);
@@ -50,7 +52,7 @@ import numpy as np
 
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_complex
-from ngdist.frontends.torch_strided import as_strided
+from ngdist.frontends.torch_strided import as_strided, col2im
 from ngdist.frontends.torch_math import SYMBOLICS, const, helper
 
 logger = logging.getLogger(__name__)
@@ -308,13 +310,14 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::avg_pool2d": _avg_pool2d,
     "aten::repeat_interleave": _repeat_interleave,
     "aten::as_strided": as_strided,
+    "aten::col2im": col2im,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
     **{name: (lambda _, f=f: f) for name, f in torch_complex.SYMBOLICS.items()},
     **torch_complex.WRAPS,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
-          "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided",
+          "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
           *torch_complex.WRAPS}
 
 

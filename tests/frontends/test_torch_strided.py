@@ -46,18 +46,25 @@ def test_as_strided_of_a_transposed_view_matches_torch_and_float64_gradients():
     module = Chunked()
     x = torch.randn(2, 8, 6)
     assert not module.heads(x).is_contiguous()  # the view the chunks are cut from
+    _trains_like_float64(module, x)
+
+
+class Loss(torch.nn.Module):
+    """The module's output weighted by a fixed random tensor, summed."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, w):
+        return (self.inner(x) * w).sum()
+
+
+def _trains_like_float64(module: torch.nn.Module, x: torch.Tensor) -> tuple[tfront.TorchExport, object]:
+    """The compiled step's loss and gradients of ``Loss(module)`` against torch float64."""
     weights = torch.randn(module(x).shape)
-
-    class Loss(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x, w):
-            return (self.inner(x) * w).sum()
-
-    model, _ = tfront.training_model(Loss(copy.deepcopy(module)), (x, weights), loss=None,
-                                     input_names=["x", "w"], optimizer="sgd:lr=0.1")
+    model, exp = tfront.training_model(Loss(copy.deepcopy(module)), (x, weights), loss=None,
+                                       input_names=["x", "w"], optimizer="sgd:lr=0.1")
     step = run_step(model, {"x": x.numpy(), "w": weights.numpy()})
     ref = Loss(copy.deepcopy(module)).double()
     loss = ref(x.double(), weights.double())
@@ -65,6 +72,7 @@ def test_as_strided_of_a_transposed_view_matches_torch_and_float64_gradients():
     assert abs(float(step["loss"]) - loss.item()) <= 1e-5 * abs(loss.item())
     errors = gradient_errors(step, {n: p.grad.numpy() for n, p in ref.named_parameters()})
     assert max(errors.values()) < 1e-5, errors
+    return exp, model
 
 
 @pytest.mark.parametrize("sizes, strides, order", [
@@ -96,3 +104,40 @@ def test_as_strided_of_a_view_with_gaps_is_refused():
     assert str(info.value) == "as_strided of a view with gaps in its memory (sizes [2, 4], " \
         "strides [10, 1]) has no ONNX form: call .contiguous() on its input and compute the " \
         "strides from that"
+
+
+class Outlook(torch.nn.Module):
+    """VOLO's outlook attention in small: per-position weights over each 3x3 neighbourhood,
+    the weighted windows folded back (``F.fold``) to a map whose size is read from the input
+    (traced, not a constant) with ``stride`` and padding 1."""
+
+    def __init__(self, channels: int = 4, stride: int = 1) -> None:
+        super().__init__()
+        self.stride = stride
+        self.v = torch.nn.Linear(channels, channels)
+        self.attn = torch.nn.Linear(channels, 9 * 9)
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        v = self.v(x).permute(0, 3, 1, 2)
+        v = torch.nn.functional.unfold(v, 3, padding=1, stride=self.stride)  # [B, C*9, L]
+        hs, ws = (h + 2 - 3) // self.stride + 1, (w + 2 - 3) // self.stride + 1
+        v = v.reshape(b, c, 9, hs * ws).permute(0, 3, 2, 1)  # [B, L, 9, C]
+        pooled = torch.nn.functional.avg_pool2d(x.permute(0, 3, 1, 2), self.stride,
+                                                self.stride, ceil_mode=True)
+        a = self.attn(pooled.permute(0, 2, 3, 1)).reshape(b, hs * ws, 9, 9).softmax(-1)
+        out = (a @ v).permute(0, 3, 2, 1).reshape(b, c * 9, hs * ws)
+        return torch.nn.functional.fold(out, output_size=(h, w), kernel_size=3, padding=1,
+                                        stride=self.stride)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_fold_with_traced_output_size_matches_float64_gradients(stride):
+    """torch's own col2im symbolic raises a TypeError on a traced ``output_size`` (the dynamo
+    exporter, the fallback, does not take VOLO: it keeps BatchNorm running statistics)."""
+    torch.manual_seed(0)
+    module = Outlook(stride=stride)
+    x = torch.randn(2, 6, 6, 4)
+    exp, model = _trains_like_float64(module, x)
+    assert exp.exporter == "torchscript"
+    assert "Col2Im" in {n.op_type for t in model.training_info for n in t.algorithm.node}

@@ -129,7 +129,8 @@ def _custom_groups() -> dict[str, object]:
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
                          "aten::unfold", "aten::permute", "aten::avg_pool2d",
-                         "aten::repeat_interleave", "aten::as_strided", *SYMBOLICS,
+                         "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
+                         *SYMBOLICS,
                          *torch_complex.SYMBOLICS,
                          *torch_complex.WRAPS)}
 
