@@ -1,8 +1,9 @@
 """The step-time cost of computing a training graph's Sigmoids as 1 / (1 + exp(-x))
-(ngdist/passes/autodiff/lowering.py) instead of onnxruntime's Sigmoid, on SiLU-heavy models.
+(ngdist/passes/autodiff/lowering.py) instead of onnxruntime's Sigmoid, on SiLU-heavy models;
+with ``--lowering conv``, of running Convs with few output positions as one MatMul.
 
     python benchmarks/sigmoid_cost.py [--models tv/efficientnet_b0 timm/efficientnet_b0 llama]
-        [--steps 10] [--rounds 3]
+        [--steps 10] [--rounds 3] [--lowering sigmoid|conv]
 
 Per model, one process compiles two AdamW trainers (``strategy="local"``, one thread), one
 with the lowering and one without it, and times ``--steps`` steps of each in turn,
@@ -60,7 +61,11 @@ def build(name: str) -> tuple[Any, dict, Any]:
     return find_case(name, name).make()
 
 
-def trainer(module: Any, feeds: dict, loss_fn: Any, lowered: bool) -> Any:
+LOWERINGS = {"sigmoid": "lower_sigmoids", "conv": "lower_short_convs"}
+
+
+def trainer(module: Any, feeds: dict, loss_fn: Any, lowered: bool, which: str = "sigmoid"
+            ) -> Any:
     import copy
 
     import torch
@@ -69,9 +74,10 @@ def trainer(module: Any, feeds: dict, loss_fn: Any, lowered: bool) -> Any:
     import ngdist.passes.autodiff.driver as driver
     from sweep_check import _tensors, module_inputs
 
-    keep = driver.lower_sigmoids
+    name = LOWERINGS[which]
+    keep = getattr(driver, name)
     if not lowered:
-        driver.lower_sigmoids = lambda *args: 0
+        setattr(driver, name, lambda *args: 0)
     try:
         mine = copy.deepcopy(module)
         inputs = module_inputs(feeds, loss_fn)
@@ -79,15 +85,15 @@ def trainer(module: Any, feeds: dict, loss_fn: Any, lowered: bool) -> Any:
                               optimizer=torch.optim.AdamW(mine.parameters(), lr=1e-4),
                               strategy="local", intra_op_threads=1, input_names=list(inputs))
     finally:
-        driver.lower_sigmoids = keep
+        setattr(driver, name, keep)
 
 
-def measure(name: str, steps: int, rounds: int) -> tuple[float, float]:
+def measure(name: str, steps: int, rounds: int, which: str = "sigmoid") -> tuple[float, float]:
     import torch
 
     torch.set_num_threads(1)
     module, feeds, loss_fn = build(name)
-    trainers = {flag: trainer(module, feeds, loss_fn, flag) for flag in (False, True)}
+    trainers = {flag: trainer(module, feeds, loss_fn, flag, which) for flag in (False, True)}
     times: dict[bool, list[float]] = {False: [], True: []}
     for t in trainers.values():
         t.step(feeds, fetch_stats=False)
@@ -106,10 +112,11 @@ def main(argv: list[str] | None = None) -> None:
                         default=["tv/efficientnet_b0", "timm/efficientnet_b0", "llama"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lowering", choices=list(LOWERINGS), default="sigmoid")
     args = parser.parse_args(argv)
-    print(f"{'model':24s} {'Sigmoid ms':>11s} {'1/(1+e^-x) ms':>14s} {'ratio':>6s}")
+    print(f"{'model':24s} {'without ms':>11s} {'lowered ms':>14s} {'ratio':>6s}")
     for name in args.models:
-        before, after = measure(name, args.steps, args.rounds)
+        before, after = measure(name, args.steps, args.rounds, args.lowering)
         print(f"{name:24s} {before:11.2f} {after:14.2f} {after / before:6.3f}", flush=True)
 
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 from ngdist.errors import GradientError
 from ngdist.ir.domain import PREVIEW_TRAINING
 import ngdist.passes.autodiff.rules  # noqa: F401  (registers every rule family)
-from ngdist.passes.autodiff.lowering import lower_sigmoids
+from ngdist.passes.autodiff.lowering import lower_short_convs, lower_sigmoids
 from ngdist.passes.autodiff.registry import (NON_DIFFERENTIABLE, GradContext, attr, get_rule,
                                              taken_names)
 
@@ -147,7 +147,8 @@ class AutodiffPass(ir.passes.InPlacePass):
     GradientError listing every such node at once. An axis-0 Gather carrying
     ``metadata_props[PADDING_IDX] = p`` (nn.Embedding's padding_idx) adds nothing to row p
     of its table's gradient. Every Sigmoid (and Swish's sigmoid) of the graph is then computed as
-    1 / (1 + exp(-x)) (``lowering.lower_sigmoids``: onnxruntime's is accurate only absolutely).
+    1 / (1 + exp(-x)) (``lowering.lower_sigmoids``: onnxruntime's is accurate only absolutely),
+    and a forward Conv with few output positions one MatMul (``lowering.lower_short_convs``).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -186,4 +187,7 @@ class AutodiffPass(ir.passes.InPlacePass):
             lowered = lower_sigmoids(graph, opset, taken)
             if lowered:
                 logger.debug("%d Sigmoid/Swish node(s) computed with 1 / (1 + exp(-x))", lowered)
+            lowered = lower_short_convs(graph, opset, taken)
+            if lowered:
+                logger.debug("%d Conv node(s) with few output positions as one MatMul", lowered)
         return ir.passes.PassResult(model, modified)

@@ -70,6 +70,11 @@ def _cases() -> list[Case]:
     c("Conv-8ch-columns", "Conv", lambda g: [g.n(2, 8, 3, 3), g.n(16, 8, 3, 3), g.n(16)])
     c("Conv-8ch-columns-stride-pads", "Conv", lambda g: [g.n(2, 8, 4, 4), g.n(64, 8, 3, 2)],
       strides=[2, 2], pads=[1, 0, 1, 1])
+    # few output positions, > 128 input channels x taps: the forward Conv is one MatMul
+    c("Conv-1d-short-matmul", "Conv", lambda g: [g.n(2, 48, 9), g.n(20, 48, 3), g.n(20)],
+      strides=[2], pads=[1, 2], dilations=[2])
+    c("Conv-2d-short-matmul", "Conv", lambda g: [g.n(2, 16, 4, 5), g.n(24, 16, 3, 3)],
+      strides=[1, 2], pads=[1, 1, 1, 0])
     c("Conv-symbolic-batch", "Conv", lambda g: [g.n(2, 2, 5, 5), g.n(3, 2, 3, 3)],
       strides=[2, 2], symbolic="batch")
     # sizes known only at run time: read with Shape in the backward graph

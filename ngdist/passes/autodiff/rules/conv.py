@@ -98,24 +98,39 @@ def _weight_grad_taps(ctx: GradContext, x: ir.Value, m: ir.Value, *, channels: i
     W's own layout; the per-tap products would need a [M, taps, C] -> [M, C, taps]
     transpose of the whole weight gradient.
     """
-    out, slices = _tap_slices(ctx, x, kernel, spatial, strides, dilations, begin, end)
-    columns = out_channels is not None and \
-        math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels
-    flat = ctx.ints([-1, channels])
-    parts = []
-    for xt in slices:  # [N, *out, C]
-        if columns:
-            parts.append(ctx.op("Unsqueeze", ctx.op("Reshape", xt, flat), ctx.ints([2])))
-        else:
-            parts.append(ctx.op("MatMul", m, ctx.op("Reshape", xt, flat)))  # [M, C]
-    if columns:  # [N*out, C, taps] -> [N*out, C*taps]: one product in W's layout
-        cols = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=2)
-        gw = ctx.op("MatMul", m, ctx.op("Reshape", cols, ctx.ints([-1, channels * len(parts)])))
+    window_args: dict[str, list[int]] = dict(kernel=kernel, spatial=spatial, strides=strides,
+                                             dilations=dilations, begin=begin, end=end)
+    out = output_extents(**window_args)
+    if out_channels is not None and math.prod(out) * COLUMNS_ROWS_PER_POSITION <= out_channels:
+        gw = ctx.op("MatMul", m, im2col(ctx, x, channels, **window_args))  # W's layout
         return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
+    flat = ctx.ints([-1, channels])
+    parts = [ctx.op("MatMul", m, ctx.op("Reshape", xt, flat))  # [M, C] per tap
+             for xt in _tap_slices(ctx, x, **window_args)[1]]
     gw = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=1)  # [M, taps*C]
     gw = ctx.op("Reshape", gw, ctx.ints([0, len(parts), channels]))
     gw = ctx.op("Transpose", gw, perm=[0, 2, 1])  # [M, C, taps]
     return ctx.op("Reshape", gw, ctx.ints([0, channels, *kernel]))
+
+
+def output_extents(kernel: list[int], spatial: list[int], strides: list[int],
+                   dilations: list[int], begin: list[int], end: list[int]) -> list[int]:
+    """The output's spatial extents of a window over static ``spatial`` sizes."""
+    return [(n + b + e - ((k - 1) * d + 1)) // s + 1
+            for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+
+
+def im2col(ctx: GradContext, x: ir.Value, channels: int, *, kernel: list[int],
+           spatial: list[int], strides: list[int], dilations: list[int], begin: list[int],
+           end: list[int]) -> ir.Value:
+    """The columns [N*prod(out), C*taps] of x [N, C, *spatial] under a window, each row one
+    output position's receptive field in W's (C, *kernel) order: the taps' strided slices
+    stacked along a last axis."""
+    _, slices = _tap_slices(ctx, x, kernel, spatial, strides, dilations, begin, end)
+    last = ctx.ints([-1])
+    parts = [ctx.op("Unsqueeze", xt, last) for xt in slices]  # [N, *out, C, 1]
+    cols = parts[0] if len(parts) == 1 else ctx.op("Concat", *parts, axis=-1)
+    return ctx.op("Reshape", cols, ctx.ints([-1, channels * len(parts)]))
 
 
 def _tap_slices(ctx: GradContext, x: ir.Value, kernel: list[int], spatial: list[int],
@@ -128,8 +143,7 @@ def _tap_slices(ctx: GradContext, x: ir.Value, kernel: list[int], spatial: list[
     rank = len(kernel) + 2
     xh = ctx.op("Transpose", x, perm=[0, *range(2, rank), 1])  # [N, *spatial, C]
     xp = ctx.op("Pad", xh, ctx.ints([0, *begin, 0, 0, *end, 0])) if any(begin + end) else xh
-    out = [(n + b + e - ((k - 1) * d + 1)) // s + 1
-           for n, k, s, d, b, e in zip(spatial, kernel, strides, dilations, begin, end)]
+    out = output_extents(kernel, spatial, strides, dilations, begin, end)
     strided = any(s != 1 for s in strides)
     steps = [ctx.ints(strides)] if strided else []
     axes = ctx.ints(list(range(1, rank - 1)))
