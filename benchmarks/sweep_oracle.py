@@ -149,7 +149,9 @@ def torch_step(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_f
         context = float32_run(run, ref, feeds)
     with context as (ref, tensors):
         opt = make_opt(ref.parameters())
-        opt.load_state_dict(optimizer.state_dict())
+        # a copy: load_state_dict keeps a float32 moment as the very tensor (no cast needed),
+        # which this step would then update in place for the next run from the same state
+        opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
         opt.zero_grad()
         loss_of(ref, loss_fn, tensors).backward()
         opt.step()
