@@ -19,6 +19,7 @@ import onnxruntime as ort
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.model import get_meta, split_training_model
 from ngdist.passes.pipeline import run_passes
+from ngdist.runtime.sessions import plans_reuse
 
 
 def run_step(model: onnx.ModelProto, batch: Mapping[str, np.ndarray],
@@ -40,6 +41,7 @@ def run_step(model: onnx.ModelProto, batch: Mapping[str, np.ndarray],
         g.output.append(onnx.helper.make_empty_tensor_value_info(name))
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    opts.enable_mem_reuse = plans_reuse(proto)  # (ngdist's sessions' rule: the same bits)
     sess = ort.InferenceSession(proto.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])
     data = [i.name for i in sess.get_inputs() if meta.roles.get(i.name) == "data"]

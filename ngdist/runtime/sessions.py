@@ -28,6 +28,11 @@ from ngdist.runtime.cuda import CudaOptions, missing
 logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda")
+# onnxruntime's memory-reuse planner looks each new value up against every buffer freed
+# before it: quadratic in a graph's values. Sessions of graphs with more nodes than this are
+# planned without it (``enable_mem_reuse`` off); freed memory is still reused, by the arena,
+# and the results are the same bits (docs/benchmarks.md, "Compile time").
+REUSE_PLAN_MAX_NODES = 4000
 
 
 @dataclass(frozen=True)
@@ -264,7 +269,9 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
                  shapes: Mapping[str, Sequence[int]] | None = None,
                  shared_arena: bool = False) -> ort.InferenceSession:
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
-    ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). On the CPU,
+    ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). A graph of
+    more than ``REUSE_PLAN_MAX_NODES`` nodes is planned without onnxruntime's memory-reuse
+    plan (quadratic in the graph's size; the arena reuses freed memory). On the CPU,
     convolutions with weights fed as inputs run on the blocked-channel kernels
     (the session rewrites of runtime/rewrites.py; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that
     off); ``shapes`` gives static shapes of inputs the model leaves open. A model given as
@@ -275,6 +282,7 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     opts = session_options(intra_op_threads, shared_arena, placement.device)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    opts.enable_mem_reuse = plans_reuse(model)
     sess = ort.InferenceSession(data, opts, providers=placement.providers)
     wanted = placement.providers[0]
     wanted = wanted if isinstance(wanted, str) else wanted[0]
@@ -284,3 +292,15 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
         raise NgdistError(f"the session asked for {wanted} but took "
                           f"{sess.get_providers()[0]}: missing {why}; use device='cpu'")
     return sess
+
+
+def node_count(model: onnx.ModelProto | bytes) -> int:
+    """The number of nodes of ``model``'s main graph (a model given as bytes is parsed)."""
+    return len((onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
+                ).graph.node)
+
+
+def plans_reuse(model: onnx.ModelProto | bytes) -> bool:
+    """Whether a session of ``model`` gets onnxruntime's memory-reuse plan
+    (``SessionOptions.enable_mem_reuse``): not above ``REUSE_PLAN_MAX_NODES`` nodes."""
+    return node_count(model) <= REUSE_PLAN_MAX_NODES
