@@ -169,6 +169,26 @@ def _hgnet_v2(cfg: Any) -> None:
     cfg.stage_num_blocks, cfg.stage_numb_of_layers = (1, 1, 1, 1), (2, 2, 2, 2)
 
 
+def _mobilevitv2(cfg: Any) -> None:
+    """MobileViTV2 unfolds its 2x2 last-stage maps (64-pixel images) into patches of
+    ``patch_size`` a side: its default 2, not the sweep's 8; half its default width."""
+    cfg.patch_size, cfg.width_multiplier = 2, 0.5
+
+
+def _perceiver(cfg: Any) -> None:
+    """Perceiver's latents are ``d_latents`` wide (1280), ``num_latents`` (256) of them,
+    through 26 self-attention layers: 16 of 32, 2 layers (the default held more than 8 GiB in
+    training); 32-pixel images."""
+    cfg.d_latents, cfg.num_latents, cfg.num_self_attends_per_block = WIDTH, 16, 2
+    cfg.image_size = 32
+
+
+def _esmc(cfg: Any) -> None:
+    """ESM C normalises its keys over the whole hidden width: no kv groups (as many kv heads
+    as heads; 2 gave a 16-wide key to a 32-wide LayerNorm)."""
+    cfg.num_key_value_heads = cfg.num_attention_heads
+
+
 def _kyutai(cfg: Any) -> None:
     """4 audio code streams of 16 codes (+1); the embedding's padding row is the one after
     the text vocabulary and every stream's codes, as transformers' default derives it."""
@@ -215,10 +235,13 @@ def _moonshine_streaming(cfg: Any) -> None:
 _FIXUPS: dict[str, Callable[[Any], None]] = {
     "blt": _blt,
     "efficientnet": _efficientnet,
+    "esmc": _esmc,
     "hgnet_v2": _hgnet_v2,
     "kyutai_speech_to_text": _kyutai,
     "levit": _levit,
     "mamba2": _mamba2,
+    "mobilevitv2": _mobilevitv2,
+    "perceiver": _perceiver,
     "moonshine_streaming": _moonshine_streaming,
     "qwen3_asr": _qwen3_asr,
     "xlstm": _xlstm,

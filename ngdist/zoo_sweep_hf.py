@@ -66,8 +66,8 @@ def _model(task: str, model_type: str) -> Any:
         _fsmt_masks()
     if model_type == "canine":
         _canine_masks()
-    if model_type == "xglm":
-        _xglm_masks()
+    if model_type in _FLOAT32_LOWEST:
+        _float32_lowest(model_type)
     if model_type == "led":
         _led_float64()
     torch.manual_seed(0)
@@ -77,7 +77,24 @@ def _model(task: str, model_type: str) -> Any:
             if ("router" in name or "gate" in name) and param.ndim > 1 and \
                     not param.any():
                 param.normal_(0.0, 0.02)
+    if model_type == "switch_transformers":
+        _router_in_its_weights_dtype(model)
     return _no_dropout(model)
+
+
+def _router_in_its_weights_dtype(model: Any) -> None:
+    """Switch Transformers' router keeps a dtype of its own (``router_dtype``, float32) and
+    casts its classifier to it on every forward: in the float64 oracle (``module.double()``)
+    the classifier went back to float32 mid-run, so the router was not computed in float64
+    and torch's AdamW met float32 gradients for float64 state ("expected dtype double for
+    `end`"). The router's dtype is its classifier's: float32 as configured in the float32
+    model (what ngdist exports), float64 in the oracle."""
+    torch = _torch()
+    for sub in model.modules():
+        if isinstance(sub.__dict__.get("dtype"), torch.dtype) and hasattr(sub, "classifier"):
+            del sub.__dict__["dtype"]
+            sub.__class__ = type(type(sub).__name__, (type(sub),), {
+                "dtype": property(lambda self: self.classifier.weight.dtype)})
 
 
 def _fsmt_masks() -> None:
@@ -129,13 +146,19 @@ def _led_float64() -> None:
     modeling_led.torch, modeling_led.nn = _Float32Lowest(), Nn()
 
 
-def _xglm_masks() -> None:
-    """XGLM clamps its masked scores at ``torch.full((), torch.finfo(dtype).min)``, a float32
-    tensor: float64's lowest value overflows it, so the model has no float64 oracle. The
-    clamp at float32's lowest value in float64 too (what float32 computes)."""
-    from transformers.models.xglm import modeling_xglm
+# models that mix ``torch.finfo(dtype).min`` of float64 into float32 tensors (no float64
+# oracle: the value overflows to -inf): XGLM clamps its masked scores at
+# ``torch.full((), torch.finfo(dtype).min)``, a float32 tensor; ProphetNet fills its main and
+# n-gram stream masks so, and its float64 gradients were NaN. Their modules see float32's
+# lowest value in float64 too (what float32 computes)
+_FLOAT32_LOWEST = ("xglm", "prophetnet")
 
-    modeling_xglm.torch = _Float32Lowest()
+
+def _float32_lowest(model_type: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    module.torch = _Float32Lowest()
 
 
 class _Float32Lowest:
@@ -190,7 +213,10 @@ class _Logits:
                 inputs = [v for v in (a, b, c, d, e) if v is not None]
                 if tokens:
                     *inputs, y = inputs
-                logits = self.model(**dict(zip(names, inputs))).logits
+                out = self.model(**dict(zip(names, inputs)))
+                # PP-LCNet returns its class scores as last_hidden_state
+                logits = getattr(out, "logits", None)
+                logits = out.last_hidden_state if logits is None else logits
                 if not tokens:
                     return logits
                 logits = logits[:, :-1] if shift else logits

@@ -26,11 +26,14 @@ def _loss(name: str) -> tuple[float, dict[str, np.ndarray]]:
         return float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds))), feeds
 
 
-@pytest.mark.parametrize("name", ["hf/imgcls/hgnet_v2", "hf/causal/blt"])
+@pytest.mark.parametrize("name", ["hf/imgcls/hgnet_v2", "hf/causal/blt",
+                                  "hf/imgcls/mobilevitv2", "hf/seqcls/esmc"])
 def test_a_config_whose_sizes_derive_from_others_builds_tiny_and_runs(name):
     """HGNetV2's head reads ``hidden_sizes[-1]``, its stages ``stage_*_channels`` (the head
     did not fit the last stage); BLT derives its global model's input projection from the
-    local encoder's width (an RMSNorm of 64 met 32 features)."""
+    local encoder's width (an RMSNorm of 64 met 32 features); MobileViTV2 unfolds its
+    last 2x2 maps into patches of ``patch_size`` (8 left no patch); ESM C normalises its keys
+    over the hidden width (no kv groups)."""
     loss, _ = _loss(name)
     assert np.isfinite(loss)
 
@@ -45,3 +48,35 @@ def test_an_audio_lm_without_a_placeholder_id_gets_one_inside_the_vocabulary():
     loss, feeds = _loss("hf/speech2seq/voxtral")
     assert np.isfinite(loss)
     assert (feeds["input_ids"] == hf.AUDIO_TOKEN).sum() > 0
+
+
+def test_prophetnets_float64_oracle_has_finite_gradients_that_agree_with_float32():
+    """ProphetNet fills its stream masks with float64's lowest value, which overflowed its
+    float32 tensors: torch's float64 gradients were NaN (no oracle). Its module sees float32's
+    lowest value in float64 too: finite float64 gradients, the loss float32's."""
+    import torch
+    from sweep_check import _tensors, loss_of, to_float64
+
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds, loss_fn = hf._build("seq2seq", "prophetnet")
+    loss32 = float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
+    model64 = to_float64(copy.deepcopy(module))
+    loss64 = loss_of(model64, loss_fn, _tensors(feeds, True))
+    loss64.backward()
+    grads = [p.grad for p in model64.parameters() if p.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+    assert abs(loss32 - float(loss64)) <= 1e-5 * max(1.0, abs(float(loss64)))
+
+
+def test_a_classifier_returning_its_scores_as_last_hidden_state_is_fed_to_the_loss():
+    """PP-LCNet's image classifier returns its class scores as ``last_hidden_state`` (no
+    ``logits``): the case's module returns them, one row of 3 scores a sample."""
+    import torch
+
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds, _ = hf._build("imgcls", "pp_lcnet")
+    with torch.no_grad():
+        scores = module(torch.from_numpy(feeds["pixel_values"]))
+    assert tuple(scores.shape) == (hf.BATCH, hf.LABELS)
