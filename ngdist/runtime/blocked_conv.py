@@ -102,12 +102,15 @@ class _Target:
     w_shape: tuple[int, ...]
 
 
-def applies(model: onnx.ModelProto, block: int) -> bool:
+def applies(model: onnx.ModelProto, block: int,
+            shapes: Mapping[str, Sequence[int]] | None = None) -> bool:
     """Whether :class:`BlockConvs` may change ``model`` at NCHWc block size ``block`` (more than
     4 channels per block; 0: no such kernels here): the rewrite is wanted and the graph has a
-    convolution."""
+    convolution of a kind it rewrites (read from the proto: a graph without one is not
+    converted to onnx_ir and back)."""
     return block > 4 and requested() and \
-        any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node)
+        any(n.op_type in ("Conv", "ConvTranspose") for n in model.graph.node) and \
+        bool(_kinds(model, block, _known_shapes(model, shapes)))
 
 
 class BlockConvs(ir.passes.InPlacePass):
@@ -146,16 +149,8 @@ class BlockConvs(ir.passes.InPlacePass):
 def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[int]] | None
              ) -> dict[int, _Target]:
     """{node index: how it is rewritten} of the convolutions :class:`BlockConvs` rewrites."""
-    known = _static_shapes(model)
-    known.update({k: list(v) for k, v in (shapes or {}).items()})
-    # weights fed to the graph as float32 inputs (a constant one onnxruntime reorders itself)
-    weights = {v.name for v in model.graph.input
-               if v.type.tensor_type.elem_type == TensorProto.FLOAT} - \
-        {t.name for t in model.graph.initializer}
-    kinds = {i: (kind, known[n.input[1]]) for i, n in enumerate(model.graph.node)
-             if len(n.input) > 1 and n.input[1] in weights and n.domain in ("", "ai.onnx") and
-             n.op_type in ("Conv", "ConvTranspose") and
-             (kind := _kind(n, known.get(n.input[1]), block)) is not None}
+    known = _known_shapes(model, shapes)
+    kinds = _kinds(model, block, known)
     if any(kind != "depthwise" for kind, _ in kinds.values()):  # output sizes decide these
         known.update(_inferred_shapes(model, known))
     targets: dict[int, _Target] = {}
@@ -167,6 +162,26 @@ def _targets(model: onnx.ModelProto, block: int, shapes: Mapping[str, Sequence[i
                 continue
         targets[i] = _Target(kind, tuple(w_shape))
     return targets
+
+
+def _known_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None
+                  ) -> dict[str, list[int]]:
+    known = _static_shapes(model)
+    known.update({k: list(v) for k, v in (shapes or {}).items()})
+    return known
+
+
+def _kinds(model: onnx.ModelProto, block: int, known: Mapping[str, list[int]]
+           ) -> dict[int, tuple[str, list[int]]]:
+    """{node index: (kind, weight shape)} of the convolutions whose own attributes and
+    weight (a float32 graph input: onnxruntime reorders a constant one itself) qualify."""
+    weights = {v.name for v in model.graph.input
+               if v.type.tensor_type.elem_type == TensorProto.FLOAT} - \
+        {t.name for t in model.graph.initializer}
+    return {i: (kind, known[n.input[1]]) for i, n in enumerate(model.graph.node)
+            if len(n.input) > 1 and n.input[1] in weights and n.domain in ("", "ai.onnx") and
+            n.op_type in ("Conv", "ConvTranspose") and
+            (kind := _kind(n, known.get(n.input[1]), block)) is not None}
 
 
 def _node(op_type: str, inputs: Sequence[ir.Value | None], *attrs: ir.Attr, name: str,

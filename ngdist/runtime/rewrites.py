@@ -79,6 +79,6 @@ def session_rewrites(model: onnx.ModelProto | bytes, block: Callable[[], int],
     leaves open."""
     proto = onnx.load_from_string(model) if isinstance(model, bytes) else model
     if not any(n.op_type in ("Conv", "ConvTranspose") for n in proto.graph.node) or \
-            not blocked_conv.applies(proto, size := block()):
+            not blocked_conv.applies(proto, size := block(), shapes):
         return model
     return _run([blocked_conv.BlockConvs(size, shapes)], proto) or model

@@ -296,3 +296,23 @@ def test_a_session_given_bytes_is_blocked_as_one_given_the_proto(monkeypatch):
     assert protos[0].SerializeToString() == protos[1].SerializeToString()
     assert [n.op_type for n in protos[1].graph.node].count("ReorderInput") == 1
     assert all(np.array_equal(a, b) for a, b in zip(*outs))
+
+
+def test_a_graph_without_a_convolution_to_block_is_not_converted_to_onnx_ir(monkeypatch):
+    """A 1-D Conv (as Mamba's and other causal convolutions export) or one whose channels
+    fit no block: the session rewrites see it in the proto and leave the model as it is,
+    without the onnx_ir round trip (seconds on a graph of thousands of nodes)."""
+    monkeypatch.setenv(blocked_conv.ENV, "1")
+    c = 2 * BLOCK
+    one_d = conv_model(c, [c, 1, 3], group=c)
+    one_d.graph.input[0].type.tensor_type.shape.dim.pop()
+    unaligned = conv_model(c + 4, [c + 4, 1, 3, 3], group=c + 4)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("converted to onnx_ir")
+
+    monkeypatch.setattr(ir, "from_proto", refuse)
+    for model in (one_d, unaligned):
+        assert not blocked_conv.applies(model, BLOCK)
+        assert block_convs(model) is model
+    assert blocked_conv.applies(conv_model(c, [c, 1, 3, 3], group=c), BLOCK)
