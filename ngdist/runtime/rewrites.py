@@ -64,10 +64,34 @@ def runtime_rewrites(model: onnx.ModelProto, group_size: int,
                      inline_alone: bool = True) -> onnx.ModelProto:
     """``model`` rewritten for running on a group of ``group_size`` ranks (see the module
     docstring); ``model`` itself when no pass changes it."""
+    inline = group_size == 1 and inline_alone
+    if not _has_unused(model) and not (inline and any(n.domain == DOMAIN
+                                                      for n in model.graph.node)):
+        return model  # (no onnx_ir round trip: seconds on a graph of thousands of nodes)
     passes: list[ir.passes.PassBase] = [RemoveUnusedNodesPass()]
-    if group_size == 1 and inline_alone:
+    if inline:
         passes.append(InlineAloneIdentities())
     return _run(passes, model) or model
+
+
+def _has_unused(model: onnx.ModelProto) -> bool:
+    """Whether ``RemoveUnusedNodesPass`` finds something to remove, read from the proto: a
+    node (also in a subgraph) none of whose outputs is read or a graph's output, an
+    initializer nothing reads, or a model-local function."""
+    graphs, nodes = [model.graph], []
+    while graphs:
+        graph = graphs.pop()
+        nodes += graph.node
+        graphs += [sub for n in graph.node for a in n.attribute
+                   for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+    used = {i for n in nodes for i in n.input} | {o.name for o in model.graph.output}
+    used.update(o.name for n in nodes for a in n.attribute
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
+                for o in sub.output)
+    used.discard("")  # (an optional input left out)
+    inputs = {i.name for i in model.graph.input}
+    return bool(model.functions) or any(not used.intersection(n.output) for n in nodes) or \
+        any(t.name not in used and t.name not in inputs for t in model.graph.initializer)
 
 
 def session_rewrites(model: onnx.ModelProto | bytes, block: Callable[[], int],

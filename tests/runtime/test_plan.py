@@ -47,6 +47,48 @@ def test_nodes_no_output_needs_are_left_out_comm_nodes_too():
     assert kept is m  # nothing changed: the graph is handed back as it is
 
 
+def _with_if(then_nodes, then_outputs, outer_nodes, outputs) -> onnx.ModelProto:
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])  # noqa: E731
+    branch = helper.make_graph(then_nodes, "then", [], [vi(o) for o in then_outputs])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["e"])], "else", [], [vi("e")])
+    cond = helper.make_node("If", ["c"], ["r"], name="if", then_branch=branch, else_branch=other)
+    m = model([*outer_nodes, cond], ["x", "w"], outputs)
+    m.graph.input.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+    return m
+
+
+def test_whether_anything_is_unused_is_read_from_the_proto_as_the_pass_finds_it(monkeypatch):
+    """The proto check agrees with onnx_ir's RemoveUnusedNodesPass (dead nodes in the graph
+    or a subgraph, values read only from a subgraph, unused initializers, outputs left
+    out); a graph with nothing to remove is handed back without an onnx_ir round trip."""
+    import onnx_ir as ir
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    from ngdist.runtime.rewrites import _has_unused
+
+    mul, neg = helper.make_node("Mul", ["x", "w"], ["y"]), helper.make_node("Neg", ["x"], ["n"])
+    unused_init = model([mul], ["x", "w"], ["y"])
+    unused_init.graph.initializer.append(helper.make_tensor("k", TensorProto.FLOAT, [1], [1.0]))
+    cases = {
+        "live": model([mul], ["x", "w"], ["y"]),
+        "dead node": model([mul, neg], ["x", "w"], ["y"]),
+        "unused initializer": unused_init,
+        "output left out": model([mul, helper.make_node("Split", ["n"], ["", ""], axis=0,
+                                                        num_outputs=2), neg], ["x", "w"], ["y"]),
+        "read by a subgraph": _with_if([helper.make_node("Abs", ["n"], ["t"])], ["t"],
+                                       [neg], ["r"]),
+        "dead in a subgraph": _with_if([helper.make_node("Abs", ["x"], ["t"]),
+                                        helper.make_node("Neg", ["x"], ["d"])], ["t"], [], ["r"]),
+    }
+    for name, m in cases.items():
+        expected = RemoveUnusedNodesPass()(ir.from_proto(m)).modified
+        assert _has_unused(m) == expected, name
+        assert expected == (name not in ("live", "read by a subgraph")), name
+    monkeypatch.setattr(ir, "from_proto", lambda *a: pytest.fail("converted to onnx_ir"))
+    for name in ("live", "read by a subgraph"):
+        assert runtime_rewrites(cases[name], 2) is cases[name]
+
+
 def test_on_one_rank_identity_comm_nodes_become_identity_nodes():
     m = two_buckets()
     one = runtime_rewrites(m, 1)
