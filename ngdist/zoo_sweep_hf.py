@@ -261,7 +261,29 @@ def _is_audio_lm(model: Any) -> bool:
     decoder_input_ids."""
     params = inspect.signature(model.forward).parameters
     return ("input_features" in params or "input_values" in params) \
-        and "decoder_input_ids" not in params and hasattr(model, "get_audio_features")
+        and "decoder_input_ids" not in params and (hasattr(model, "get_audio_features") or
+                                                   _masked_tower(model))
+
+
+def _masked_tower(model: Any) -> bool:
+    """An audio language model whose forward runs its audio tower itself on features and a
+    frame mask (Qwen2-Audio: no get_audio_features)."""
+    return hasattr(getattr(model, "model", None), "audio_tower") and \
+        "feature_attention_mask" in inspect.signature(model.forward).parameters
+
+
+def _tower_features(model: Any, rng: np.random.Generator
+                    ) -> tuple[dict[str, np.ndarray], int]:
+    """(features of 2 * max_source_positions frames and their all-ones frame mask, the
+    audio embeddings per sample the tower's length rule gives for them)."""
+    torch = _torch()
+    cfg = model.config.audio_config
+    frames = 2 * cfg.max_source_positions
+    feeds = {"input_features": rng.standard_normal((BATCH, cfg.num_mel_bins, frames))
+             .astype(np.float32),
+             "feature_attention_mask": np.ones((BATCH, frames), np.int64)}
+    _, lengths = model.model.audio_tower._get_feat_extract_output_lengths(torch.tensor(frames))
+    return feeds, int(lengths)
 
 
 def _audio_features(model: Any, rng: np.random.Generator
@@ -305,7 +327,8 @@ def _audio_features(model: Any, rng: np.random.Generator
 def _audio_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.ndarray], Any]:
     """The audio embeddings' placeholders, then text (the last sequence right-padded); the
     loss over the next text token, audio positions and padding not counted (-100)."""
-    audio, n = _audio_features(model, rng)
+    audio, n = _tower_features(model, rng) if _masked_tower(model) else \
+        _audio_features(model, rng)
     ids, mask = _tokens(rng, VOCAB)
     ids[ids == AUDIO_TOKEN] = AUDIO_TOKEN - 1
     ids = np.concatenate([np.full((BATCH, n), AUDIO_TOKEN, np.int64), ids], 1)

@@ -80,3 +80,19 @@ def test_a_classifier_returning_its_scores_as_last_hidden_state_is_fed_to_the_lo
     with torch.no_grad():
         scores = module(torch.from_numpy(feeds["pixel_values"]))
     assert tuple(scores.shape) == (hf.BATCH, hf.LABELS)
+
+
+def test_an_audio_lm_that_runs_its_tower_itself_gets_placeholders_and_a_frame_mask():
+    """Qwen2-Audio has no get_audio_features (its forward runs the audio tower on features
+    and a frame mask): it was fed as an encoder-decoder, its decoder_input_ids ignored and no
+    audio in the graph. Now one placeholder per audio embedding leads each sequence, not
+    counted in the loss, and the features come with their frame mask."""
+    from ngdist import zoo_sweep_hf as hf
+
+    loss, feeds = _loss("hf/seq2seq/qwen2_audio")
+    assert np.isfinite(loss) and "decoder_input_ids" not in feeds
+    assert feeds["feature_attention_mask"].shape == (hf.BATCH, feeds["input_features"].shape[2])
+    ids, y = feeds["input_ids"], feeds["y"].reshape(hf.BATCH, -1)
+    audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
+    assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
+    assert (y[:, :audio - 1] == -100).all()
