@@ -8,6 +8,13 @@
   A Reshape whose target varies with the batch gets a constant target with ``0`` or ``-1`` on
   the one axis that varies, so that shape inference sees through ``x.view(batch, ...)``.
   Shapes that depend on data (NonZero's count) are never folded.
+* ``squeezing_splits``: torch exports ``unbind`` (``nonzero(as_tuple=True)``) as
+  SplitToSequence with a scalar ``split`` of 1 and ``keepdims=0``, meaning 1-D pieces:
+  onnxruntime squeezes them, but by the ONNX spec ``keepdims`` is ignored when ``split`` is
+  given, so shape inference (and ONNX's reference) keeps the axis, and the passes' shapes,
+  planned from inference, disagreed with the run (Longformer's global-attention indices
+  broadcast to [n, n, 2]). The ``split`` input is dropped: size-1 pieces with ``keepdims``
+  honoured, the same in both.
 * ``unbiased_running_var``: PyTorch's BatchNorm updates its running variance with the
   unbiased batch variance, ONNX's BatchNormalization with the biased one.
 """
@@ -150,6 +157,26 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
     g.node.extend(kept)
     _remove_dead(g)
     return len(folded)
+
+
+def squeezing_splits(model: onnx.ModelProto) -> int:
+    """Drops the ``split`` input of every SplitToSequence with ``keepdims=0`` whose
+    ``split`` is a constant scalar 1 (see the module's docstring); the number rewritten."""
+    g = model.graph
+    consts = {t.name: t for t in g.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"
+                   and len(n.attribute) == 1 and n.attribute[0].name == "value"})
+    done = 0
+    for node in g.node:
+        if node.op_type != "SplitToSequence" or len(node.input) < 2 or \
+                node.input[1] not in consts or \
+                not any(a.name == "keepdims" and a.i == 0 for a in node.attribute):
+            continue
+        split = numpy_helper.to_array(consts[node.input[1]])
+        if split.ndim == 0 and int(split) == 1:
+            del node.input[1:]
+            done += 1
+    return done
 
 
 def _probe_runs(probe: onnx.ModelProto, names: list[str],

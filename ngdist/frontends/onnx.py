@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ngdist import optim
 from ngdist.errors import GraphError, OptionError
-from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds
+from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds, squeezing_splits
 from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.copies import copy_fields, large, put_tensor_data, without_tensor_data
@@ -67,6 +67,7 @@ def normalize_forward(model: onnx.ModelProto,
             dims[0].Clear()
             dims[0].dim_param = "batch"
     del model.graph.value_info[:]
+    squeezing_splits(model)
     folded = fold_static_shapes(model, probe_feeds(model) if probes is None else probes,
                                 tensors)
     if folded:

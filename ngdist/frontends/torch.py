@@ -53,7 +53,8 @@ import onnx
 
 from ngdist import optim
 from ngdist.errors import ArgumentError, ArgumentTypeError, GraphError
-from ngdist.frontends.cleanup import batch_feeds, fold_static_shapes, unbiased_running_var
+from ngdist.frontends.cleanup import (batch_feeds, fold_static_shapes, squeezing_splits,
+                                      unbiased_running_var)
 from ngdist.frontends.torch_exporters import (export_graph, export_training, rename_aliases,
                                                tied_aliases)
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
@@ -207,6 +208,8 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
+    for model in (train, ev):  # (before folding: its probes then run as the step will)
+        squeezing_splits(model)
     folded = [fold_static_shapes(model, feeds) for model in (train, ev)]
     logger.info("exported %s with the %s exporter: %d nodes (train), %d (eval), %d params, "
                 "%d buffers, %s shape values folded", type(module).__name__, used,

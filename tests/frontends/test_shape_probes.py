@@ -3,15 +3,22 @@ every fold (the export's and the training model's): inputs made up from the decl
 (zeros for indices and masks) can drive a model into values it never meets (an empty
 selection, a count of zero) on which onnxruntime fails, or dies of SIGFPE (Longformer: no
 token with global attention). A graph that runs at the example's batch size only (a size
-traced as a constant, Longformer's ``len(nonzero)``) is said so by name."""
+traced as a constant, Longformer's ``len(nonzero)``) is said so by name. torch's ``unbind``
+pieces are 1-D for shape inference as they are in onnxruntime."""
 from __future__ import annotations
 
 import logging
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from step_probe import gradient_errors, run_step
 
 from ngdist.frontends import torch as tfront
+from ngdist.frontends.cleanup import squeezing_splits
 
 LOGGER = "ngdist.frontends.cleanup"
 
@@ -56,8 +63,6 @@ def test_training_model_probes_with_the_example_batch(caplog):
 
 def test_graph_traced_at_the_example_batch_trains_like_torch():
     """The compiled step at the example's batch gives torch's gradients (float64 oracle)."""
-    from step_probe import gradient_errors, run_step
-
     ids, mask, y = _example()
     module = GlobalRows()
     model, exp = tfront.training_model(module, (ids, mask), loss=torch.nn.CrossEntropyLoss(),
@@ -69,4 +74,47 @@ def test_graph_traced_at_the_example_batch_trains_like_torch():
     exact = {n: p.grad.numpy() for n, p in ref.named_parameters()}
     assert set(exact) <= set(exp.params)
     assert max(gradient_errors(got, exact).values()) < 1e-5
-    assert abs(float(got["loss"]) - float(loss)) < 1e-5
+    assert abs(float(got["loss"]) - loss.item()) < 1e-5
+
+
+
+def _split_model(split: np.ndarray) -> onnx.ModelProto:
+    """torch's ``unbind`` of [n, 2] along axis 1: SplitToSequence(split, keepdims=0), piece 0."""
+    nodes = [helper.make_node("SplitToSequence", ["x", "split"], ["pieces"], axis=1,
+                              keepdims=0),
+             helper.make_node("SequenceAt", ["pieces", "zero"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "unbind", [helper.make_tensor_value_info("x", TensorProto.INT64, ["n", 2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, None)],
+        [numpy_helper.from_array(split, "split"),
+         numpy_helper.from_array(np.array(0, np.int64), "zero")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                             ir_version=8)
+
+
+def _inferred_rank(model: onnx.ModelProto) -> int:
+    out = onnx.shape_inference.infer_shapes(model).graph.output[0]
+    return len(out.type.tensor_type.shape.dim)
+
+
+def test_unbind_pieces_are_one_dimensional_in_shape_inference_as_in_onnxruntime():
+    """torch's ``unbind`` (``nonzero(as_tuple=True)``: Longformer's global-attention indices)
+    exports as SplitToSequence with a scalar split of 1 and keepdims 0: onnxruntime gives
+    1-D pieces, shape inference (the ONNX spec ignores keepdims where split is given) 2-D
+    ones, and the passes' shapes planned from it broadcast the step's scatter indices to
+    [n, n, 2]. Without the split input both give 1-D pieces."""
+    x = np.arange(6, dtype=np.int64).reshape(3, 2)
+    model = _split_model(np.array(1, np.int64))
+    assert _inferred_rank(model) == 2
+    before = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert squeezing_splits(model) == 1
+    assert list(model.graph.node[0].input) == ["x"]
+    assert _inferred_rank(model) == 1
+    after = ort.InferenceSession(model.SerializeToString(),
+                                 providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert before.tobytes() == after.tobytes() and after.shape == (3,)
+    assert ReferenceEvaluator(model).run(None, {"x": x})[0].shape == (3,)
+    for split in (np.array([1, 1], np.int64), np.array(2, np.int64)):  # sizes of their own
+        assert squeezing_splits(_split_model(split)) == 0
+
