@@ -17,10 +17,12 @@ computations on parameters into new constants, and either would leave parameters
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import onnx
@@ -42,13 +44,42 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     dynamic = {**_leading_names(args, input_names), **{n: {0: "batch"} for n in output_names}}
     buf = io.BytesIO()
-    with warnings.catch_warnings(), sdpa_export(opset), lent_symbolics(opset):
+    with warnings.catch_warnings(), sdpa_export(opset), lent_symbolics(opset), \
+            _custom_backwards(module) as called:
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,
                           input_names=input_names, output_names=output_names,
                           dynamic_axes=dynamic, keep_initializers_as_inputs=False)
+    if training and called:
+        logger.warning("%s calls torch.autograd.Function %s: ngdist differentiates the traced "
+                       "forward, not the Function's own backward; where that backward is not "
+                       "the forward's derivative (a straight-through or rescaled gradient, "
+                       "PhiMoE's sparsemixer), the gradients differ from torch's",
+                       type(module).__name__, ", ".join(sorted(called)))
     return onnx.load_from_string(buf.getvalue())
+
+
+@contextlib.contextmanager
+def _custom_backwards(module: Any) -> Iterator[set[str]]:
+    """The names of the ``torch.autograd.Function`` classes without an ONNX ``symbolic`` that
+    are applied while the block runs (the TorchScript exporter inlines their forward)."""
+    import torch
+
+    function = torch.autograd.Function
+    apply = function.__dict__["apply"]
+    called: set[str] = set()
+
+    def recorded(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(cls, "symbolic"):
+            called.add(cls.__qualname__)
+        return apply.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(recorded)
+    try:
+        yield called
+    finally:
+        function.apply = apply
 
 
 def _leading_names(args: tuple[Any, ...], input_names: list[str]) -> dict[str, dict[int, str]]:

@@ -142,7 +142,21 @@ def nanmean(g: Any, x: Any, dim: Any = None, keepdim: Any = None, dtype: Any = N
     return _as(g, mean, dtype)
 
 
+def exponential(g: Any, x: Any, lambd: Any = 1.0, generator: Any = None) -> Any:
+    """``Tensor.exponential_(lambd)`` (PhiMoE's Gumbel sampling of experts in training):
+    ``-log(1 - U) / lambd`` of ``U`` uniform in [0, 1) (RandomUniformLike, a draw of
+    onnxruntime's generator, not torch's)."""
+    one = g.op("CastLike", const(g, 1.0, np.float32), x)
+    sample = g.op("Neg", g.op("Log", g.op("Sub", one, g.op("RandomUniformLike", x))))
+    rate = helper()._maybe_get_const(lambd, "f")
+    if isinstance(rate, float) and rate == 1.0:
+        return sample
+    return g.op("Div", sample, g.op("CastLike", lambd if helper()._is_value(lambd)
+                                    else const(g, rate, np.float32), x))
+
+
 SYMBOLICS: dict[str, Callable[..., Any]] = {
+    "aten::exponential": exponential,
     "aten::logaddexp": _logaddexp(False),
     "aten::logaddexp2": _logaddexp(True),
     "aten::xlogy": xlogy,

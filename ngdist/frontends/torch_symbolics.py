@@ -35,7 +35,8 @@ torch) already registers for an operator is left in place and used.
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
   the factor cases keep torch's own symbolic;
 * elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
-  ``count_nonzero``, ``nanmean``, ...): ``frontends/torch_math.py``;
+  ``count_nonzero``, ``nanmean``, ...) and ``exponential_`` (``-log(1 - U)``, PhiMoE's Gumbel
+  sampling): ``frontends/torch_math.py``;
 * complex tensors as (real, imaginary) pairs (``polar``, ``view_as_complex``,
   ``view_as_real``, complex products; any other op of a complex value refused):
   ``frontends/torch_complex.py``.

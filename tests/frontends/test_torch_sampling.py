@@ -1,0 +1,79 @@
+"""Training-mode sampling and custom backwards through the torch frontend: ``exponential_``
+(PhiMoE's Gumbel sampling of experts) exports as ``-log(1 - U) / lambd`` of onnxruntime's
+uniform draws, checked against the exponential distribution itself; a module that applies a
+``torch.autograd.Function`` is told that ngdist differentiates its traced forward, not its
+own backward."""
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from ngdist.frontends import torch as tfront
+from ngdist.frontends.torch_symbolics import lent_symbolics
+
+
+class Exponential(torch.nn.Module):
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+    def forward(self, x):
+        return torch.empty_like(x).exponential_(self.rate)
+
+
+@pytest.mark.parametrize("rate", [1.0, 2.5])
+def test_exponential_draws_follow_the_exponential_distribution(rate):
+    buf = io.BytesIO()
+    with lent_symbolics(18):
+        torch.onnx.export(Exponential(rate), (torch.zeros(4),), buf, dynamo=False,
+                          opset_version=18, input_names=["x"], output_names=["e"],
+                          dynamic_axes={"x": {0: "n"}})
+    sess = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"])
+    n = 200_000
+    draws = np.sort(sess.run(None, {"x": np.zeros(n, np.float32)})[0].astype(np.float64))
+    assert draws.dtype == np.float64 and np.isfinite(draws).all() and draws.min() >= 0
+    # Kolmogorov-Smirnov distance to the CDF 1 - exp(-rate x): 0.0036 is its 1% level at n
+    cdf = 1.0 - np.exp(-rate * draws)
+    ks = max(np.abs(cdf - np.arange(1, n + 1) / n).max(), np.abs(cdf - np.arange(n) / n).max())
+    assert ks < 1.63 / np.sqrt(n), ks
+    assert abs(draws.mean() * rate - 1.0) < 0.01
+
+
+class Straight(torch.autograd.Function):
+    """x * 2 forward, the gradient passed straight through (not the forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class UsesStraight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return Straight.apply(self.lin(x))
+
+
+def test_a_custom_backward_is_named_in_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="ngdist.frontends"):
+        tfront.training_model(UsesStraight(), (torch.randn(4, 3),), loss=torch.nn.MSELoss(),
+                              optimizer="sgd:lr=0.1")
+    warned = [m for _, level, m in caplog.record_tuples if level == logging.WARNING]
+    assert warned == [
+        "UsesStraight calls torch.autograd.Function Straight: ngdist differentiates the traced "
+        "forward, not the Function's own backward; where that backward is not the forward's "
+        "derivative (a straight-through or rescaled gradient, PhiMoE's sparsemixer), the "
+        "gradients differ from torch's"]
+    assert "apply" in torch.autograd.Function.__dict__
+    assert Straight.apply(torch.ones(1)).item() == 2.0  # torch's apply is back
