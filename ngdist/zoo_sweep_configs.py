@@ -20,7 +20,8 @@ AUDIO_TOKEN = VOCAB - 1  # an audio language model's placeholder, never drawn as
 WIDTH, HEADS = 32, 4
 _SCALARS = {
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "d_embed",
-                     "embedding_size", "hidden_dim", "word_embed_proj_dim"), WIDTH),
+                     "embedding_size", "hidden_dim", "word_embed_proj_dim",
+                     "emb_dim"), WIDTH),  # emb_dim: XLM's and Flaubert's hidden_size
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers",
                      "encoder_layers", "decoder_layers", "num_decoder_layers",
                      "num_encoder_layers", "decoder_num_layers"), 2),

@@ -96,3 +96,13 @@ def test_an_audio_lm_that_runs_its_tower_itself_gets_placeholders_and_a_frame_ma
     audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
     assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
     assert (y[:, :audio - 1] == -100).all()
+
+
+@pytest.mark.parametrize("model_type", ["xlm", "flaubert"])
+def test_xlms_width_under_its_own_name_is_shrunk(model_type):
+    """XLM and Flaubert keep their hidden size as ``emb_dim`` (2048 by default: 100 M
+    parameters in 2 layers, Flaubert's case held 5.9 GiB resident): the tiny config's is the
+    sweep's width."""
+    from ngdist.zoo_sweep_configs import WIDTH, tiny_config
+
+    assert tiny_config(model_type).emb_dim == WIDTH
