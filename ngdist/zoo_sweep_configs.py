@@ -190,6 +190,54 @@ def _esmc(cfg: Any) -> None:
     cfg.num_key_value_heads = cfg.num_attention_heads
 
 
+def _luke(cfg: Any) -> None:
+    """LUKE's entity embeddings: 500000 rows of 256 (128 M parameters), now the tiny
+    vocabulary's rows of the tiny width."""
+    cfg.entity_vocab_size, cfg.entity_emb_size = VOCAB, WIDTH
+
+
+def _gemma4(cfg: Any) -> None:
+    """Gemma 4's per-layer input embeddings: 262144 rows of 256 a layer (134 M parameters),
+    now the tiny vocabulary's rows of 8."""
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        if sub is not None and hasattr(sub, "vocab_size_per_layer_input"):
+            sub.vocab_size_per_layer_input, sub.hidden_size_per_layer_input = VOCAB, 8
+
+
+def _roc_bert(cfg: Any) -> None:
+    """RoCBert's pronunciation and glyph-shape embeddings (910 and 24858 rows of 768 and 512)
+    the tiny vocabulary's rows of the tiny width."""
+    cfg.pronunciation_vocab_size = cfg.shape_vocab_size = VOCAB
+    cfg.pronunciation_embed_dim = cfg.shape_embed_dim = WIDTH
+
+
+def _zamba(cfg: Any) -> None:
+    """Zamba derives its attention width, head size and Mamba dt rank from the hidden size
+    when the config is made: derived again from the tiny one (7424 wide attention: 30 M
+    parameters)."""
+    cfg.attention_hidden_size, cfg.attention_head_dim = None, None
+    cfg.mamba_dt_rank = "auto"
+    cfg.__post_init__()
+
+
+def _longcat_flash(cfg: Any) -> None:
+    """LongCat-Flash names its widths ffn_hidden_size and expert_ffn_hidden_size (12288 and
+    2048: 73 M parameters) and routes to 256 parameter-free zero experts besides: tiny widths,
+    2 zero experts."""
+    cfg.ffn_hidden_size, cfg.expert_ffn_hidden_size, cfg.zero_expert_num = 2 * WIDTH, WIDTH, 2
+
+
+def _timm_wrapper(cfg: Any) -> None:
+    """The timm wrapper's default architecture is resnet50 (23 M parameters): timm's own
+    small test ResNet."""
+    cfg.architecture = "test_resnet"
+
+
+def _textnet(cfg: Any) -> None:
+    """TextNet's config asks for 640-pixel images (the sweep feeds ``image_size``): 64."""
+    cfg.image_size = (64, 64)
+
+
 def _kyutai(cfg: Any) -> None:
     """4 audio code streams of 16 codes (+1); the embedding's padding row is the one after
     the text vocabulary and every stream's codes, as transformers' default derives it."""
@@ -237,15 +285,23 @@ _FIXUPS: dict[str, Callable[[Any], None]] = {
     "blt": _blt,
     "efficientnet": _efficientnet,
     "esmc": _esmc,
+    "gemma4": _gemma4,
+    "gemma4_text": _gemma4,
     "hgnet_v2": _hgnet_v2,
     "kyutai_speech_to_text": _kyutai,
     "levit": _levit,
+    "longcat_flash": _longcat_flash,
+    "luke": _luke,
     "mamba2": _mamba2,
     "mobilevitv2": _mobilevitv2,
-    "perceiver": _perceiver,
     "moonshine_streaming": _moonshine_streaming,
+    "perceiver": _perceiver,
     "qwen3_asr": _qwen3_asr,
+    "roc_bert": _roc_bert,
+    "textnet": _textnet,
+    "timm_wrapper": _timm_wrapper,
     "xlstm": _xlstm,
+    "zamba": _zamba,
     "zamba2": _zamba2,
 }
 

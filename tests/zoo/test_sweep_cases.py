@@ -106,3 +106,27 @@ def test_xlms_width_under_its_own_name_is_shrunk(model_type):
     from ngdist.zoo_sweep_configs import WIDTH, tiny_config
 
     assert tiny_config(model_type).emb_dim == WIDTH
+
+
+@pytest.mark.parametrize("model_type,limit", [
+    ("luke", 100_000), ("gemma4_text", 100_000), ("roc_bert", 100_000), ("zamba", 1_000_000),
+    ("longcat_flash", 100_000), ("timm_wrapper", 1_000_000)])
+def test_a_tiny_config_builds_a_tiny_model(model_type, limit):
+    """Sizes under names of the model's own (LUKE's entity table, Gemma 4's per-layer
+    embeddings, RoCBert's pronunciation and glyph tables, Zamba's derived attention width,
+    LongCat-Flash's expert widths, the timm wrapper's resnet50) held 13-134 M parameters:
+    each tiny config builds a model under ``limit`` parameters (on the meta device)."""
+    import torch
+    from transformers.models.auto import modeling_auto
+
+    from ngdist import zoo_sweep_hf as hf
+
+    task = "seqcls" if model_type == "luke" else \
+        "imgcls" if model_type == "timm_wrapper" else "causal"
+    if model_type == "timm_wrapper":
+        from ngdist.zoo_vision import import_timm
+        import_timm()
+    name = getattr(modeling_auto, hf.TASKS[task])[model_type]
+    with torch.device("meta"):
+        model = getattr(hf._transformers(), name)(hf.tiny_config(model_type))
+    assert sum(p.numel() for p in model.parameters()) < limit
