@@ -190,7 +190,7 @@ def _slices(got: np.ndarray, exact: np.ndarray, scale: float = 0.0) -> str:
     rows) are out of bound, and how close the others are, relative to ``scale`` (default: the
     exact tensor's largest entry): one channel off says one activation took the other side
     of a kink (a ReLU input within float32's error of 0), not a wrong formula."""
-    if got.ndim < 2 or got.shape[0] < 2:
+    if got.ndim < 1 or got.shape[0] < 2:  # (a bias's slices are its entries)
         return ""
     scale = max(scale or float(np.abs(exact).max()), 1e-30)
     per = np.abs(got - exact).reshape(got.shape[0], -1).max(1) / scale
