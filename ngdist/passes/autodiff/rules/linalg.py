@@ -1,4 +1,5 @@
-"""Matrix products: Gemm and MatMul (batched, broadcast, 1-D operands).
+"""Matrix products: Gemm and MatMul (batched, broadcast, 1-D operands), and the DFT (a
+linear map: its gradient is the adjoint transform).
 
 The weight gradient of a batched MatMul with a 2-D right operand (``[B, M, K] @ [K, N]``, a
 linear layer applied to sequences) is one Gemm over the B*M rows, not B products and a
@@ -6,6 +7,7 @@ ReduceSum over a [B, K, N] intermediate.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from ngdist.passes.autodiff.registry import GradContext, attr, register
@@ -82,3 +84,46 @@ def matmul(ctx, node, gys):
             ctx.op("Reshape", ctx.op("ReduceSum", gb, ctx.ints(list(range(rout - 2)) + [rout - 1]),
                                      keepdims=0), ctx.op("Shape", b))
     return [ga, gb]
+
+
+@register("DFT")
+def dft(ctx: GradContext, node: ir.Node, gys):
+    """A DFT is linear: y = F x (F_kj = exp(-2 pi i jk / n), unnormalised) has the gradient
+    F^H g = n * IDFT(g), and the inverse transform's (F^H / n) is DFT(g) / n (torch.fft.fft,
+    ifft, fftn: FNet's token mixing). Complex values are pairs in the last axis; a real
+    input's gradient is the real part. One-sided (real-to-half-spectrum) transforms and a
+    dft_length that pads or trims are refused."""
+    (g,) = gys
+    x = node.inputs[0]
+    if not ctx.needs(x):
+        return [None] * len(node.inputs)
+    if attr(node, "onesided", 0):
+        raise ValueError(f"DFT node {node.name!r}: a one-sided DFT (torch.fft.rfft) has no "
+                         "gradient rule; use torch.fft.fft and keep half the spectrum")
+    given = [v for v in node.inputs[1:2] if v is not None]
+    axis_input = node.inputs[2] if len(node.inputs) > 2 else None
+    axis = attr(node, "axis", None)
+    if axis_input is not None:
+        value = ctx.constant_value(axis_input)
+        if value is None:
+            raise ValueError(f"DFT node {node.name!r}: its axis is computed at run time; "
+                             "export with a constant dim")
+        axis = int(np.asarray(value).reshape(-1)[0])
+    elif axis is None:
+        axis = -2 if ctx.opset >= 20 else 1
+    extent = ctx.op("Shape", x, start=axis, end=axis + 1 if axis != -1 else None)
+    for length in given:
+        n = ctx.constant_value(length)
+        dim = x.shape[axis] if x.shape is not None else None
+        if n is None or not isinstance(dim, int) or int(np.asarray(n).reshape(-1)[0]) != dim:
+            raise ValueError(f"DFT node {node.name!r}: a dft_length that pads or trims the "
+                             "signal has no gradient rule; pad or slice before the FFT")
+    inverse = attr(node, "inverse", 0)
+    back = ctx.op("DFT", g, *([node.inputs[1]] if len(node.inputs) > 1 else []),
+                  *([axis_input] if axis_input is not None else []),
+                  inverse=1 - inverse, onesided=0,
+                  axis=attr(node, "axis", None))
+    scale = ctx.op("CastLike", extent, g)
+    back = ctx.op("Div" if inverse else "Mul", back, scale)
+    real = ctx.op("Slice", back, ctx.ints([0]), ctx.op("Shape", x, start=-1), ctx.ints([-1]))
+    return [real] + [None] * (len(node.inputs) - 1)
