@@ -155,8 +155,21 @@ def exponential(g: Any, x: Any, lambd: Any = 1.0, generator: Any = None) -> Any:
                                     else const(g, rate, np.float32), x))
 
 
+def uniform(g: Any, x: Any, low: Any = 0.0, high: Any = 1.0, generator: Any = None) -> Any:
+    """``Tensor.uniform_(low, high)`` (PhiMoE's Heun mask): RandomUniformLike in [low, high)
+    with constant bounds, else ``low + (high - low) U``; onnxruntime's draws, not torch's."""
+    h = helper()
+    lo, hi = h._maybe_get_const(low, "f"), h._maybe_get_const(high, "f")
+    if isinstance(lo, float) and isinstance(hi, float):
+        return g.op("RandomUniformLike", x, low_f=lo, high_f=hi)
+    lo, hi = (g.op("CastLike", v if h._is_value(v) else const(g, v, np.float32), x)
+              for v in (low, high))
+    return g.op("Add", lo, g.op("Mul", g.op("Sub", hi, lo), g.op("RandomUniformLike", x)))
+
+
 SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::exponential": exponential,
+    "aten::uniform": uniform,
     "aten::logaddexp": _logaddexp(False),
     "aten::logaddexp2": _logaddexp(True),
     "aten::xlogy": xlogy,

@@ -44,6 +44,25 @@ def test_exponential_draws_follow_the_exponential_distribution(rate):
     assert abs(draws.mean() * rate - 1.0) < 0.01
 
 
+class Uniform(torch.nn.Module):
+    def forward(self, x):
+        return torch.empty_like(x).uniform_(-0.5, 2.0)
+
+
+def test_uniform_draws_cover_their_interval_evenly():
+    buf = io.BytesIO()
+    with lent_symbolics(18):
+        torch.onnx.export(Uniform(), (torch.zeros(4),), buf, dynamo=False, opset_version=18,
+                          input_names=["x"], output_names=["u"], dynamic_axes={"x": {0: "n"}})
+    sess = ort.InferenceSession(buf.getvalue(), providers=["CPUExecutionProvider"])
+    n = 200_000
+    draws = np.sort(sess.run(None, {"x": np.zeros(n, np.float32)})[0].astype(np.float64))
+    assert draws.min() >= -0.5 and draws.max() < 2.0
+    cdf = (draws + 0.5) / 2.5
+    ks = max(np.abs(cdf - np.arange(1, n + 1) / n).max(), np.abs(cdf - np.arange(n) / n).max())
+    assert ks < 1.63 / np.sqrt(n), ks
+
+
 class Straight(torch.autograd.Function):
     """x * 2 forward, the gradient passed straight through (not the forward's derivative)."""
 
