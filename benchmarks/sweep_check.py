@@ -27,7 +27,7 @@ kink); a gradient off in one slice alone is checked again on a second batch of f
 the first failure kept.
 
 The torch oracle (float64 and float32 autograd, each step's torch optimizer step) runs in a
-forked child process (``forked``): the sweep's memory cap is on ngdist and the model, and the
+forked child process (``Oracle``): the sweep's memory cap is on ngdist and the model, and the
 states it keeps are float32 where they are exact (only the float64 oracle's in float64).
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sweep_oracle import (StageError, float32_runs, forked, loss_of, state_of, tensors_of,
-                          to_float64, torch_grads, torch_step)
+from sweep_oracle import (Oracle, StageError, float32_runs, forked, loss_of, state_of,
+                          tensors_of, to_float64, torch_grads, torch_step)
 
 TOL = 1e-4
 FACTOR = 10.0
@@ -99,6 +99,19 @@ def largest_of_runs(runs: dict[str, dict[str, float]]) -> dict[str, float]:
     return {k: max(errs[k] for errs in runs.values()) for k in runs["default"]}
 
 
+def judge_over_runs(errors: dict[str, float], vs32: dict[str, float],
+                    runs: dict[str, dict[str, float]], oracle: Oracle,
+                    every: tuple[str, ...]) -> tuple[float, float, str | None]:
+    """``_judge`` against torch's ``default`` float32 run (in ``runs``); where a tensor is
+    out of bounds, against the largest over every run of ``every``, the others asked of
+    ``oracle`` then and added to ``runs``."""
+    judged = _judge(errors, largest_of_runs(runs), vs32)
+    if judged[2] is None or len(every) == len(runs):
+        return judged
+    runs.update(oracle.ask(tuple(r for r in every if r not in runs))["runs"])
+    return _judge(errors, largest_of_runs(runs), vs32)
+
+
 def spread(errors: dict[str, float], runs: dict[str, dict[str, float]], step: int = 0
            ) -> dict[str, Any]:
     """The tensor nearest its bound against torch's default float32 run alone: ngdist's
@@ -126,12 +139,15 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                                        input_names=list(inputs), optimizer="sgd:lr=0.01")
     out["stage"] = "gradients"
     got = run_step(model, feeds)
-    runs = float32_runs(module, feeds)
+    runs, memo = float32_runs(module, feeds), {}
 
-    def oracle() -> dict[str, Any]:
-        loss, g64 = torch_grads(module, feeds, loss_fn, True)
-        result: dict[str, Any] = {"loss": loss, "g64": g64, "runs": {}}
-        for run in runs:  # one float32 gradient set alive at a time
+    def oracle(asked: tuple[str, ...]) -> dict[str, Any]:
+        if not memo:
+            memo["loss"], memo["g64"] = torch_grads(module, feeds, loss_fn, True)
+        g64, result = memo["g64"], {"runs": {}}
+        if "default" in asked:
+            result.update(loss=memo["loss"], g64=g64)
+        for run in asked:  # one float32 gradient set alive at a time
             loss32, g32 = torch_grads(module, feeds, loss_fn, False, run)
             result["runs"][run] = gradient_errors({f"{n}.grad": g for n, g in g32.items()},
                                                   g64)
@@ -139,25 +155,26 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                 result.update(loss32=loss32, g32=g32)
         return result
 
-    ref = forked(oracle)
-    loss, loss32, g64, g32 = ref["loss"], ref["loss32"], ref["g64"], ref["g32"]
-    missing = sorted(set(g64) - set(exp.params))
-    if missing:
-        raise StageError(f"{len(missing)} parameters with a torch gradient are not trained "
-                         f"by ngdist, e.g. {missing[:3]}")
-    if abs(float(got["loss"]) - loss) > max(TOL * max(abs(loss), 1.0),
-                                            FACTOR * abs(loss32 - loss)):
-        raise StageError(f"loss {float(got['loss']):.6g}, torch float64 {loss:.6g}, float32 "
-                         f"{loss32:.6g}")
-    broken = sorted(n for n, g in g64.items() if not np.isfinite(g).all())
-    if broken:
-        raise StageError(f"no float64 oracle: torch's float64 gradients of {len(broken)} "
-                         f"parameters are not finite, e.g. {broken[:3]}")
-    errors = gradient_errors(got, g64)
+    with Oracle(oracle) as torch_oracle:
+        ref = torch_oracle.ask(runs[:1])
+        loss, loss32, g64, g32 = ref["loss"], ref["loss32"], ref["g64"], ref["g32"]
+        missing = sorted(set(g64) - set(exp.params))
+        if missing:
+            raise StageError(f"{len(missing)} parameters with a torch gradient are not "
+                             f"trained by ngdist, e.g. {missing[:3]}")
+        if abs(float(got["loss"]) - loss) > max(TOL * max(abs(loss), 1.0),
+                                                FACTOR * abs(loss32 - loss)):
+            raise StageError(f"loss {float(got['loss']):.6g}, torch float64 {loss:.6g}, "
+                             f"float32 {loss32:.6g}")
+        broken = sorted(n for n, g in g64.items() if not np.isfinite(g).all())
+        if broken:
+            raise StageError(f"no float64 oracle: torch's float64 gradients of {len(broken)} "
+                             f"parameters are not finite, e.g. {broken[:3]}")
+        errors, vs32 = gradient_errors(got, g64), gradient_errors(got, g32)
+        err, own32, bad = judge_over_runs(errors, vs32, ref["runs"], torch_oracle, runs)
     own = largest_of_runs(ref["runs"])
-    err, own32, bad = _judge(errors, own, gradient_errors(got, g32))
-    out.update(grad_err=err, torch32_err=own32, params=len(g64), torch32_runs=list(runs),
-               grad_spread=spread(errors, ref["runs"]))
+    out.update(grad_err=err, torch32_err=own32, params=len(g64),
+               torch32_runs=list(ref["runs"]), grad_spread=spread(errors, ref["runs"]))
     if bad:
         raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
                          f"{own[bad]:.1e}){_slices(got[f'{bad}.grad'], g64[bad])}")
@@ -244,30 +261,22 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
     for step in range(1, 4):
         before = _state(mine_module)
 
-        def oracle() -> dict[str, Any]:
-            noise = noise_entries(*(torch_grads(mine_module, feeds, loss_fn, f)[1]
-                                    for f in (True, False))) if opt == "adamw" else {}
-            ref64 = torch_step(mine_module, optimizer, feeds, loss_fn, make_opt, True)
-            result: dict[str, Any] = {"noise": noise, "ref64": ref64, "runs": {}}
-            for run in runs:
-                ref32 = torch_step(mine_module, optimizer, feeds, loss_fn, make_opt, False, run)
-                result["runs"][run] = _errors(ref32, ref64, before, noise)
-                if run == "default":
-                    result["ref32"] = ref32
-            return result
-
-        ref = forked(oracle)
-        noise, ref64, ref32 = ref["noise"], ref["ref64"], ref["ref32"]
-        trainer.step(feeds, fetch_stats=False)
-        trainer.to_torch()
-        mine = _state(mine_module)
-        moved = max(float(np.abs(ref64[k] - before[k]).max()) for k in ref64)
-        for k, mask in noise.items():
-            if np.abs(mine[k] - before[k])[mask].max(initial=0.0) > 2 * moved + 1e-12:
-                raise StageError(f"{opt} step {step}: {k} entries with a zero gradient moved "
-                                 f"more than twice the model's largest update")
-        errors, own = _errors(mine, ref64, before, noise), largest_of_runs(ref["runs"])
-        err, own32, bad = _judge(errors, own, _errors(mine, ref32, before, noise))
+        with Oracle(step_oracle(mine_module, optimizer, feeds, loss_fn, make_opt, opt,
+                                before)) as torch_oracle:
+            ref = torch_oracle.ask(runs[:1])
+            noise, ref64, ref32 = ref["noise"], ref["ref64"], ref["ref32"]
+            trainer.step(feeds, fetch_stats=False)
+            trainer.to_torch()
+            mine = _state(mine_module)
+            moved = max(float(np.abs(ref64[k] - before[k]).max()) for k in ref64)
+            for k, mask in noise.items():
+                if np.abs(mine[k] - before[k])[mask].max(initial=0.0) > 2 * moved + 1e-12:
+                    raise StageError(f"{opt} step {step}: {k} entries with a zero gradient "
+                                     f"moved more than twice the model's largest update")
+            errors = _errors(mine, ref64, before, noise)
+            err, own32, bad = judge_over_runs(errors, _errors(mine, ref32, before, noise),
+                                              ref["runs"], torch_oracle, runs)
+        own = largest_of_runs(ref["runs"])
         worst, own_worst = max(worst, err), max(own_worst, own32)
         tight = spread(errors, ref["runs"], step)
         if tight["default_ratio"] >= out.get(f"{opt}_spread", tight)["default_ratio"]:
@@ -281,6 +290,32 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
         release_freed_memory()  # the oracle's freed blocks, so the cap measures the model
     out[f"{opt}_err"], out[f"{opt}_torch32_err"] = worst, own_worst
     return trainer
+
+
+def step_oracle(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
+                make_opt: Any, opt: str, before: dict[str, np.ndarray]) -> Any:
+    """The torch oracle of one training step from ``module``'s and ``optimizer``'s state
+    (``Oracle``'s ``fn``): torch's float64 step and AdamW's noise entries (at the first ask),
+    each asked float32 run's errors from float64 (``default``'s state too)."""
+    memo: dict[str, Any] = {}
+
+    def oracle(asked: tuple[str, ...]) -> dict[str, Any]:
+        if not memo:
+            memo["noise"] = noise_entries(*(torch_grads(module, feeds, loss_fn, f)[1]
+                                            for f in (True, False))) if opt == "adamw" else {}
+            memo["ref64"] = torch_step(module, optimizer, feeds, loss_fn, make_opt, True)
+        noise, ref64 = memo["noise"], memo["ref64"]
+        result: dict[str, Any] = {"runs": {}}
+        if "default" in asked:
+            result.update(noise=noise, ref64=ref64)
+        for run in asked:
+            ref32 = torch_step(module, optimizer, feeds, loss_fn, make_opt, False, run)
+            result["runs"][run] = _errors(ref32, ref64, before, noise)
+            if run == "default":
+                result["ref32"] = ref32
+        return result
+
+    return oracle
 
 
 def noise_entries(g64: dict, g32: dict) -> dict[str, np.ndarray]:

@@ -1,6 +1,6 @@
 """The model sweep's torch oracle (benchmarks/sweep_check.py): torch autograd and torch's
 optimizer step in float64 (the reference) and in float32 (torch's own error), run in a forked
-child process (``forked``).
+child process (``Oracle``).
 
 torch's own float32 error of a tensor is the largest over ``TORCH32_RUNS``, a fixed set of
 equally valid float32 runs of torch on the same model and batch: one sample of it can be
@@ -17,8 +17,9 @@ rounding of 0 takes one side in one run, the other side in the next):
   entry, up or down at random (seed 0): the batch as float32 knows it (only where there is
   one: token ids and 0/1 masks are exact).
 
-The bound only widens: the largest over the runs includes ``default``, the one run the sweep
-took before. What each run adds is recorded per row (``grad_spread``, ``sgd_spread``,
+The bound only widens: the largest over the runs includes ``default``. The other runs are
+taken only where a tensor is out of bounds against ``default`` alone (the same child, from
+the same state), so a model that passes on it costs one float32 run a stage. What each run adds is recorded per row (``grad_spread``, ``sgd_spread``,
 ``adamw_spread``: the tensor nearest its bound against ``default`` alone, with every run's
 error of it).
 """
@@ -158,47 +159,77 @@ def torch_step(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_f
     return {k: np.ascontiguousarray(v) for k, v in state_of(ref).items()}
 
 
-def forked(fn: Any) -> dict[str, Any]:
-    """``fn()`` (a dict of numbers and of dicts of arrays) computed in a forked child process,
-    which sees this process's modules and optimizer as they are (copy-on-write) and sends the
-    result back one array at a time: the torch oracle's float64 model copies, optimizer
-    state, activations and gradients live and die there, so the sweep's process (its
-    resident size is what the 8 GiB cap measures) holds ngdist and the model, not the oracle."""
-    import multiprocessing
+class Oracle:
+    """``fn(runs)`` (a dict of numbers and of dicts of arrays) computed in a forked child
+    process for each tuple of torch float32 runs the parent asks for (``ask``), the child
+    seeing this process's modules and optimizer as they were when it was forked
+    (copy-on-write) however the parent changes them in between, and sending each result back
+    one array at a time: the torch oracle's float64 model copies, optimizer state,
+    activations and gradients live and die there, so the sweep's process (its resident size
+    is what the 8 GiB cap measures) holds ngdist and the model, not the oracle. ``fn`` may
+    keep what later asks reuse (the float64 reference) in a closure: the child is one
+    process."""
 
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
 
-    def child() -> None:
-        try:
-            for key, value in fn().items():
-                send.send((key, isinstance(value, dict), None, None if
-                           isinstance(value, dict) else value))
-                for name, array in (value.items() if isinstance(value, dict) else ()):
-                    send.send((key, True, name, array))
-        except BaseException as exc:  # noqa: BLE001 - the parent raises it as its own
-            send.send(("error", False, None, f"{type(exc).__name__}: {exc}"))
-        send.send(None)
+    def __enter__(self) -> Oracle:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        asked, self._ask = context.Pipe(duplex=False)
+
+        def child() -> None:
+            while (runs := asked.recv()) is not None:
+                try:
+                    for key, value in self.fn(runs).items():
+                        send.send((key, isinstance(value, dict), None, None if
+                                   isinstance(value, dict) else value))
+                        for name, array in (value.items() if isinstance(value, dict) else ()):
+                            send.send((key, True, name, array))
+                except BaseException as exc:  # noqa: BLE001 - the parent raises it
+                    send.send(("error", False, None, f"{type(exc).__name__}: {exc}"))
+                send.send(None)
+            send.close()
+
+        self._proc = context.Process(target=child)
+        self._proc.start()
         send.close()
+        asked.close()
+        return self
 
-    proc = context.Process(target=child)
-    proc.start()
-    send.close()
-    out: dict[str, Any] = {}
-    try:
-        while (item := receive.recv()) is not None:
-            key, nested, name, value = item
-            if nested:
-                out.setdefault(key, {})
-                if name is not None:
-                    out[key][name] = value
-            else:
-                out[key] = value
-    except EOFError:
-        proc.join()
-        raise StageError(f"the torch oracle's process ended without a result (exit code "
-                         f"{proc.exitcode})") from None
-    proc.join()
-    if "error" in out:
-        raise RuntimeError(f"in the torch oracle: {out['error']}")
-    return out
+    def ask(self, runs: tuple[str, ...]) -> dict[str, Any]:
+        self._ask.send(tuple(runs))
+        out: dict[str, Any] = {}
+        try:
+            while (item := self._receive.recv()) is not None:
+                key, nested, name, value = item
+                if nested:
+                    out.setdefault(key, {})
+                    if name is not None:
+                        out[key][name] = value
+                else:
+                    out[key] = value
+        except EOFError:
+            self._proc.join()
+            raise StageError(f"the torch oracle's process ended without a result (exit "
+                             f"code {self._proc.exitcode})") from None
+        if "error" in out:
+            raise RuntimeError(f"in the torch oracle: {out['error']}")
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self._ask.send(None)
+        self._ask.close()
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+
+def forked(fn: Any) -> dict[str, Any]:
+    """``fn()`` computed once by an ``Oracle``'s forked child."""
+    with Oracle(lambda runs: fn()) as oracle:
+        return oracle.ask(())

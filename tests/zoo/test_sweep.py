@@ -338,6 +338,50 @@ def test_the_oracle_runs_in_a_child_process_and_sends_its_arrays_back():
         forked(fails)
 
 
+def test_the_oracles_later_asks_see_the_state_it_was_forked_with():
+    """The float32 runs beyond the default one are asked of the same child after the parent
+    has stepped its model: they start from the state before the step, and what the first
+    ask kept (the float64 reference) is reused, not recomputed."""
+    import os
+
+    from sweep_oracle import Oracle
+
+    state, calls = {"w": np.zeros(2)}, []
+
+    def oracle(runs: tuple[str, ...]) -> dict:
+        calls.append(runs)
+        return {"pid": os.getpid(), "calls": len(calls), "w": {"w": state["w"].copy()}}
+
+    with Oracle(oracle) as child:
+        first = child.ask(("default",))
+        state["w"] += 1.0  # the parent's step
+        later = child.ask(("no_mkldnn", "input_ulp"))
+    assert first["pid"] == later["pid"] != os.getpid()
+    assert (first["calls"], later["calls"]) == (1, 2) and calls == []
+    np.testing.assert_array_equal(later["w"]["w"], np.zeros(2))
+
+
+def test_a_tensor_in_bounds_against_the_default_run_asks_no_other_run():
+    from sweep_check import judge_over_runs
+
+    class Asked:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, ...]] = []
+
+        def ask(self, runs: tuple[str, ...]) -> dict:
+            self.asked.append(runs)
+            return {"runs": {r: {"w": 1e-3} for r in runs}}
+
+    every = ("default", "no_mkldnn", "two_threads")
+    oracle, runs = Asked(), {"default": {"w": 1e-6}}
+    assert judge_over_runs({"w": 5e-5}, {"w": 1.0}, runs, oracle, every)[2] is None
+    assert oracle.asked == [] and list(runs) == ["default"]
+    assert judge_over_runs({"w": 5e-3}, {"w": 1.0}, runs, oracle, every)[2] is None
+    assert oracle.asked == [("no_mkldnn", "two_threads")] and list(runs) == list(every)
+    runs = {"default": {"w": 1e-6}}
+    assert judge_over_runs({"w": 5e-2}, {"w": 1.0}, runs, Asked(), every)[2] == "w"
+
+
 def test_a_timm_heads_functional_dropout_is_off_and_the_forward_deterministic():
     """timm's GhostNet applies ``F.dropout(x, p=self.drop_rate)`` (0.2 by default) in its
     head, held by no Dropout module: the case sets every module's float ``drop_rate`` to 0,
