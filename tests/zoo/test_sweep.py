@@ -276,7 +276,7 @@ def test_a_batchnorm_normalizing_a_few_values_is_counted_and_the_timm_case_gets_
 
 def test_leds_float64_oracle_has_finite_gradients_that_agree_with_float32():
     """LED's windowed attention in float64 masks with float32's lowest value and keeps its
-    softmax in float64 (zoo_sweep_hf._led_float64): float64's lowest value, summed twice and
+    softmax in float64 (zoo_sweep_float64._led_float64): float64's lowest value, summed twice and
     cast to float32 by the model's softmax, made a padding query's window all -inf, and 24
     parameters' float64 gradients NaN."""
     from step_probe import gradient_errors
