@@ -22,7 +22,9 @@ and tells the supervisor (comm/supervisor.py) how that command ended.
 - Exit status: the command's own, or 128 + the signal that killed it (as a shell reports it).
 - Environment: torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``
   from hydra's ``PMI_RANK``, ``MPI_LOCALRANKID``, ``PMI_SIZE`` and ``MPI_LOCALNRANKS``
-  (``TORCHRUN_VARIABLES``), replacing any inherited value; ``NGDIST_SUPERVISED=1``.
+  (``TORCHRUN_VARIABLES``), replacing any inherited value; ``NGDIST_SUPERVISED=1``;
+  ``PYTHONFAULTHANDLER=1`` unless set: a rank killed by SIGSEGV, SIGFPE, SIGBUS or SIGILL
+  inside a native library (an onnxruntime kernel) prints its Python stack before it dies.
 
 Standard library only, run as a file (``-I``): a rank pays no import of ngdist for it.
 """
@@ -105,7 +107,8 @@ def run(command: list[str]) -> int:
     _write(marker(pid=os.getpid()))
     try:
         child = subprocess.Popen(command, close_fds=False,
-                                 env={**torchrun_env(dict(os.environ)), SUPERVISED_ENV: "1"},
+                                 env={"PYTHONFAULTHANDLER": "1", **torchrun_env(
+                                     dict(os.environ)), SUPERVISED_ENV: "1"},
                                  preexec_fn=_child_setup(os.getpid(), mask))
     except OSError as exc:
         code = 126 if isinstance(exc, PermissionError) else 127

@@ -438,6 +438,18 @@ def test_wrapper_reports_and_mirrors_the_exit_status(tmp_path):
     assert err.endswith(rankwrap.marker(code=127))
 
 
+def test_a_command_dying_in_native_code_prints_its_python_stack(tmp_path):
+    """SIGFPE (an onnxruntime kernel dividing by zero) kills a rank with no Python
+    exception: the wrapped command runs with the fault handler on, so its output says where."""
+    code = "import os, signal\ndef step():\n    os.kill(os.getpid(), signal.SIGFPE)\nstep()\n"
+    proc = wrapped([sys.executable, "-c", code])
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGFPE
+    assert b"Fatal Python error: Floating point exception" in err
+    assert b'line 3 in step' in err
+    assert err.endswith(rankwrap.marker(signal=signal.SIGFPE))
+
+
 @pytest.mark.parametrize("sender", ["other", "parent"])
 def test_wrapper_forwards_sigterm_once_unless_its_parent_signals_the_group(tmp_path, sender):
     path = script(tmp_path, COUNTS_SIGTERM)
