@@ -78,16 +78,16 @@ def _has_unused(model: onnx.ModelProto) -> bool:
     """Whether ``RemoveUnusedNodesPass`` finds something to remove, read from the proto: a
     node (also in a subgraph) none of whose outputs is read or a graph's output, an
     initializer nothing reads, or a model-local function."""
-    graphs, nodes = [model.graph], []
+    graphs, nodes, subgraphs = [model.graph], [], []
     while graphs:
         graph = graphs.pop()
         nodes += graph.node
-        graphs += [sub for n in graph.node for a in n.attribute
-                   for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+        subs = [sub for n in graph.node for a in n.attribute
+                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+        subgraphs += subs
+        graphs += subs
     used = {i for n in nodes for i in n.input} | {o.name for o in model.graph.output}
-    used.update(o.name for n in nodes for a in n.attribute
-                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
-                for o in sub.output)
+    used.update(o.name for sub in subgraphs for o in sub.output)
     used.discard("")  # (an optional input left out)
     inputs = {i.name for i in model.graph.input}
     return bool(model.functions) or any(not used.intersection(n.output) for n in nodes) or \
