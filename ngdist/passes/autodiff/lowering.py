@@ -89,8 +89,8 @@ def lower_short_convs(graph: ir.Graph, opset: int, taken: set[str]) -> int:
     ``Transpose(Reshape(MatMul(im2col(x), W^T) + B))``; the node keeps its name and output
     value. Returns how many nodes were rewritten."""
     count = 0
-    for node in [n for n in graph if _short_conv(n) is not None]:
-        xd, wd, _ = _short_conv(node)  # type: ignore[misc]
+    picked = [(n, found) for n in graph if (found := _short_conv(n)) is not None]
+    for node, (xd, wd, _) in picked:
         kernel, rank = wd[2:], len(xd)
         strides, dilations, begin, end = window(node, xd[2:], kernel)
         ctx = GradContext(graph, node, opset, taken)
