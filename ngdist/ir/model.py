@@ -36,7 +36,7 @@ from ngdist.ir.copies import (TENSOR_DATA, checker_copy, copy_fields, large, put
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
 from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
                                  resolve_external_data)
-from ngdist.ir.shapes import fill_same_shape_outputs
+from ngdist.ir.shapes import fill_same_shape_outputs, infer
 from ngdist.ir.validate import MODEL_LEVEL, ROLES, check_training_model
 
 __all__ = ["IR_VERSION", "MODEL_LEVEL", "ROLES", "StepMeta", "assemble_training_model",
@@ -222,7 +222,7 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         ir_version=IR_VERSION)
     del alg
     try:  # shapes help the autodiff; they are not required
-        step_proto = fill_same_shape_outputs(onnx.shape_inference.infer_shapes(step_proto))
+        step_proto = fill_same_shape_outputs(infer(step_proto))
     except Exception as exc:
         logger.debug("shape inference of the step graph failed: %s", exc)
     put_tensor_data(step_proto.graph, {k: sources[k] for k in dropped})

@@ -5,10 +5,21 @@ for some element types and attributes (GroupNormalization-21 with a stash type,
 MeanVarianceNormalization in float64): their outputs get no type and no shape, and neither
 does anything after them. The outputs of the ops below have the type and shape of their first
 input by definition, so they are filled in from it and inference runs again.
+
+Inference propagates data (``infer``): a shape computed in the graph from static sizes gives
+the rank of what it shapes. torch's ``repeat`` exports as ``Expand(x,
+ConstantOfShape(Shape(repeats)))`` followed by a Tile: without the value of that Shape, the
+Expand's output has no rank, nor has anything after it, and gradient rules that need a rank
+(MatMul's) fail on it. Where the forward's shapes were folded to constants this did not show;
+a graph that runs at its example batch only keeps them computed.
 """
 from __future__ import annotations
 
+import logging
+
 import onnx
+
+logger = logging.getLogger(__name__)
 
 # output 0 has input 0's element type and shape
 SAME_AS_INPUT = frozenset({
@@ -26,6 +37,16 @@ def _typed(graph: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
         if t.name not in known:
             known[t.name] = onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims)
     return known
+
+
+def infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with ONNX's shape inference, data propagated; without propagation (logged)
+    where propagating fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 (onnx raises several kinds)
+        logger.debug("shape inference with data propagation failed (%s); without it", exc)
+        return onnx.shape_inference.infer_shapes(model)
 
 
 def fill_same_shape_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -47,5 +68,5 @@ def fill_same_shape_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
             filled += 1
         if not filled:
             break
-        model = onnx.shape_inference.infer_shapes(model)
+        model = infer(model)
     return model

@@ -118,3 +118,36 @@ def test_unbind_pieces_are_one_dimensional_in_shape_inference_as_in_onnxruntime(
     for split in (np.array([1, 1], np.int64), np.array(2, np.int64)):  # sizes of their own
         assert squeezing_splits(_split_model(split)) == 0
 
+
+
+class RepeatedKeys(torch.nn.Module):
+    """Keys repeated along the sequence (``repeat``: Expand(x, ConstantOfShape(Shape(r)))
+    then Tile), next to a view of a size traced from the example batch, which keeps the
+    graph's shapes computed (folding skipped): the rank of the repeated keys comes from
+    propagating the Shape's value only (jetmoe's attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+        self.k = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).view(len(x), 3, 4)
+        k = self.k(x).repeat(1, 2, 1)
+        return (q @ k.transpose(1, 2)).mean(1)
+
+
+def test_repeat_in_a_graph_traced_at_the_example_batch_trains_like_torch():
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 3, 4, generator=gen), torch.randint(0, 6, (3,), generator=gen)
+    module = RepeatedKeys()
+    model, exp = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
+                                       input_names=["x"], optimizer="sgd:lr=0.1")
+    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
+    ref = module.double()
+    loss = torch.nn.functional.cross_entropy(ref(x.double()), y)
+    loss.backward()
+    exact = {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    assert set(exact) <= set(exp.params)
+    assert max(gradient_errors(got, exact).values()) < 1e-5
+    assert abs(float(got["loss"]) - loss.item()) < 1e-5

@@ -1,11 +1,12 @@
 """ngdist.ir.shapes: outputs that ONNX's shape inference leaves untyped get their input's
-type and shape, and inference continues past them."""
+type and shape, and inference continues past them; a shape computed from static sizes gives
+the rank of what it shapes."""
 from __future__ import annotations
 
 import onnx
 from onnx import TensorProto, helper
 
-from ngdist.ir.shapes import fill_same_shape_outputs
+from ngdist.ir.shapes import fill_same_shape_outputs, infer
 
 
 def _model() -> onnx.ModelProto:
@@ -35,3 +36,19 @@ def test_group_normalization_outputs_get_the_input_shape_and_inference_goes_on()
     filled = _shapes(fill_same_shape_outputs(inferred))
     assert filled["gn"] == ["n", 4, 3]
     assert filled["gn2"] == ["n", 4, 3]
+
+
+def test_a_shape_computed_from_static_sizes_gives_the_expanded_rank() -> None:
+    """torch's ``repeat``: Expand(x, ConstantOfShape(Shape(repeats))), then Tile."""
+    nodes = [helper.make_node("Shape", ["r"], ["n"]),
+             helper.make_node("ConstantOfShape", ["n"], ["ones"],
+                              value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
+             helper.make_node("Expand", ["x", "ones"], ["e"]),
+             helper.make_node("Tile", ["e", "r"], ["t"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3]),
+                     helper.make_tensor_value_info("r", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    assert "t" not in _shapes(onnx.shape_inference.infer_shapes(model))
+    assert len(_shapes(infer(model))["t"]) == 3
