@@ -1,6 +1,6 @@
 """Indexing, scatter, selection and layout ops against central differences (the harness of
-``grad_harness``): GatherND, ScatterElements and ScatterND (data and updates; reduction none
-and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth,
+``grad_harness``): GatherND, ScatterElements (data and updates; every reduction) and ScatterND
+(reduction none and add), TopK values, CumSum (exclusive, reverse), Trilu, Tile, DepthToSpace, SpaceToDepth,
 ReverseSequence, CenterCropPad, MaxUnpool, Compress."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from onnx import TensorProto, helper
 from grad_harness import Const, case, check_case, lowering_error
 
 ROWS = np.array([[1, 0, 2, -1], [0, 2, 1, -3]])  # distinct rows within each column
+SAME_ROWS = np.array([[1, 1, 2, 0], [1, 0, 2, 0], [0, 1, 2, -3]])  # repeated within columns
 PAIRS = np.array([[[0, 1], [2, 3]], [[1, 0], [0, 1]]])  # GatherND: index pairs into [3, 4, 2]
 
 
@@ -38,6 +39,16 @@ def _cases() -> list:
              reduction="add"))
     add(case("ScatterND-add-repeated", "ScatterND",
              lambda g: [g.n(3, 2), np.array([[1], [1], [0]]), g.n(3, 2)], reduction="add"))
+    for red in ("mul", "max", "min"):  # no ties: data and updates 0.05 apart at least
+        add(case(f"ScatterElements-repeated-{red}", "ScatterElements",
+                 lambda g: [g.distinct(3, 4), SAME_ROWS, g.distinct(3, 4) + 0.05],
+                 reduction=red))
+        add(case(f"ScatterElements-axis-last-{red}", "ScatterElements",
+                 lambda g: [g.distinct(2, 5), np.array([[4, 0, 4], [-1, 2, 2]]),
+                            g.distinct(2, 3) + 0.05], axis=-1, reduction=red))
+    add(case("ScatterElements-mul-zeros", "ScatterElements",  # a zero alone, two together
+             lambda g: [np.array([[0.0, 1.5], [-0.5, 2.0]]), np.array([[0, 1], [0, 1], [1, 1]]),
+                        np.array([[0.7, 0.0], [1.3, 0.0], [0.0, -0.9]])], reduction="mul"))
     add(case("ScatterElements-const-data", "ScatterElements",
              lambda g: [Const(g.n(3, 4)), ROWS, g.n(2, 4)]))
     add(case("TopK-last", "TopK", lambda g: [g.distinct(3, 5), np.array([2])], n_out=2))
@@ -103,15 +114,15 @@ def test_rule_matches_central_differences(case) -> None:
 
 
 @pytest.mark.parametrize("op, attrs, message", [
-    ("ScatterElements", {"reduction": "mul"}, "gradient rule of ScatterElements failed on node "
-     "'scatter0': ScatterElements with reduction='mul' is not differentiated (only 'none' and "
+    ("ScatterND", {"reduction": "mul"}, "gradient rule of ScatterND failed on node "
+     "'scatter0': ScatterND with reduction='mul' is not differentiated (only 'none' and "
      "'add')"),
     ("GatherND", {"batch_dims": 1}, "gradient rule of GatherND failed on node 'scatter0': "
      "GatherND with batch_dims=1 is not differentiated (only 0); index with batch_dims=0 "
      "(prepend the batch positions to the indices)"),
 ])
 def test_unsupported_forms_are_refused_with_op_node_and_form(op, attrs, message) -> None:
-    ins = ["x", "idx", "x"] if op == "ScatterElements" else ["x", "idx"]
+    ins = ["x", "idx", "x"] if op == "ScatterND" else ["x", "idx"]
     idx = helper.make_tensor("idx", TensorProto.INT64, [2, 1], [0, 1])
     nodes = [helper.make_node(op, ins, ["y"], name="scatter0", **attrs)]
     assert lowering_error(nodes, [2, 1], initializers=[idx]) == message

@@ -1,6 +1,6 @@
 """Indexing: Gather (embedding lookup), GatherElements, GatherND, Slice, Compress,
-ScatterElements and ScatterND (reduction none or add). Indices, starts, ends, axes and steps
-get no gradient.
+ScatterElements (every reduction) and ScatterND (reduction none or add). Indices, starts, ends,
+axes and steps get no gradient.
 
 Gather and GatherElements scatter-add the gradient back (repeated indices accumulate; negative
 indices count from the end). Slice scatters the gradient into zeros at the positions that a
@@ -90,11 +90,11 @@ def gather_nd(ctx, node, gys):
             None]
 
 
-def _scatter_reduction(node) -> str:
+def _scatter_reduction(node, allowed=("none", "add")) -> str:
     reduction = attr(node, "reduction", "none")
-    if reduction not in ("none", "add"):
+    if reduction not in allowed:
         raise ValueError(f"{node.op_type} with reduction={reduction!r} is not differentiated "
-                         "(only 'none' and 'add')")
+                         f"(only {' and '.join(repr(r) for r in allowed)})")
     return reduction
 
 
@@ -103,20 +103,68 @@ def scatter_elements(ctx, node, gys):
     """data: g, zeroed where an update overwrote it (reduction none); updates: g gathered at
     their positions. Repeated indices under reduction none: each update gets the gradient of
     its position, as torch's scatter backward gives (torch documents such indices as
-    unsupported: which write lands is unspecified)."""
+    unsupported: which write lands is unspecified). Reductions mul, max and min as torch's
+    ``scatter_reduce`` (include_self) backward: :func:`_scatter_extreme`,
+    :func:`_scatter_product`."""
     data, indices, updates = node.inputs
     g = gys[0]
     axis = attr(node, "axis", 0)
     if axis < 0:
         axis %= known_rank(data, "ScatterElements data")
     idx = _wrap(ctx, indices, ctx.op("Shape", data), axis)
+    reduction = _scatter_reduction(node, ("none", "add", "mul", "max", "min"))
+    if reduction in ("max", "min"):
+        return _scatter_extreme(ctx, node, g, idx, axis)
+    if reduction == "mul":
+        return _scatter_product(ctx, node, g, idx, axis)
     out = [None, None, None]
     if ctx.needs(data):
-        out[0] = g if _scatter_reduction(node) == "add" else ctx.op(
+        out[0] = g if reduction == "add" else ctx.op(
             "ScatterElements", g, idx, _zeros(ctx, ctx.op("Shape", updates), g), axis=axis)
     if ctx.needs(updates):
-        _scatter_reduction(node)
         out[2] = ctx.op("GatherElements", g, idx, axis=axis)
+    return out
+
+
+def _scatter_extreme(ctx, node, g, idx, axis: int):
+    """max/min: the gradient shared equally among the values equal to the result, data and
+    updates alike (torch's amax/amin)."""
+    data, _, updates = node.inputs
+    (y,) = node.outputs
+    at = ctx.op("GatherElements", y, idx, axis=axis)
+    data_ties = ctx.op("CastLike", ctx.op("Equal", data, y), g)
+    update_ties = ctx.op("CastLike", ctx.op("Equal", updates, at), g)
+    count = ctx.op("ScatterElements", data_ties, idx, update_ties, axis=axis, reduction="add")
+    shared = ctx.op("Div", g, count)
+    return [ctx.op("Mul", data_ties, shared) if ctx.needs(data) else None, None,
+            ctx.op("Mul", update_ties, ctx.op("GatherElements", shared, idx, axis=axis))
+            if ctx.needs(updates) else None]
+
+
+def _scatter_product(ctx, node, g, idx, axis: int):
+    """mul: each factor's gradient is the product of the others, as torch computes it: the
+    result divided by the factor, except for data that is zero (the updates' product) and an
+    update that is its position's only zero update (the product with it taken as 1)."""
+    data, _, updates = node.inputs
+    (y,) = node.outputs
+    zero, one = ctx.const(0.0, like=data), ctx.const(1.0, like=data)
+    out = [None, None, None]
+    if ctx.needs(data):
+        masked = ctx.op("Where", ctx.op("Equal", data, zero), one, data)
+        others = ctx.op("ScatterElements", masked, idx, updates, axis=axis, reduction="mul")
+        out[0] = ctx.op("Div", ctx.op("Mul", g, others), masked)
+    if ctx.needs(updates):
+        zeros = ctx.op("Equal", updates, zero)
+        counts = ctx.op("ScatterElements", _zeros(ctx, ctx.op("Shape", data), g), idx,
+                        ctx.op("CastLike", zeros, g), axis=axis, reduction="add")
+        alone = ctx.op("And", zeros, ctx.op("Equal", ctx.op(
+            "GatherElements", counts, idx, axis=axis), one))
+        without = ctx.op("ScatterElements", data, idx, ctx.op("Where", alone, one, updates),
+                         axis=axis, reduction="mul")
+        gy = ctx.op("Div", ctx.op("GatherElements", ctx.op("Mul", g, y), idx, axis=axis),
+                    ctx.op("Where", zeros, one, updates))
+        out[2] = ctx.op("Where", alone, ctx.op("GatherElements", ctx.op("Mul", g, without),
+                                               idx, axis=axis), gy)
     return out
 
 
