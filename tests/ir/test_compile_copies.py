@@ -168,3 +168,25 @@ def test_step_proto_without_data_is_the_same_bytes_as_a_stripped_copy() -> None:
         copies.without_tensor_data(ir.to_proto(step), held).SerializeToString()
     assert not any(_has_data(t) for t in got.graph.initializer if held(t.name))
     assert ir.to_proto(step).SerializeToString() == before  # the step keeps its data
+
+
+@pytest.mark.parametrize("dtype, n", [(np.float32, LARGE // 4), (np.float32, LARGE // 4 + 1),
+                                      (np.float16, LARGE // 2 + 1), (np.int64, 3),
+                                      (np.float64, LARGE // 8 + 1)])
+@pytest.mark.parametrize("raw", [True, False])
+def test_large_is_the_data_size_from_type_and_dims(dtype, n, raw) -> None:
+    """``large`` reads the type and dims, not the data (the data may be typed fields or be
+    absent, as in a copy without data), and agrees with the array's size."""
+    array = np.arange(n).astype(dtype)
+    tensor = onnx.numpy_helper.from_array(array, "t")
+    if not raw:
+        tensor = onnx.helper.make_tensor("t", tensor.data_type, array.shape, array.ravel())
+    assert copies.large(tensor) == (array.nbytes > LARGE)
+    placeholder = copies.copy_fields(tensor, onnx.TensorProto(), TENSOR_DATA)
+    assert copies.large(placeholder) == (array.nbytes > LARGE)
+
+
+def test_a_string_tensor_is_large_by_its_serialised_size() -> None:
+    short = onnx.helper.make_tensor("s", onnx.TensorProto.STRING, [2], [b"a", b"b"])
+    long = onnx.helper.make_tensor("s", onnx.TensorProto.STRING, [1], [b"x" * (LARGE + 1)])
+    assert (copies.large(short), copies.large(long)) == (False, True)
