@@ -11,7 +11,13 @@ in ops whose gradients ngdist has:
 * ``aten::signbit``: ``x < 0``, or ``1 / x < 0`` for -0.0 (a NaN's sign bit is not read:
   ONNX has no bit cast);
 * ``aten::count_nonzero``: the int64 count of ``x != 0`` over ``dim`` (all axes if none);
-* ``aten::nanmean`` / ``nansum``: NaNs taken as 0, the mean over the count of the others.
+* ``aten::nanmean`` / ``nansum``: NaNs taken as 0, the mean over the count of the others;
+* ``aten::pow`` and ``aten::sum`` of integers (Hugging Face BLT's rolling hash of byte
+  groups): exact, wrapping at 64 bits as torch's: onnxruntime's integer Pow goes through
+  doubles (1000000007 ** 2 is off by 49, an overflow saturates) and so does its int64
+  ReduceSum (off by 200 above 2 ** 62); the power by repeated squaring (:func:`_int_pow`),
+  the sum as the last of a CumSum along each axis (:func:`_int_sum`). Float ones are
+  torch's own symbolics.
 
 Integer inputs of the float functions are cast to float32, as torch promotes them.
 """
@@ -166,6 +172,94 @@ def uniform(g: Any, x: Any, low: Any = 0.0, high: Any = 1.0, generator: Any = No
               for v in (low, high))
     return g.op("Add", lo, g.op("Mul", g.op("Sub", hi, lo), g.op("RandomUniformLike", x)))
 
+
+def _integral(v: Any) -> bool:
+    from torch.onnx._internal.torchscript_exporter import _type_utils as t
+
+    j = t.JitScalarType
+    return t.JitScalarType.from_value(v, j.UNDEFINED) in (j.UINT8, j.INT8, j.INT16, j.INT,
+                                                           j.INT64)
+
+
+def _int_pow(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g: Any, x: Any, e: Any) -> Any:
+        h = helper()
+        if not (_integral(x) and _integral(e)):
+            return builtin(g, x, e)
+        known = h._maybe_get_const(e, "t") if h._is_constant(e) else None
+        bits = 63 if known is None else \
+            max(int(np.max(np.asarray(known), initial=0)), 0).bit_length()
+        base, rest = g.op("Cast", x, to_i=7), g.op("Cast", e, to_i=7)
+        zero, one, two = const(g, 0), const(g, 1), const(g, 2)
+        out = g.op("Add", g.op("Mul", g.op("Add", base, rest), zero), one)  # broadcast ones
+        for k in range(bits):  # square-and-multiply over the exponent's bits, low first
+            odd = g.op("Equal", g.op("Mod", rest, two), one)
+            out = g.op("Where", odd, g.op("Mul", out, base), out)
+            if k + 1 < bits:
+                rest, base = g.op("Div", rest, two), g.op("Mul", base, base)
+        return g.op("Cast", out, to_i=_pow_type(x, e).onnx_type())
+
+    return symbolic
+
+
+def _pow_type(x: Any, e: Any) -> Any:
+    """torch's result type of integer ``x ** e``: a 0-dim operand yields to the other's."""
+    from torch.onnx._internal.torchscript_exporter import _type_utils as t
+
+    h = helper()
+    kx, ke = t.JitScalarType.from_value(x), t.JitScalarType.from_value(e)
+    rx, re = h._get_tensor_rank(x), h._get_tensor_rank(e)
+    if kx == ke or not re:
+        return kx
+    if not rx:
+        return ke
+    return t.JitScalarType.INT64 if t.JitScalarType.INT64 in (kx, ke) else kx
+
+
+def _int_sum(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g: Any, x: Any, *args: Any) -> Any:
+        h = helper()
+        if len(args) == 1:
+            dims, keep, dtype = None, 0, args[0]
+        elif len(args) == 3:
+            dim, keep, dtype = args
+            dims = None if h._is_none(dim) else h._maybe_get_const(dim, "is")
+            keep = h._maybe_get_const(keep, "i")
+        else:
+            return builtin(g, x, *args)
+        wanted = None if h._is_none(dtype) else h._maybe_get_const(dtype, "i")
+        rank = h._get_tensor_rank(x)
+        if rank is None or not (_integral(x) or _boolean(x)) or not isinstance(keep, int) or \
+                (dims is not None and not isinstance(dims, list)) or \
+                wanted not in (None, 0, 1, 2, 3, 4):  # torch's: floats, unknown ranks
+            return builtin(g, x, *args)
+        x = g.op("Cast", x, to_i=7)  # torch sums integers and bools in int64
+        axes = sorted({d % rank for d in dims}) if dims else list(range(rank))
+        for axis in axes:
+            pads = [0] * (2 * rank)
+            pads[axis] = 1  # a leading zero: an empty axis sums to 0
+            total = g.op("CumSum", g.op("Pad", x, const(g, pads)), const(g, axis))
+            x = g.op("Slice", total, const(g, [-1]), const(g, [np.iinfo(np.int64).max]),
+                     const(g, [axis]))
+        if axes and not keep:
+            x = g.op("Squeeze", x, const(g, axes))
+        if wanted is not None:
+            from torch.onnx._internal.torchscript_exporter import _type_utils as t
+            x = g.op("Cast", x, to_i=t.JitScalarType(wanted).onnx_type())
+        return x
+
+    return symbolic
+
+
+def _boolean(v: Any) -> bool:
+    from torch.onnx._internal.torchscript_exporter import _type_utils as t
+
+    return t.JitScalarType.from_value(v, t.JitScalarType.UNDEFINED) == t.JitScalarType.BOOL
+
+
+# wrappers of torch's symbolics (kept as their fallback)
+WRAPS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "aten::pow": _int_pow, "aten::sum": _int_sum}
 
 SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::exponential": exponential,

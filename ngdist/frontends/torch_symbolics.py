@@ -37,8 +37,8 @@ torch) already registers for an operator is left in place and used.
 * ``aten::scatter_reduce`` of every reduction, with or without ``self`` (torch refuses
   ``include_self=False`` and ``mean``): ``frontends/torch_scatter.py``;
 * elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
-  ``count_nonzero``, ``nanmean``, ...) and ``exponential_`` (``-log(1 - U)``, PhiMoE's Gumbel
-  sampling): ``frontends/torch_math.py``;
+  ``count_nonzero``, ``nanmean``, integer ``pow`` and ``sum``, ...) and ``exponential_``
+  (``-log(1 - U)``, PhiMoE's Gumbel sampling): ``frontends/torch_math.py``;
 * complex tensors as (real, imaginary) pairs (``polar``, ``view_as_complex``,
   ``view_as_real``, complex products; any other op of a complex value refused):
   ``frontends/torch_complex.py``.
@@ -56,7 +56,7 @@ import numpy as np
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_strided import as_strided, col2im
-from ngdist.frontends.torch_math import SYMBOLICS, const, helper
+from ngdist.frontends.torch_math import SYMBOLICS, WRAPS, const, helper
 from ngdist.frontends.torch_scatter import scatter_reduce
 
 logger = logging.getLogger(__name__)
@@ -317,13 +317,14 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::col2im": col2im,
     "aten::scatter_reduce": scatter_reduce,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
+    **WRAPS,
     **{name: (lambda _, f=f: f) for name, f in torch_complex.SYMBOLICS.items()},
     **torch_complex.WRAPS,
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
           "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
-          "aten::scatter_reduce", *torch_complex.WRAPS}
+          "aten::scatter_reduce", *WRAPS, *torch_complex.WRAPS}
 
 
 @contextlib.contextmanager
