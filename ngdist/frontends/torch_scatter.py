@@ -1,7 +1,11 @@
-"""``aten::scatter_reduce`` for the TorchScript exporter (lent by
-``frontends/torch_symbolics.py``): torch's own symbolic refuses ``include_self=False`` and
-``reduce="mean"`` (Hugging Face BLT pools its patches with ``amax`` and include_self False),
-and wraps the scatter in two If nodes for a rank-0 input.
+"""``aten::scatter_reduce`` and ``aten::index_add`` for the TorchScript exporter (lent by
+``frontends/torch_symbolics.py``): torch's own ``scatter_reduce`` symbolic refuses
+``include_self=False`` and ``reduce="mean"`` (Hugging Face BLT pools its patches with ``amax``
+and include_self False), and wraps the scatter in two If nodes for a rank-0 input; its
+``index_add`` scatters without reduction and adds ``self`` after, so of a repeated index only
+one row lands (Hugging Face JetMoE's attention experts merge each token's top-k outputs so),
+and refuses ``alpha``. Here ``index_add`` is one ScatterElements with reduction add, the
+index broadcast over the other axes, ``source`` times ``alpha`` where one is given.
 
 Every reduction (sum, prod, amax, amin, mean), with or without ``self``, in ScatterElements:
 
@@ -61,6 +65,28 @@ def scatter_reduce(builtin: Callable[..., Any]) -> Callable[..., Any]:
         if np.issubdtype(kind, np.floating):
             return g.op("Div", out, counts)
         return g.op("Div", g.op("Sub", out, g.op("Mod", out, counts)), counts)  # floored
+
+    return symbolic
+
+
+def index_add(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    def symbolic(g: Any, x: Any, dim: Any, index: Any, source: Any, alpha: Any = None) -> Any:
+        h = helper()
+        rank, rank_source = h._get_tensor_rank(x), h._get_tensor_rank(source)
+        if not rank or rank_source is None or not h._is_constant(dim):
+            return builtin(g, x, dim, index, source, alpha)
+        axis = int(h._get_const(dim, "i", "dim")) % rank
+        if rank_source < rank:  # a 0-dim source of a 1-dim self
+            source = g.op("Reshape", source, const(g, [1] * rank))
+        if alpha is not None and not h._is_none(alpha):
+            scale = h._maybe_get_const(alpha, "f")
+            if not (isinstance(scale, (int, float)) and scale == 1):
+                source = g.op("Mul", source, g.op("CastLike", alpha if h._is_value(alpha)
+                                                  else const(g, scale, np.float64), source))
+        shape = [1] * rank
+        shape[axis] = -1
+        spread = g.op("Expand", g.op("Reshape", index, const(g, shape)), g.op("Shape", source))
+        return g.op("ScatterElements", x, spread, source, axis_i=axis, reduction_s="add")
 
     return symbolic
 

@@ -35,7 +35,8 @@ torch) already registers for an operator is left in place and used.
   averages torch's window ``[floor(i * n / m), ceil((i + 1) * n / m))``), applied by MatMul;
   the factor cases keep torch's own symbolic;
 * ``aten::scatter_reduce`` of every reduction, with or without ``self`` (torch refuses
-  ``include_self=False`` and ``mean``): ``frontends/torch_scatter.py``;
+  ``include_self=False`` and ``mean``), and ``aten::index_add`` with a repeated index (torch's
+  keeps one row of each): ``frontends/torch_scatter.py``;
 * elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
   ``count_nonzero``, ``nanmean``, integer ``pow`` and ``sum``, ...) and ``exponential_``
   (``-log(1 - U)``, PhiMoE's Gumbel sampling): ``frontends/torch_math.py``;
@@ -57,7 +58,7 @@ from ngdist.errors import GraphError
 from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_strided import as_strided, col2im
 from ngdist.frontends.torch_math import SYMBOLICS, WRAPS, const, helper
-from ngdist.frontends.torch_scatter import scatter_reduce
+from ngdist.frontends.torch_scatter import index_add, scatter_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +317,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::as_strided": as_strided,
     "aten::col2im": col2im,
     "aten::scatter_reduce": scatter_reduce,
+    "aten::index_add": index_add,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
     **WRAPS,
     **{name: (lambda _, f=f: f) for name, f in torch_complex.SYMBOLICS.items()},
@@ -324,7 +326,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
           "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
-          "aten::scatter_reduce", *WRAPS, *torch_complex.WRAPS}
+          "aten::scatter_reduce", "aten::index_add", *WRAPS, *torch_complex.WRAPS}
 
 
 @contextlib.contextmanager

@@ -130,7 +130,7 @@ def _custom_groups() -> dict[str, object]:
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
                          "aten::unfold", "aten::permute", "aten::avg_pool2d",
                          "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
-                         "aten::scatter_reduce", "aten::pow", "aten::sum",
+                         "aten::scatter_reduce", "aten::index_add", "aten::pow", "aten::sum",
                          *SYMBOLICS,
                          *torch_complex.SYMBOLICS,
                          *torch_complex.WRAPS)}
