@@ -155,6 +155,69 @@ def _used_names(graph: onnx.GraphProto) -> set[str]:
     return {i for n in graph.node for i in n.input if i} | {o.name for o in graph.output}
 
 
+def _roles(alg: onnx.GraphProto, main_inits: dict[str, onnx.TensorProto],
+           alg_inits: dict[str, onnx.TensorProto], binding: dict[str, str],
+           stored: dict[str, str]) -> dict[str, str]:
+    """Each step value's role: data (an input of neither graph's initializers), param or a
+    stored role (an updated main-graph initializer), state or hyper (the algorithm's)."""
+    roles: dict[str, str] = {}
+    for inp in alg.input:
+        if inp.name not in alg_inits and inp.name not in main_inits:
+            roles[inp.name] = "data"
+    for name in main_inits:
+        if name in binding:
+            roles[name] = stored.get(name, "param")
+    for name in alg_inits:
+        roles[name] = stored.get(name, "state" if name in binding else "hyper")
+    missing = [k for k in binding if k not in roles]
+    if missing:
+        raise GraphError(f"update_binding names {missing}, which are initializers of neither "
+                         "the main graph nor the algorithm graph")
+    return roles
+
+
+def _gather_initializers(alg: onnx.GraphProto, info: onnx.TrainingInfoProto,
+                         main_inits: dict[str, onnx.TensorProto], binding: dict[str, str]
+                         ) -> dict[int, onnx.TensorProto]:
+    """Puts the algorithm's initializers and those of the main graph it reads into ``alg``,
+    the updated ones also as inputs; the large ones without their data, which the returned
+    map (position in ``alg.initializer`` -> tensor) holds for ``put_tensor_data``."""
+    used = _used_names(alg)
+    sources = [*info.algorithm.initializer]
+    existing_inputs = {i.name for i in alg.input}
+    # Everything the step reads from the main graph becomes a step input (if updated) or constant.
+    for name, tensor in main_inits.items():
+        if name not in used and name not in binding:
+            continue
+        sources.append(tensor)
+        if name in binding and name not in existing_inputs:
+            alg.input.append(onnx.helper.make_tensor_value_info(
+                name, tensor.data_type, list(tensor.dims)))
+    for tensor in {t.name: t for t in info.algorithm.initializer}.values():
+        if tensor.name not in existing_inputs:
+            alg.input.append(onnx.helper.make_tensor_value_info(
+                tensor.name, tensor.data_type, list(tensor.dims)))
+    dropped = {k: t for k, t in enumerate(sources) if large(t)}
+    for k, tensor in enumerate(sources):
+        if k in dropped:
+            copy_fields(tensor, alg.initializer.add(), TENSOR_DATA)
+        else:
+            alg.initializer.append(tensor)
+    return dropped
+
+
+def _read_step(step_proto: onnx.ModelProto) -> ir.Model:
+    try:
+        return ir.from_proto(step_proto)
+    except ir.serde.SerdeError as exc:  # what the checks before did not foresee
+        cause: BaseException = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise GraphError(f"the training step cannot be read ({type(cause).__name__}: "
+                         f"{cause}); the file is damaged or was not written by an ONNX "
+                         "exporter") from None
+
+
 def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Model]:
     """ModelProto with training_info -> (inference model, step graph as onnx_ir model)."""
     check_training_model(model)
@@ -170,45 +233,11 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
     alg = copy_fields(info.algorithm, onnx.GraphProto(), ("initializer",))
     binding = {kv.key: kv.value for kv in info.update_binding}
     props = {p.key: p.value for p in model.metadata_props}
-    stored_roles = json.loads(props.get("ngdist.roles", "{}"))
     main_inits = {t.name: t for t in model.graph.initializer}
     alg_inits = {t.name: t for t in info.algorithm.initializer}
-    used = _used_names(alg)
-
-    roles: dict[str, str] = {}
-    for inp in alg.input:
-        if inp.name not in alg_inits and inp.name not in main_inits:
-            roles[inp.name] = "data"
-    for name in main_inits:
-        if name in binding:
-            roles[name] = stored_roles.get(name, "param")
-    for name in alg_inits:
-        roles[name] = stored_roles.get(name, "state" if name in binding else "hyper")
-    missing = [k for k in binding if k not in roles]
-    if missing:
-        raise GraphError(f"update_binding names {missing}, which are initializers of neither "
-                         "the main graph nor the algorithm graph")
-
-    sources = [*info.algorithm.initializer]
-    existing_inputs = {i.name for i in alg.input}
-    # Everything the step reads from the main graph becomes a step input (if updated) or constant.
-    for name, tensor in main_inits.items():
-        if name not in used and name not in binding:
-            continue
-        sources.append(tensor)
-        if name in binding and name not in existing_inputs:
-            alg.input.append(onnx.helper.make_tensor_value_info(
-                name, tensor.data_type, list(tensor.dims)))
-    for name, tensor in alg_inits.items():
-        if name not in existing_inputs:
-            alg.input.append(onnx.helper.make_tensor_value_info(
-                name, tensor.data_type, list(tensor.dims)))
-    dropped = {k for k, t in enumerate(sources) if large(t)}
-    for k, tensor in enumerate(sources):
-        if k in dropped:
-            copy_fields(tensor, alg.initializer.add(), TENSOR_DATA)
-        else:
-            alg.initializer.append(tensor)
+    roles = _roles(alg, main_inits, alg_inits, binding,
+                   json.loads(props.get("ngdist.roles", "{}")))
+    dropped = _gather_initializers(alg, info, main_inits, binding)
     # Data inputs first, then updatable values, in a stable order.
     order = {"data": 0, "param": 1, "buffer": 2, "state": 3, "hyper": 4}
     inputs = sorted(alg.input, key=lambda v: order.get(roles.get(v.name, "data"), 0))
@@ -225,16 +254,8 @@ def split_training_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, ir.Mo
         step_proto = fill_same_shape_outputs(infer(step_proto))
     except Exception as exc:
         logger.debug("shape inference of the step graph failed: %s", exc)
-    put_tensor_data(step_proto.graph, {k: sources[k] for k in dropped})
-    try:
-        step = ir.from_proto(step_proto)
-    except ir.serde.SerdeError as exc:  # what the checks before did not foresee
-        cause: BaseException = exc
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        raise GraphError(f"the training step cannot be read ({type(cause).__name__}: "
-                         f"{cause}); the file is damaged or was not written by an ONNX "
-                         "exporter") from None
+    put_tensor_data(step_proto.graph, dropped)
+    step = _read_step(step_proto)
     set_meta(step, StepMeta(roles, binding, loss))
     inference = copy_fields(model, onnx.ModelProto(), ("training_info",))
     return inference, step

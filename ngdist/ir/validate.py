@@ -58,16 +58,41 @@ def check_training_model(model: onnx.ModelProto) -> None:
     inits = main_inits | alg_inits
     data_inputs = inputs - inits  # what a batch feeds
     defined = inits | inputs
+    defined |= _check_nodes(alg, defined, alg_inits | inputs)
+    for inp in alg.input:
+        elem = inp.type.tensor_type.elem_type
+        if inp.name in data_inputs and elem not in NUMPY_TYPES:
+            raise GraphError(f"the training step's data input {inp.name!r} has element type "
+                             f"{_type_name(elem)}; ngdist feeds tensors of the types {_numpy_type_names()}")
+    outputs = [o.name for o in alg.output]
+    if not outputs:
+        raise GraphError("training_info[0].algorithm has no outputs (the loss comes first)")
+    undefined = [o for o in outputs if o not in defined]
+    if undefined:
+        raise GraphError(f"algorithm outputs {undefined} are produced by no node of the step")
+    _check_bindings(model, inits, outputs, data_inputs)
+    props = {p.key: p.value for p in model.metadata_props}
+    if "ngdist.roles" in props:
+        _check_roles(props["ngdist.roles"], defined, main_inits)
+    loss = props.get("ngdist.loss")
+    if loss is not None and loss not in outputs:
+        raise GraphError(f"metadata ngdist.loss names {loss!r}, which is not an output of the "
+                         f"algorithm graph (its outputs: {_listing(outputs)})")
+
+
+def _check_nodes(alg: onnx.GraphProto, defined: set[str], given: set[str]) -> set[str]:
+    """The values the algorithm's nodes produce, each once and none of ``given`` (its inputs
+    and initializers); every node reads only what is ``defined`` or produced."""
     produced: set[str] = set()
     for idx, node in enumerate(alg.node):
         for out in node.output:
             if not out:
                 continue
-            if out in produced or out in alg_inits or out in inputs:
+            if out in produced or out in given:
                 raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) "
                                  f"defines {out!r} a second time")
             produced.add(out)
-    defined |= produced
+    defined = defined | produced
     for idx, node in enumerate(alg.node):
         missing = [i for i in node.input if i and i not in defined]
         if missing:
@@ -80,17 +105,15 @@ def check_training_model(model: onnx.ModelProto) -> None:
                 raise GraphError(f"algorithm node {node.name or idx!r} ({node.op_type}) has "
                                  f"empty inputs at positions {empty}; every input of "
                                  f"{PREVIEW_TRAINING}.{node.op_type} is required")
-    for inp in alg.input:
-        elem = inp.type.tensor_type.elem_type
-        if inp.name in data_inputs and elem not in NUMPY_TYPES:
-            raise GraphError(f"the training step's data input {inp.name!r} has element type "
-                             f"{_type_name(elem)}; ngdist feeds tensors of the types {_numpy_type_names()}")
-    outputs = [o.name for o in alg.output]
-    if not outputs:
-        raise GraphError("training_info[0].algorithm has no outputs (the loss comes first)")
-    undefined = [o for o in outputs if o not in defined]
-    if undefined:
-        raise GraphError(f"algorithm outputs {undefined} are produced by no node of the step")
+    return produced
+
+
+def _check_bindings(model: onnx.ModelProto, inits: set[str], outputs: list[str],
+                    data_inputs: set[str]) -> None:
+    """update_binding: once each, initializers of a type ngdist holds, each to an output of
+    the algorithm that is not a data input."""
+    info = model.training_info[0]
+    alg = info.algorithm
     keys = [kv.key for kv in info.update_binding]
     if not keys:
         raise GraphError("training_info[0].update_binding is empty: the step updates nothing")
@@ -121,13 +144,6 @@ def check_training_model(model: onnx.ModelProto) -> None:
         raise GraphError(f"update_binding maps {fed} to data inputs of the step, which a batch "
                          "feeds, not values the step computes; bind each to the output of its "
                          "update")
-    props = {p.key: p.value for p in model.metadata_props}
-    if "ngdist.roles" in props:
-        _check_roles(props["ngdist.roles"], defined, main_inits)
-    loss = props.get("ngdist.loss")
-    if loss is not None and loss not in outputs:
-        raise GraphError(f"metadata ngdist.loss names {loss!r}, which is not an output of the "
-                         f"algorithm graph (its outputs: {_listing(outputs)})")
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
