@@ -17,6 +17,8 @@ Both exports name their initializers after ``module.state_dict()``, which is how
 are written back (``trainer.to_torch(module)``). Exporting runs the module's forward, which
 updates BatchNorm buffers in training mode: the frontend copies every parameter and buffer
 back in place afterwards (the same tensor objects; the state dict's ``_metadata`` untouched).
+Other buffers the training-mode forward changes get their new values from the step, or are
+refused (``frontends/torch_buffers.py``).
 
 Semantic adjustments: ONNX's BatchNormalization updates the running variance with the
 *biased* batch variance, PyTorch with the unbiased one; the frontend rescales the
@@ -57,6 +59,8 @@ from ngdist.frontends.cleanup import (batch_feeds, fold_static_shapes, squeezing
                                       unbiased_running_var)
 from ngdist.frontends.torch_exporters import (export_graph, export_training, rename_aliases,
                                                tied_aliases)
+from ngdist.frontends.torch_buffers import (check_detached, check_float, check_same_trace,
+                                            forward_updated, name_updates)
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_state import (check_batchnorm, mark_unique, rename_initializers,
@@ -100,6 +104,8 @@ class TorchExport:
     output_names: list[str]
     params: dict[str, str] = field(default_factory=dict)   # onnx name -> parameter name
     buffers: dict[str, str] = field(default_factory=dict)  # onnx name -> buffer name
+    # buffers the training-mode forward updates (norm statistics aside) -> their new values
+    updates: dict[str, str] = field(default_factory=dict)
     exporter: str = "torchscript"  # the torch.onnx exporter that made both graphs
     # the example inputs (labels included) cycled to cleanup.BATCH_SIZES: what the graph's
     # shapes are probed with (made-up inputs, zeros for indices and masks, can drive a model
@@ -172,27 +178,10 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     if len(in_names) != len(args):
         raise ArgumentError(f"{len(in_names)} input names for {len(args)} example inputs")
     out_names = list(output_names) if output_names else ["output"]
-    was_training = module.training
     saved = snapshot(module)
-    feed_values = dict(zip(in_names, args))
-    try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
-        # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
-        if loss is None:
-            used, train = export_training(module, args, in_names, out_names, opset, exporter)
-        else:
-            torch_loss.check_labels_name(labels, in_names, out_names)
-            used, train, feed_values[labels] = torch_loss.export_with_loss(
-                module, loss, args, in_names, out_names[0], labels, opset, exporter)
-            restore(module, saved)  # the example labels ran the forward once more
-        # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
-        # running_var are both ones), so every tensor gets unique values while it runs
-        marked = mark_unique(module)
-        ev = export_graph(used, module, args, False, in_names, out_names, opset)
-        rename_initializers(ev, marked)  # (while the module holds the marked values)
-        del marked
-    finally:
-        restore(module, saved)  # tracing in training mode moved BN statistics
-        module.train(was_training)
+    used, train, updates, example, ev = _export_both(module, args, in_names, out_names, opset,
+                                                     exporter, loss, labels, saved)
+    feed_values = dict(zip(in_names, args), **({} if loss is None else {labels: example}))
     state = {k: v.cpu().numpy() for k, (_, v) in saved.items() if v.is_floating_point()}
     params = {n for n, _ in module.named_parameters()}
     aliases = tied_aliases(module)
@@ -204,7 +193,8 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     train = with_tensor_data(train, state)
     ev = with_tensor_data(ev, state)
     feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in feed_values.items()})
-    result = TorchExport(train, ev, in_names, out_names, exporter=used, probes=feeds)
+    result = TorchExport(train, ev, in_names, out_names, exporter=used, probes=feeds,
+                         updates=updates)
     for t in train.graph.initializer:
         if t.name in state:
             (result.params if t.name in params else result.buffers)[t.name] = t.name
@@ -216,6 +206,64 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
                 len(train.graph.node), len(ev.graph.node), len(result.params),
                 len(result.buffers), folded)
     return result
+
+
+def _export_both(module: Any, args: tuple[Any, ...], in_names: list[str], out_names: list[str],
+                 opset: int, exporter: str, loss: Any, labels: str, saved: dict[str, Any]
+                 ) -> tuple[str, onnx.ModelProto, dict[str, str], Any, onnx.ModelProto]:
+    """``_trace_updating``'s four, then the eval graph; ``module`` left as ``saved`` has it."""
+
+    def trace(appended: Sequence[str]) -> tuple[str, onnx.ModelProto, Any]:
+        if loss is None:
+            return (*export_training(module, args, in_names, out_names, opset, exporter,
+                                     appended), None)
+        before = snapshot(module)  # the example labels' forward moves buffers
+        return torch_loss.export_with_loss(module, loss, args, in_names, out_names[0], labels,
+                                           opset, exporter, appended,
+                                           reset=lambda: restore(module, before))
+
+    was_training = module.training
+    try:  # grad mode stays on: under no_grad, eval-mode transformer layers take a fused
+        # fast path (aten::_transformer_encoder_layer_fwd) that has no ONNX export
+        if loss is not None:
+            torch_loss.check_labels_name(labels, in_names, out_names)
+        used, train, updates, example = _trace_updating(trace, module, args, saved)
+        restore(module, saved)
+        # eval export: the exporter merges initializers of equal value (BatchNorm's weight and
+        # running_var are both ones), so every tensor gets unique values while it runs
+        marked = mark_unique(module)
+        ev = export_graph(used, module, args, False, in_names, out_names, opset)
+        rename_initializers(ev, marked)  # (while the module holds the marked values)
+        del marked
+    finally:
+        restore(module, saved)  # tracing in training mode moved BN statistics
+        module.train(was_training)
+    return used, train, updates, example, ev
+
+
+def _trace_updating(trace: Any, module: Any, args: tuple[Any, ...], saved: dict[str, Any]
+                    ) -> tuple[str, onnx.ModelProto, dict[str, str], Any]:
+    """(exporter used, training graph, buffer -> the step value of its new value, example
+    labels): ``trace(appended)`` exports once; a module whose forward changes buffers is
+    traced twice more, from the state that forward left and from ``saved`` (the graph
+    kept), each with the buffers' new values as outputs (frontends/torch_buffers.py)."""
+    versions = {k: t._version for k, (t, _) in saved.items()}  # in-place writes count them
+    used, train, example = trace(())
+    if used == "dynamo":  # torch.export traces with fake tensors: the buffers never moved
+        with _torch().no_grad():
+            module(*args)
+    updated = forward_updated(module, saved, versions)
+    if not updated:
+        return used, train, {}, example
+    check_float(module, updated)
+    _, again, _ = trace(updated)
+    restore(module, saved)
+    used, train, example = trace(updated)
+    check_same_trace(train, again, updated, module)
+    logger.info("%s updates buffers in its forward: %s", type(module).__name__, updated)
+    updates = name_updates(train, updated, saved)
+    check_detached(train, updates, module)
+    return used, train, updates, example
 
 
 # --------------------------------------------------------------------------- translation
@@ -264,7 +312,8 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     model = build_training_model(exp.train, loss=None if with_loss else translate_loss(loss),
                                  labels=labels, optimizer=opt, params=trained,
                                  output=torch_loss.LOSS_OUTPUT if with_loss
-                                 else exp.output_names[0], probes=exp.probes)
+                                 else exp.output_names[0], buffers=exp.updates,
+                                 probes=exp.probes)
     unbiased_running_var(model)
     # the model holds the values: the export's record (a write-back lives as long as the
     # trainer) keeps its graphs without data, once the eval graph's own tensors are moved

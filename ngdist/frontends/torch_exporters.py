@@ -22,13 +22,14 @@ import io
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import onnx
 
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends.torch_attention import sdpa_export
+from ngdist.frontends.torch_buffers import appended_outputs
 from ngdist.frontends.torch_symbolics import dynamo_translations, lent_symbolics
 
 logger = logging.getLogger(__name__)
@@ -157,16 +158,19 @@ def _summary(exc: BaseException) -> str:
 
 
 def export_training(module: Any, args: tuple[Any, ...], input_names: list[str],
-                    output_names: list[str], opset: int, first: str = "torchscript"
-                    ) -> tuple[str, onnx.ModelProto]:
-    """(the exporter that worked, the training-mode graph): ``first``, then the other one."""
+                    output_names: list[str], opset: int, first: str = "torchscript",
+                    appended: Sequence[str] = ()) -> tuple[str, onnx.ModelProto]:
+    """(the exporter that worked, the training-mode graph): ``first``, then the other one.
+    ``appended``: buffers whose values after the forward are the graph's last outputs."""
     if first not in EXPORTERS:
         raise ArgumentError(f"exporter must be one of {EXPORTERS}; got {first!r}")
     order = [first, *(e for e in EXPORTERS if e != first)]
     failures: list[str] = []
     for exporter in order:
         try:
-            model = export_graph(exporter, module, args, True, input_names, output_names, opset)
+            with appended_outputs(module, appended):
+                model = export_graph(exporter, module, args, True, input_names, output_names,
+                                     opset)
         except Exception as exc:  # noqa: BLE001 - any exporter failure: try the other one
             failures.append(f"the {exporter} exporter: {_summary(exc)}")
             logger.info("the %s exporter could not export %s: %s", exporter,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import onnx
@@ -222,22 +222,28 @@ def _strip_prefix(model: onnx.ModelProto) -> None:
 
 
 def export_with_loss(module: Any, loss: Any, args: tuple[Any, ...], input_names: list[str],
-                     output_name: str, labels: str, opset: int, exporter: str
+                     output_name: str, labels: str, opset: int, exporter: str,
+                     appended: Sequence[str] = (), reset: Callable[[], None] | None = None
                      ) -> tuple[str, onnx.ModelProto, Any]:
     """(the exporter used, the training graph computing the loss, the example labels): the
     graph's inputs are ``input_names`` then ``labels``, its outputs ``LOSS_OUTPUT`` and the
-    model's output named ``output_name``, as in the eval export (evaluate() reads it)."""
+    model's output named ``output_name``, as in the eval export (evaluate() reads it), then
+    the ``appended`` buffers' new values (torch_exporters.export_training). ``reset`` puts
+    back the buffers the forward that finds the output's shape moved, before the trace."""
     from ngdist.frontends.torch_exporters import export_training
 
     check_labels_name(labels, input_names, [LOSS_OUTPUT, output_name])
-    out = _output(module, args)  # the caller restores the buffers this forward moved
+    out = _output(module, args)
+    if reset is not None:
+        reset()
     value = example_labels(loss, out)
     with _default_dtype(out.dtype):
         check_loss_export(loss, out, value, opset, exporter)
     wrapper = _wrapper(module, _as_exported(loss), len(args))
     with _default_dtype(out.dtype):
         used, train = export_training(wrapper, (*args, value), [*input_names, labels],
-                                      [LOSS_OUTPUT, output_name], opset, exporter)
+                                      [LOSS_OUTPUT, output_name], opset, exporter,
+                                      [f"{MODEL}.{n}" for n in appended])
     _strip_prefix(train)
     _name_model_output(train, output_name)
     logger.info("exported the loss %s with the model (labels %s %s)", _name(loss),

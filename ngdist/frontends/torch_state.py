@@ -12,6 +12,7 @@ from onnx import numpy_helper
 
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_loss
+from ngdist.frontends.torch_buffers import same_bytes
 
 
 def rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> None:
@@ -81,14 +82,17 @@ def restore(module: Any, snapshot: dict[str, tuple[Any, Any]]) -> None:
 
     Values are copied in place, not through ``load_state_dict``: that would run the modules'
     ``_load_from_state_dict`` hooks without the state dict's ``_metadata`` (module versions),
-    and torchvision's MNASNet, for one, refuses a state dict without its version.
+    and torchvision's MNASNet, for one, refuses a state dict without its version. A tensor
+    that holds its value already is left alone: its ``_version`` then still says whether a
+    forward wrote it (frontends/torch_buffers.py).
     """
     import torch
 
     current = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, (tensor, value) in snapshot.items():
-            tensor.copy_(value)
+            if not same_bytes(tensor, value):
+                tensor.copy_(value)
             if current.get(name) is not tensor:
                 owner, _, leaf = name.rpartition(".")
                 sub = module.get_submodule(owner) if owner else module
