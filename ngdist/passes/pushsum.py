@@ -80,25 +80,7 @@ class PushSumPass(CommInsertionPass):
             raise GraphError("pushsum: a parameter's new value is not computed by the step")
 
         w = self._add_weight(graph, xs[0])
-        first = next(iter(graph))  # new nodes go before it, in the order they are made
-        opt_ids = {id(n) for n in optimizers}
-        casts: dict[object, ir.Value] = {}
-        for x in xs:
-            w_like = w
-            if x.dtype is not None and x.dtype != w.dtype:
-                if x.dtype not in casts:
-                    cast = ir.Node("", "CastLike", [w, x], name=f"ngdist/pushsum/cast/{x.name}")
-                    graph.insert_before(first, cast)
-                    casts[x.dtype] = cast.outputs[0]
-                    cast.outputs[0].name = f"{PS_WEIGHT}.{x.dtype.name.lower()}"
-                w_like = casts[x.dtype]
-            div = ir.Node("", "Div", [x, w_like], name=f"ngdist/pushsum/debias/{x.name}")
-            z = div.outputs[0]
-            z.name, z.shape, z.type = f"{x.name}.debiased", x.shape, x.type
-            graph.insert_before(first, div)
-            for use in list(x.uses()):
-                if use.node is not div and id(use.node) not in opt_ids:
-                    use.node.replace_input_with(use.idx, z)
+        self._debias(graph, xs, w, {id(n) for n in optimizers})
 
         attrs = {"graph": self.graph, "peers_per_itr": self.peers_per_itr,
                  "overlap": int(self.overlap), "synch_freq": self.synch_freq}
@@ -123,6 +105,29 @@ class PushSumPass(CommInsertionPass):
                     "overlap=%s, synch_freq=%d)", len(params), self.graph, self.peers_per_itr,
                     self.overlap, self.synch_freq)
         return ir.passes.PassResult(model, True)
+
+    @staticmethod
+    def _debias(graph: ir.Graph, xs: list[ir.Value], w: ir.Value, opt_ids: set[int]) -> None:
+        """Every reader of a parameter but its optimizer reads it divided by the push-sum
+        weight (cast to the parameter's type), computed before the step's first node."""
+        first = next(iter(graph))  # new nodes go before it, in the order they are made
+        casts: dict[object, ir.Value] = {}
+        for x in xs:
+            w_like = w
+            if x.dtype is not None and x.dtype != w.dtype:
+                if x.dtype not in casts:
+                    cast = ir.Node("", "CastLike", [w, x], name=f"ngdist/pushsum/cast/{x.name}")
+                    graph.insert_before(first, cast)
+                    casts[x.dtype] = cast.outputs[0]
+                    cast.outputs[0].name = f"{PS_WEIGHT}.{x.dtype.name.lower()}"
+                w_like = casts[x.dtype]
+            div = ir.Node("", "Div", [x, w_like], name=f"ngdist/pushsum/debias/{x.name}")
+            z = div.outputs[0]
+            z.name, z.shape, z.type = f"{x.name}.debiased", x.shape, x.type
+            graph.insert_before(first, div)
+            for use in list(x.uses()):
+                if use.node is not div and id(use.node) not in opt_ids:
+                    use.node.replace_input_with(use.idx, z)
 
     @staticmethod
     def _add_weight(graph: ir.Graph, like: ir.Value) -> ir.Value:
