@@ -20,6 +20,8 @@ def before_build(model_type: str) -> None:
         _float32_lowest(model_type)
     if model_type == "led":
         _led_float64()
+    if model_type == "mra":
+        _mra_attention_in_its_layers_dtype()
 
 
 def after_build(model_type: str, model: Any) -> None:
@@ -90,6 +92,26 @@ def _led_float64() -> None:
             return getattr(torch.nn, name)
 
     modeling_led.torch, modeling_led.nn = _Float32Lowest(), Nn()
+
+
+def _mra_attention_in_its_layers_dtype() -> None:
+    """MRA computes its attention in float32 whatever the model's type (``.float()`` of the
+    queries, keys, values and mask, its CUDA kernel's type; without that kernel, on the CPU,
+    transformers' attention output is zeros of the queries' type), so the float64 oracle's
+    next layer met a float32 input ("mat1 and mat2 must have the same dtype"). The attention's
+    output is cast to its projections' dtype: float32 unchanged, float64 in the oracle."""
+    from transformers.models.mra import modeling_mra
+
+    cls = modeling_mra.MraSelfAttention
+    if "_in_layers_dtype" in vars(cls):
+        return
+    forward = cls.forward
+
+    def _in_layers_dtype(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, *args, **kwargs)
+        return (out[0].to(self.query.weight.dtype), *out[1:])
+
+    cls.forward = cls._in_layers_dtype = _in_layers_dtype
 
 
 # models that mix ``torch.finfo(dtype).min`` of float64 into float32 tensors (no float64

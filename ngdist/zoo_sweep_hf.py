@@ -23,7 +23,7 @@ A mixture of experts' router that the model initialises to zero (afmoe) is drawn
 N(0, 0.02) instead: at zero every expert ties, and torch and onnxruntime break top-k ties
 differently (torch.topk picks the last indices, onnxruntime's TopK the first).
 
-The tiny configs are ``ngdist.zoo_sweep_configs``'.
+The tiny configs are ``ngdist.zoo_sweep_configs``' and ``ngdist.zoo_sweep_fixups``'.
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ import numpy as np
 
 from ngdist.errors import ArgumentError
 from ngdist.zoo_sweep import Case, _no_dropout, _torch
-from ngdist.zoo_sweep_configs import AUDIO_TOKEN, BATCH, LABELS, LENGTH, PAD, VOCAB, tiny_config
+from ngdist.zoo_sweep_configs import AUDIO_TOKEN, BATCH, LABELS, LENGTH, PAD, VOCAB
 from ngdist.zoo_sweep_configs import transformers as _transformers
 from ngdist.zoo_sweep_float64 import after_build, before_build
+from ngdist.zoo_sweep_fixups import tiny_config
 
 TASKS = {
     "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -103,6 +104,8 @@ class _Logits:
     @staticmethod
     def wrap(model: Any, names: list[str], shift: bool = False, tokens: bool = False) -> Any:
         torch = _torch()
+        # VibeVoice draws noise onto its audio latents unless told not to: off, like dropout
+        fixed = {"sample": False} if _takes(model, "sample") else {}
 
         class Logits(torch.nn.Module):
             def __init__(self) -> None:
@@ -114,7 +117,7 @@ class _Logits:
                 inputs = [v for v in (a, b, c, d, e) if v is not None]
                 if tokens:
                     *inputs, y = inputs
-                out = self.model(**dict(zip(names, inputs)))
+                out = self.model(**dict(zip(names, inputs)), **fixed)
                 # PP-LCNet returns its class scores as last_hidden_state
                 logits = getattr(out, "logits", None)
                 logits = out.last_hidden_state if logits is None else logits
@@ -162,7 +165,7 @@ def _is_audio_lm(model: Any) -> bool:
     decoder_input_ids."""
     params = inspect.signature(model.forward).parameters
     return ("input_features" in params or "input_values" in params) \
-        and "decoder_input_ids" not in params and (hasattr(model, "get_audio_features") or
+        and "decoder_input_ids" not in params and (_audio_getter(model) is not None or
                                                    _masked_tower(model))
 
 
@@ -187,20 +190,48 @@ def _tower_features(model: Any, rng: np.random.Generator
     return feeds, int(lengths)
 
 
+def _audio_getter(model: Any) -> Any:
+    """``get_audio_features`` of the model, or of its inner model (VibeVoice's is there only)."""
+    return getattr(model, "get_audio_features", None) or \
+        getattr(getattr(model, "model", None), "get_audio_features", None)
+
+
+def _probe_inputs(model: Any, params: Any, frames: int
+                  ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, Any]]:
+    """What get_audio_features takes after the audio: (masks the model is fed too: a frame
+    mask, or VibeVoice's sample mask, from which it counts its audio embeddings; placeholder
+    ids, MusicFlamingo's audio timestamps; keywords: MOSS's padding mask, required but not
+    read, None as its forward passes it)."""
+    fed: dict[str, np.ndarray] = {}
+    extra: dict[str, np.ndarray] = {}
+    if "input_features_mask" in params:
+        fed["input_features_mask"] = np.ones((BATCH, frames), np.int64)
+    padding = params.get("padding_mask")
+    if padding is not None and padding.default is inspect.Parameter.empty:
+        fed["padding_mask"] = np.ones((BATCH, frames), np.bool_)
+    if "input_ids" in params:
+        _, n = model.model.audio_tower._get_feat_extract_output_lengths(_torch().tensor(frames))
+        extra["input_ids"] = np.full((BATCH, int(n)), AUDIO_TOKEN, np.int64)
+    inner = inspect.signature(getattr(model, "model", model).get_audio_features).parameters
+    unused = {"padding_mask": None} if "padding_mask" in inner and padding is None else {}
+    return fed, extra, unused
+
+
 def _audio_features(model: Any, rng: np.random.Generator
                     ) -> tuple[dict[str, np.ndarray], int]:
     """(the audio inputs, the audio embeddings per sample): a waveform of 1600 samples (with
     or without a channel axis), or a feature map in the layout the audio encoder takes
     (features by frames or frames by features; 2 * max_source_positions frames, or one
-    chunk, 2 * n_window, where the encoder takes whole chunks), and the frame mask where
-    get_audio_features takes one."""
+    chunk, 2 * n_window, where the encoder takes whole chunks), and the masks
+    get_audio_features takes (``_probe_inputs``)."""
     torch = _torch()
     cfg = model.config
     sub = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None) or cfg
-    params = inspect.signature(model.get_audio_features).parameters
+    sub = getattr(sub, "asr_config", None) or sub  # Nemotron transcribe: its ASR encoder's
+    getter = _audio_getter(model)
+    params = inspect.signature(getter).parameters
     if "args" in params and hasattr(model, "model"):  # a delegate: its target's signature
         params = inspect.signature(model.model.get_audio_features).parameters
-    masked = "input_features_mask" in params
     if "input_values" in inspect.signature(model.forward).parameters:
         key, frames = "input_values", 1600
         shapes: tuple[tuple[int, ...], ...] = ((BATCH, 1, frames), (BATCH, frames))
@@ -209,14 +240,14 @@ def _audio_features(model: Any, rng: np.random.Generator
             sub.num_mel_bins
         frames = 2 * getattr(sub, "n_window", getattr(sub, "max_source_positions", 16))
         key, shapes = "input_features", ((BATCH, width, frames), (BATCH, frames, width))
+    fed, extra, unused = _probe_inputs(model, params, frames)
     failures = []
     for shape in shapes:
-        feeds = {key: rng.standard_normal(shape).astype(np.float32)}
-        if masked:
-            feeds["input_features_mask"] = np.ones((BATCH, frames), np.int64)
+        feeds = {key: rng.standard_normal(shape).astype(np.float32), **fed}
         try:
             with torch.no_grad():
-                out = model.get_audio_features(*map(torch.from_numpy, feeds.values()))
+                out = getter(*map(torch.from_numpy, [*feeds.values(), *extra.values()]),
+                             **unused)
         except (RuntimeError, ValueError) as exc:
             failures.append(f"{shape}: {exc}")
             continue
@@ -238,6 +269,25 @@ def _audio_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.n
     labels[:, :n] = -100
     feeds = {"input_ids": ids, "attention_mask": mask, **audio,
              "y": labels[:, 1:].reshape(-1)}
+    return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
+
+
+# streaming audio language models: each step's audio embedding added to its token's
+_STREAMING = {"voxtral_realtime"}
+
+
+def _streaming_audio_lm(model: Any, rng: np.random.Generator
+                        ) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """Voxtral Realtime adds the audio embedding of each step to that step's token embedding
+    (no placeholders): features (mel bins by frames) of as many frames as give one audio
+    embedding per token, the frames per embedding read from one run of its audio tower;
+    the loss over the next token, padding not counted."""
+    probe, n = _audio_features(model, rng)
+    bins, frames = probe["input_features"].shape[1:]
+    ids, mask = _tokens(rng, VOCAB)
+    features = rng.standard_normal((BATCH, bins, frames * LENGTH // n)).astype(np.float32)
+    feeds = {"input_ids": ids, "attention_mask": mask, "input_features": features,
+             "y": _labels(ids, mask)[:, 1:].reshape(-1)}
     return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
 
 
@@ -279,19 +329,60 @@ def _codes_lm(model: Any, rng: np.random.Generator) -> tuple[Any, dict[str, np.n
     return _Logits.wrap(model, list(feeds)[:-1], True, True), feeds, None
 
 
-# recurrent language models whose forward takes an attention_mask and ignores it: the exported
-# graph has no such input, and a trainer refuses a batch with one
-_MASKLESS = {"rwkv", "xlstm"}
+def _takes(model: Any, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def _patches(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Patches already cut from the images (SigLIP2, NaFlex: a processor keeps each image's
+    aspect ratio): up to 16 patches a sample, flattened to channels x patch x patch, a grid of
+    4 x 4 patches, the last image's 2 x 4 and padding (``pixel_attention_mask`` 0); the grid
+    of each in ``spatial_shapes``."""
+    vision = model.config.vision_config
+    width = vision.num_channels * vision.patch_size ** 2
+    shapes = np.array([[4, 4]] * (BATCH - 1) + [[2, 4]], np.int64)
+    mask = (np.arange(16)[None] < shapes.prod(1)[:, None]).astype(np.int64)
+    pixels = rng.standard_normal((BATCH, 16, width)).astype(np.float32) * mask[..., None]
+    return {"pixel_values": pixels.astype(np.float32), "pixel_attention_mask": mask,
+            "spatial_shapes": shapes}
+
+
+def _image_prompt(model: Any, rng: np.random.Generator
+                  ) -> tuple[Any, dict[str, np.ndarray], Any]:
+    """An image classifier that reads a prompt with the image in it (ShieldGemma 2): the
+    image's placeholder tokens (``mm_tokens_per_image``), then the prompt's text; the label
+    one of its scores (yes or no: 2)."""
+    cfg = model.config
+    ids, mask = _tokens(rng, VOCAB)
+    ids[ids == cfg.image_token_id] = cfg.image_token_id - 1
+    n = cfg.mm_tokens_per_image
+    feeds = {"input_ids": np.concatenate([np.full((BATCH, n), cfg.image_token_id), ids], 1),
+             "attention_mask": np.concatenate([np.ones((BATCH, n), np.int64), mask], 1)}
+    vision = cfg.vision_config
+    feeds["pixel_values"] = rng.standard_normal(
+        (BATCH, vision.num_channels, vision.image_size, vision.image_size)).astype(np.float32)
+    feeds["y"] = rng.integers(0, 2, BATCH).astype(np.int64)
+    return _Logits.wrap(model, list(feeds)[:-1]), feeds, _torch().nn.CrossEntropyLoss()
+
+
+# models whose forward takes an attention_mask and ignores it: the exported graph has no such
+# input, and a trainer refuses a batch with one (recurrent language models; MRA, whose
+# attention without its CUDA kernel is zeros in transformers)
+_MASKLESS = {"rwkv", "xlstm", "mra"}
 
 
 def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]:
     torch = _torch()
     model = _model(task, model_type)
     rng = np.random.default_rng(0)
+    if task == "imgcls" and _takes(model, "input_ids") and _takes(model, "pixel_values"):
+        return _image_prompt(model, rng)
     if task in ("imgcls", "audiocls"):
         if task == "imgcls" and model.main_input_name == "input_ids":  # ImageGPT: pixels
             feeds = {"input_ids": rng.integers(0, min(_vocab(model), VOCAB), (BATCH, LENGTH))
                      .astype(np.int64)}  # as colour-cluster tokens
+        elif task == "imgcls" and _takes(model, "spatial_shapes"):
+            feeds = _patches(model, rng)
         elif task == "imgcls":
             vision = getattr(model.config, "vision_config", None) or model.config  # siglip
             side = getattr(vision, "image_size", 32)
@@ -303,6 +394,8 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
             feeds = _audio_feeds(model, rng)
         feeds["y"] = rng.integers(0, LABELS, BATCH).astype(np.int64)
         return _Logits.wrap(model, list(feeds)[:-1]), feeds, torch.nn.CrossEntropyLoss()
+    if model_type in _STREAMING:
+        return _streaming_audio_lm(model, rng)
     if _is_audio_lm(model):
         return _audio_lm(model, rng)
     if _channels(model):
@@ -321,8 +414,9 @@ def _build(task: str, model_type: str) -> tuple[Any, dict[str, np.ndarray], Any]
     if task == "seqcls":
         feeds = {"input_ids": ids, "attention_mask": mask,
                  "y": rng.integers(0, LABELS, BATCH).astype(np.int64)}
-        return _Logits.wrap(model, ["input_ids", "attention_mask"]), feeds, \
-            torch.nn.CrossEntropyLoss()
+        if model_type in _MASKLESS:
+            del feeds["attention_mask"]
+        return _Logits.wrap(model, list(feeds)[:-1]), feeds, torch.nn.CrossEntropyLoss()
     target, tmask = _tokens(rng, min(vocab, VOCAB))
     start = getattr(model.config, "decoder_start_token_id", None) or 1
     decoder = np.concatenate([np.full((BATCH, 1), start, np.int64), target[:, :-1]], 1)

@@ -142,20 +142,12 @@ def test_the_case_builds_and_its_float64_oracle_agrees_with_float32(name):
     windows no larger than their stage, rotary dims within a head (gptj), the pooler as wide
     as the model (deberta), the vision sub-config's image size (siglip), T5's decoder start
     token (seqcls/t5), LeViT's fixed patch size, Falcon-H1's SSM width."""
-    import copy
-
-    import torch
-    from sweep_check import _tensors, loss_of, to_float64
+    from test_sweep_cases import _agree
 
     from ngdist import zoo_sweep_hf as hf
 
-    task, model_type = name.split("/")[1:]
-    module, feeds, loss_fn = hf._build(task, model_type)
-    with torch.no_grad():
-        loss32 = float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
-        loss64 = float(loss_of(to_float64(copy.deepcopy(module)), loss_fn,
-                               _tensors(feeds, True)))
-    assert np.isfinite(loss64) and abs(loss32 - loss64) <= 1e-5 * max(1.0, abs(loss64))
+    model_type = name.split("/")[2]
+    module, feeds = _agree(name)
     if model_type == "kyutai_speech_to_text":  # the text token, then 4 code streams
         assert feeds["input_ids"].shape == (hf.BATCH, hf.LENGTH, 5)
         assert feeds["y"].shape == (hf.BATCH * (hf.LENGTH - 1),)

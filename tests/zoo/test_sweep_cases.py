@@ -1,12 +1,14 @@
-"""The model sweep's tiny Hugging Face configs (ngdist.zoo_sweep_configs) of architectures whose
-default config derives sizes the shrinking changed: each case builds, runs on its feeds in eager
-torch and gives a finite loss (before its fix-up each raised while the model was built or run).
+"""The model sweep's tiny Hugging Face configs (ngdist.zoo_sweep_configs and zoo_sweep_fixups) of
+architectures whose default config derives sizes the shrinking changed: each case builds, runs
+on its feeds in eager torch and gives a finite loss (before its fix-up each raised while the
+model was built or run).
 """
 from __future__ import annotations
 
 import copy
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def test_an_audio_lm_without_a_placeholder_id_gets_one_inside_the_vocabulary():
     """Voxtral's config sets no ``audio_token_id`` (None: no placeholder matched, and its
     forward raised): the tiny config's is the sweep's placeholder, one per audio embedding."""
     from ngdist import zoo_sweep_hf as hf
-    from ngdist.zoo_sweep_configs import tiny_config
+    from ngdist.zoo_sweep_fixups import tiny_config
 
     assert tiny_config("voxtral").audio_token_id == hf.AUDIO_TOKEN
     loss, feeds = _loss("hf/speech2seq/voxtral")
@@ -103,18 +105,20 @@ def test_xlms_width_under_its_own_name_is_shrunk(model_type):
     """XLM and Flaubert keep their hidden size as ``emb_dim`` (2048 by default: 100 M
     parameters in 2 layers, Flaubert's case held 5.9 GiB resident): the tiny config's is the
     sweep's width."""
-    from ngdist.zoo_sweep_configs import WIDTH, tiny_config
+    from ngdist.zoo_sweep_configs import WIDTH
+    from ngdist.zoo_sweep_fixups import tiny_config
 
     assert tiny_config(model_type).emb_dim == WIDTH
 
 
 @pytest.mark.parametrize("model_type,limit", [
     ("luke", 100_000), ("gemma4_text", 100_000), ("roc_bert", 100_000), ("zamba", 1_000_000),
-    ("longcat_flash", 100_000), ("timm_wrapper", 1_000_000)])
+    ("longcat_flash", 100_000), ("timm_wrapper", 1_000_000), ("nemo_speechlm", 1_000_000)])
 def test_a_tiny_config_builds_a_tiny_model(model_type, limit):
     """Sizes under names of the model's own (LUKE's entity table, Gemma 4's per-layer
     embeddings, RoCBert's pronunciation and glyph tables, Zamba's derived attention width,
-    LongCat-Flash's expert widths, the timm wrapper's resnet50) held 13-134 M parameters:
+    LongCat-Flash's expert widths, the timm wrapper's resnet50, Nemotron transcribe's
+    52-layer text model) held 13-134 M parameters:
     each tiny config builds a model under ``limit`` parameters (on the meta device)."""
     import torch
     from transformers.models.auto import modeling_auto
@@ -122,7 +126,8 @@ def test_a_tiny_config_builds_a_tiny_model(model_type, limit):
     from ngdist import zoo_sweep_hf as hf
 
     task = "seqcls" if model_type == "luke" else \
-        "imgcls" if model_type == "timm_wrapper" else "causal"
+        "imgcls" if model_type == "timm_wrapper" else \
+        "seq2seq" if model_type == "nemo_speechlm" else "causal"
     if model_type == "timm_wrapper":
         from ngdist.zoo_vision import import_timm
         import_timm()
@@ -130,3 +135,81 @@ def test_a_tiny_config_builds_a_tiny_model(model_type, limit):
     with torch.device("meta"):
         model = getattr(hf._transformers(), name)(hf.tiny_config(model_type))
     assert sum(p.numel() for p in model.parameters()) < limit
+
+
+def _agree(name: str) -> tuple[Any, dict[str, np.ndarray]]:
+    """The case's module and feeds, after checking that its loss is finite and the same in
+    float32 and in float64 (the oracle)."""
+    import torch
+    from sweep_check import _tensors, loss_of, to_float64
+
+    from ngdist import zoo_sweep_hf as hf
+
+    task, model_type = name.split("/")[1:]
+    module, feeds, loss_fn = hf._build(task, model_type)
+    with torch.no_grad():
+        loss32 = float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
+        loss64 = float(loss_of(to_float64(copy.deepcopy(module)), loss_fn,
+                               _tensors(feeds, True)))
+    assert np.isfinite(loss64) and abs(loss32 - loss64) <= 1e-5 * max(1.0, abs(loss64))
+    return module, feeds
+
+
+@pytest.mark.parametrize("name", [
+    "hf/causal/dbrx", "hf/causal/gemma3n_text", "hf/causal/kimi_linear", "hf/seq2seq/t5gemma",
+    "hf/seqcls/lilt", "hf/seqcls/layoutlmv3", "hf/seq2seq/nemo_speechlm", "hf/seqcls/mra",
+    "hf/seq2seq/musicflamingo", "hf/seq2seq/moss_transcribe_diarize",
+    "hf/speech2seq/vibevoice_asr"])
+def test_a_tiny_config_its_default_did_not_build_runs_in_float32_and_float64(name):
+    """Each raised before its tiny config's fix: DBRX's attention sub-config had no rotary
+    base and no clip, Gemma 3n shared the caches of 15 of its 2 layers, Kimi Linear routed to
+    8 of 4 experts, T5Gemma's cross-attention read 2304 features of a 32-wide encoder, LiLT's
+    and LayoutLMv3's box embeddings were not as wide as the model, Nemotron transcribe's
+    diarization head read 512 features of 32 (and its 52-layer text model held 17 M
+    parameters), MRA's float64 oracle met its float32 attention output, MusicFlamingo's and
+    MOSS's audio features were asked for without their placeholders and unused padding
+    mask, VibeVoice's audio tokenizers held 170 M parameters and drew noise on its latents
+    (float32 and float64 losses 4e-3 apart)."""
+    _agree(name)
+
+
+def test_patchified_images_and_an_image_prompt_are_fed_as_their_processors_give_them():
+    """SigLIP2 takes patches already cut (a linear patch embedding of 192 features was fed
+    32-pixel images): 16 patches a sample, the last image 2 x 4 patches and padding.
+    ShieldGemma 2 reads a prompt with the image's placeholders and scores 2 tokens."""
+    from ngdist import zoo_sweep_hf as hf
+
+    _, feeds = _agree("hf/imgcls/siglip2")
+    assert feeds["pixel_values"].shape == (hf.BATCH, 16, 3 * 8 * 8)
+    assert feeds["spatial_shapes"].tolist()[-1] == [2, 4]
+    assert feeds["pixel_attention_mask"].sum(1).tolist() == [16] * (hf.BATCH - 1) + [8]
+    module, feeds = _agree("hf/imgcls/shieldgemma2")
+    image = module.model.config.image_token_id
+    assert ((feeds["input_ids"] == image).sum(1) == module.model.config.mm_tokens_per_image).all()
+    assert set(feeds["y"].tolist()) <= {0, 1}
+
+
+def test_a_streaming_audio_lm_gets_one_audio_embedding_per_token():
+    """Voxtral Realtime adds each step's audio embedding to its token's (4 embeddings met 8
+    tokens): the features hold as many frames as give one embedding per token."""
+    import torch
+
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds = _agree("hf/speech2seq/voxtral_realtime")
+    with torch.no_grad():
+        audio = module.model.get_audio_features(torch.from_numpy(feeds["input_features"]))
+    assert audio.pooler_output.shape[1] == feeds["input_ids"].shape[1] == hf.LENGTH
+
+
+def test_an_audio_lm_that_counts_its_audio_embeddings_from_a_sample_mask_is_fed_one():
+    """VibeVoice's get_audio_features is its inner model's, and counts the audio embeddings
+    from a mask of the waveform's samples (it was fed as a text model: float waveforms as
+    token ids): the waveform, its all-ones mask, one placeholder per embedding."""
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds = _agree("hf/speech2seq/vibevoice")
+    assert feeds["padding_mask"].shape == feeds["input_values"].shape[::2]
+    assert feeds["padding_mask"].all()
+    hop = module.model.config.audio_config.hop_length
+    assert ((feeds["input_ids"] == hf.AUDIO_TOKEN).sum(1) == 1600 // hop).all()
