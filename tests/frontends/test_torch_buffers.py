@@ -9,6 +9,7 @@ gradient, the graph's would), an integer buffer."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,6 +150,54 @@ def test_dynamo_export_carries_the_update_too(kind):
                                        optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
     assert exp.exporter == "dynamo"
     _steps_match_torch(ngdist.compile(model, strategy="local"), ref, nn.CrossEntropyLoss())
+
+
+RANK_SCRIPT = """
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, sys.argv[1])
+import ngdist
+from test_torch_buffers import InPlaceAverage, global_batch
+
+torch.manual_seed(0)
+module = InPlaceAverage().double()
+trainer = ngdist.compile(module, torch.zeros(4, 4, dtype=torch.float64), strategy="allreduce",
+                         loss=torch.nn.CrossEntropyLoss(),
+                         optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+for s in range(3):
+    (shard,) = trainer.shard([global_batch(s)])
+    trainer.step(shard)
+np.savez(f"rank{trainer.rank}.npz", **trainer.state_dict())
+"""
+
+
+def global_batch(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(10 + step)
+    return {"x": rng.standard_normal((8, 4)), "y": rng.integers(0, 3, 8)}
+
+
+@pytest.mark.mpi
+def test_ranks_average_the_buffer_as_batchnorm_statistics(ranks, tmp_path):
+    """Each rank's update from its half of the batch, averaged over the ranks (as BatchNorm's
+    statistics are): a running mean of the batch mean then equals torch's on the combined
+    batch, and every rank holds the same bytes."""
+    ranks(2, RANK_SCRIPT, args=[str(Path(__file__).resolve().parent)], timeout=200)
+    torch.manual_seed(0)
+    ref = InPlaceAverage().double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(3):
+        b = global_batch(s)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(torch.tensor(b["x"])), torch.tensor(b["y"])).backward()
+        ref_opt.step()
+    got = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    for name, value in ref.state_dict().items():
+        assert got[1][name].tobytes() == got[0][name].tobytes(), name
+        np.testing.assert_allclose(got[0][name], value.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
 
 
 REFUSED = {
