@@ -5,7 +5,9 @@ against the same module in torch float64, through the built-in loss, a loss expo
 model and the dynamo exporter. Updates one traced graph cannot reproduce are refused with the
 buffers and modules named: a branch on the buffer's value (as I-BERT's QuantAct initialises
 its range), a forward that reads the updated buffer again (torch's update carries no
-gradient, the graph's would), an integer buffer."""
+gradient, the graph's would; spectral norm, whose converged power iteration writes the same
+bytes in place), an integer buffer. On 2 ranks the buffer is averaged as BatchNorm's
+statistics are: a running mean of the batch mean equals torch's on the combined batch."""
 from __future__ import annotations
 
 import copy
