@@ -12,6 +12,10 @@ in ops whose gradients ngdist has:
   ONNX has no bit cast);
 * ``aten::count_nonzero``: the int64 count of ``x != 0`` over ``dim`` (all axes if none);
 * ``aten::nanmean`` / ``nansum``: NaNs taken as 0, the mean over the count of the others;
+* ``aten::searchsorted`` (MusicFlamingo's audio timestamps): for each value, the count of the
+  entries of its row of the sorted sequence with ``not seq >= v`` (``not seq > v`` on the
+  right side), the comparisons of torch's binary search: a NaN value goes after every entry;
+  ``sorter`` gathered first (a sequence holding NaN, not sorted by ``<``, is not covered);
 * ``aten::pow`` and ``aten::sum`` of integers (Hugging Face BLT's rolling hash of byte
   groups): exact, wrapping at 64 bits as torch's: onnxruntime's integer Pow goes through
   doubles (1000000007 ** 2 is off by 49, an overflow saturates) and so does its int64
@@ -148,6 +152,22 @@ def nanmean(g: Any, x: Any, dim: Any = None, keepdim: Any = None, dtype: Any = N
     return _as(g, mean, dtype)
 
 
+def searchsorted(g: Any, seq: Any, values: Any, out_int32: Any = False, right: Any = False,
+                 side: Any = None, sorter: Any = None) -> Any:
+    h = helper()
+    after = h._maybe_get_const(side, "s") == "right" if not h._is_none(side) else \
+        bool(h._maybe_get_const(right, "b"))
+    if not h._is_none(sorter):
+        seq = g.op("GatherElements", seq, sorter, axis_i=-1)
+    last = const(g, [-1])  # (..., 1, n) against (..., m, 1): a 1-D sequence broadcasts
+    before = g.op("Not", g.op("Greater" if after else "GreaterOrEqual",
+                              g.op("Unsqueeze", seq, const(g, [-2])),
+                              g.op("Unsqueeze", values, last)))
+    int32 = bool(h._maybe_get_const(out_int32, "b"))
+    count = g.op("ReduceSum", g.op("Cast", before, to_i=6 if int32 else 7), last, keepdims_i=0)
+    return g.op("Squeeze", count, const(g, [0])) if h._get_tensor_rank(values) == 0 else count
+
+
 def exponential(g: Any, x: Any, lambd: Any = 1.0, generator: Any = None) -> Any:
     """``Tensor.exponential_(lambd)`` (PhiMoE's Gumbel sampling of experts in training):
     ``-log(1 - U) / lambd`` of ``U`` uniform in [0, 1) (RandomUniformLike, a draw of
@@ -272,4 +292,5 @@ SYMBOLICS: dict[str, Callable[..., Any]] = {
     "aten::count_nonzero": count_nonzero,
     "aten::nansum": nansum,
     "aten::nanmean": nanmean,
+    "aten::searchsorted": searchsorted,
 }

@@ -436,3 +436,24 @@ def test_an_avg_pool_window_larger_than_the_map_is_a_global_average_with_a_gradi
     ref = Pooled().double()
     ref.load_state_dict(module.state_dict())
     _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
+
+
+@pytest.mark.parametrize("kw", [{}, {"right": True}, {"side": "right"}, {"out_int32": True},
+                                {"sorter": "argsort"}])
+def test_searchsorted_matches_torch_on_ties_infinities_nan_and_batched_rows(kw):
+    """A 1-D sequence with repeated entries against values between, on and beyond them
+    (infinities, NaN: after every entry, as torch's binary search puts it), a batch of
+    sorted rows, and integer run ends (MusicFlamingo's cumulative audio lengths)."""
+    seq = torch.tensor([-1.5, 0.0, 2.0, 2.0, 3.0, float("inf")])
+    values = torch.tensor([[float("nan"), -9.0, 2.0, 2.5], [0.0, 3.0, float("inf"), -1.5]])
+    rows = torch.sort(torch.randn(3, 5), dim=-1).values
+    ends, starts = torch.tensor([2, 5, 5, 9]), torch.tensor([0, 2, 5, 7, 9])
+    for s, v in ((seq, values), (rows, torch.randn(3, 4)), (ends, starts)):
+        args = dict(kw)
+        if args.pop("sorter", None):  # the same sequence shuffled, with its sorting order
+            s = s[..., torch.randperm(s.shape[-1])]
+            args["sorter"] = torch.argsort(s, dim=-1)
+        (got,) = _ort(Fn2(lambda a, b: torch.searchsorted(a, b, **args)), s, v)
+        exact = torch.searchsorted(s, v, **args).numpy()
+        assert got.dtype == exact.dtype
+        np.testing.assert_array_equal(got, exact)
