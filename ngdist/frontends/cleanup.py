@@ -27,8 +27,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ngdist.frontends.shape_probes import probe_runs
 from ngdist.ir.copies import copy_fields
-from ngdist.runtime.sessions import make_session
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
                                  helper.make_node("Shape", [node.input[0]], [in_shape])])
     names = [*candidates, *(name for pair in probes for name in pair)]
     probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names)
-    runs = _probe_runs(probe, names, feeds, weights)
+    runs = probe_runs(probe, names, feeds, weights)
     if runs is None:
         return 0
     fixed: dict[str, np.ndarray] = {}
@@ -177,40 +177,6 @@ def squeezing_splits(model: onnx.ModelProto) -> int:
             del node.input[1:]
             done += 1
     return done
-
-
-def _probe_runs(probe: onnx.ModelProto, names: list[str],
-                feeds: Sequence[Mapping[str, np.ndarray]], weights: Mapping[str, np.ndarray]
-                ) -> list[dict[str, np.ndarray]] | None:
-    """``names`` computed by ``probe`` at each of ``feeds``; None (logged) where a run fails:
-    folding is an optimisation, the graph then stays as exported. A graph that runs at some
-    of the batch sizes only holds a size traced from the example batch."""
-    try:
-        sess = make_session(probe, optimize=False)
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("shape folding skipped: %s", exc)
-        return None
-    wanted = {i.name for i in sess.get_inputs()}
-    runs: list[dict[str, np.ndarray]] = []
-    failed: dict[int, str] = {}
-    for f in feeds:
-        batch = next((len(v) for v in f.values() if np.ndim(v)), 0)
-        try:
-            runs.append(dict(zip(names, sess.run(names, {**{k: v for k, v in f.items()
-                                                            if k in wanted}, **weights}))))
-        except Exception as exc:  # noqa: BLE001
-            failed[batch] = str(exc).splitlines()[0]
-    if not failed:
-        return runs
-    if runs:
-        batch, why = next(iter(failed.items()))
-        logger.warning("the exported graph does not run at a batch of %d (%s): it holds a size "
-                       "traced from the example batch (len(tensor) or int(...) of a size in "
-                       "the module), so it trains only at the batch sizes where it runs; "
-                       "shape folding skipped", batch, why)
-    else:
-        logger.warning("shape folding skipped: %s", next(iter(failed.values())))
-    return None
 
 
 def _probe_model(model: onnx.ModelProto, tensors: Mapping[str, onnx.TensorProto]

@@ -20,7 +20,7 @@ from step_probe import gradient_errors, run_step
 from ngdist.frontends import torch as tfront
 from ngdist.frontends.cleanup import squeezing_splits
 
-LOGGER = "ngdist.frontends.cleanup"
+LOGGER = "ngdist.frontends.shape_probes"
 
 
 class GlobalRows(torch.nn.Module):
