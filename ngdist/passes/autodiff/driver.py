@@ -35,15 +35,11 @@ def _is_float(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
-def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value,
-                  opset: int, taken: set[str] | None = None) -> list[ir.Value | None]:
-    """Emit nodes (before ``anchor``) computing dy/dx for every x; None where y ignores x.
-
-    ``taken``: the graph's node and value names, shared with other contexts that emit into
-    the same graph (see ``taken_names``); every emitted name is new and is added to it.
-    """
+def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value
+                  ) -> tuple[set[int], list[ir.Node]]:
+    """The ids of the values reachable from ``xs`` (through differentiable nodes), and the
+    nodes on a path from ``xs`` to ``y``, last first."""
     nodes = [n for n in graph if n is not anchor and n.domain != PREVIEW_TRAINING]
-    # forward reachability from xs, backward reachability from y
     from_x: set[int] = {id(x) for x in xs}
     for node in nodes:
         if node.op_type in NON_DIFFERENTIABLE and node.domain == "":
@@ -57,9 +53,11 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
                 any(i is not None and id(i) in from_x for i in node.inputs):
             active.append(node)
             to_y.update(id(i) for i in node.inputs if i is not None)
-    if id(y) not in from_x:
-        return [None] * len(xs)
+    return from_x, active
 
+
+def _check_rules(active: list[ir.Node]) -> None:
+    """Refuses, naming every node and op, a path to the loss through ops without a rule."""
     missing = [n for n in active
                if get_rule(n) is None and not (n.domain == "" and n.op_type in NON_DIFFERENTIABLE)]
     if missing:
@@ -69,6 +67,19 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
             f"no gradient rule for {len(missing)} node(s) on the path to the loss: {listing}. "
             f"Ops without a rule: {', '.join(ops)}. Mark the inputs that feed them as frozen, "
             "or register a rule with ngdist.passes.autodiff.register")
+
+
+def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value,
+                  opset: int, taken: set[str] | None = None) -> list[ir.Value | None]:
+    """Emit nodes (before ``anchor``) computing dy/dx for every x; None where y ignores x.
+
+    ``taken``: the graph's node and value names, shared with other contexts that emit into
+    the same graph (see ``taken_names``); every emitted name is new and is added to it.
+    """
+    from_x, active = _active_nodes(graph, anchor, xs, y)
+    if id(y) not in from_x:
+        return [None] * len(xs)
+    _check_rules(active)
 
     ctx = GradContext(graph, anchor, opset, taken)
     ctx.needed = from_x
