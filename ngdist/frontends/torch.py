@@ -65,6 +65,7 @@ from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_state import (check_batchnorm, mark_unique, rename_initializers,
                                           restore, snapshot)
+from ngdist.frontends.torch_trace_check import traced_from_data
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
 from ngdist.ir.copies import with_tensor_data, without_tensor_data
@@ -192,6 +193,9 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
     # the values before tracing touched them
     train = with_tensor_data(train, state)
     ev = with_tensor_data(ev, state)
+    if traced_from_data(module, args, in_names, train, ev, retry=exporter == "torchscript"):
+        return export(module, example_inputs, input_names=in_names, output_names=out_names,
+                      opset=opset, exporter="dynamo", loss=loss, labels=labels)
     feeds = batch_feeds({n: a.detach().cpu().numpy() for n, a in feed_values.items()})
     result = TorchExport(train, ev, in_names, out_names, exporter=used, probes=feeds,
                          updates=updates)
@@ -217,7 +221,7 @@ def _export_both(module: Any, args: tuple[Any, ...], in_names: list[str], out_na
         if loss is None:
             return (*export_training(module, args, in_names, out_names, opset, exporter,
                                      appended), None)
-        before = snapshot(module)  # the example labels' forward moves buffers
+        before = snapshot(module, buffers_only=True)  # the example labels' forward moves them
         return torch_loss.export_with_loss(module, loss, args, in_names, out_names[0], labels,
                                            opset, exporter, appended,
                                            reset=lambda: restore(module, before))

@@ -68,12 +68,14 @@ def mark_unique(module: Any) -> dict[str, np.ndarray]:
     return {k: t.detach().cpu().numpy() for k, t in tensors.items() if t.is_floating_point()}
 
 
-def snapshot(module: Any) -> dict[str, tuple[Any, Any]]:
-    """state_dict name -> (the tensor object, a copy of its value), for ``_restore``."""
+def snapshot(module: Any, buffers_only: bool = False) -> dict[str, tuple[Any, Any]]:
+    """state_dict name -> (the tensor object, a copy of its value), for ``_restore``; of the
+    buffers alone (what a forward moves) where ``buffers_only``."""
     import torch
 
+    skip = {n for n, _ in module.named_parameters()} if buffers_only else set()
     return {k: (v, v.detach().clone()) for k, v in module.state_dict(keep_vars=True).items()
-            if isinstance(v, torch.Tensor)}
+            if isinstance(v, torch.Tensor) and k not in skip}
 
 
 def restore(module: Any, snapshot: dict[str, tuple[Any, Any]]) -> None:
