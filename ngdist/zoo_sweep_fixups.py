@@ -216,12 +216,17 @@ def _shieldgemma2(cfg: Any) -> None:
 
 def _nemo_speechlm(cfg: Any) -> None:
     """Nemotron transcribe's diarization head reads its encoder at
-    ``head_config.audio_hidden_size`` (512): the tiny encoder's width. Its Nemotron-H text
-    model is 52 layers of 64 Mamba heads of 64 (17 M parameters): one Mamba, one
-    mixture-of-experts and one attention layer, 4 Mamba heads as wide as the inner width
-    allows, a 16-wide state."""
+    ``head_config.audio_hidden_size`` (512): the tiny encoder's width. Its speech encoders'
+    value projections are as wide as all heads (only the keys have kv groups): as many kv
+    heads as heads, their default (2 met a padding mask's repeat of the values: 8 heads of
+    4). Its Nemotron-H text model is 52 layers of 64 Mamba heads of 64 (17 M parameters): one
+    Mamba, one mixture-of-experts and one attention layer, 4 Mamba heads as wide as the
+    inner width allows, a 16-wide state."""
     diarization, text = cfg.audio_config.diarization_config, cfg.text_config
     diarization.head_config.audio_hidden_size = diarization.audio_config.hidden_size
+    for sub in (cfg.audio_config.asr_config, diarization.audio_config,
+                cfg.word_timestamp_config):
+        sub.num_key_value_heads = sub.num_attention_heads
     text.layers_block_type = ["linear_attention", "moe", "full_attention"]
     text.mamba_num_heads, text.mamba_head_dim = HEADS, text.expand * text.hidden_size // HEADS
     text.n_groups, text.ssm_state_size = 2, 16

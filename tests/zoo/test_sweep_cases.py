@@ -213,3 +213,23 @@ def test_an_audio_lm_that_counts_its_audio_embeddings_from_a_sample_mask_is_fed_
     assert feeds["padding_mask"].all()
     hop = module.model.config.audio_config.hop_length
     assert ((feeds["input_ids"] == hf.AUDIO_TOKEN).sum(1) == 1600 // hop).all()
+
+
+def test_nemotron_transcribes_speech_encoders_take_a_padding_mask():
+    """Nemotron transcribe's speech encoders project values for every head but keys for
+    ``num_key_value_heads``: 2 (the sweep's) made a padding mask's repeat of the values 8
+    heads of 4 keys, and a batch whose last audio is padded failed (as did the export, which
+    keeps the mask). With as many kv heads as heads, its audio features count the padded
+    sample's frames only."""
+    import torch
+
+    from ngdist import zoo_sweep_hf as hf
+
+    module, feeds, _ = hf._build("seq2seq", "nemo_speechlm")
+    mask = feeds["input_features_mask"].copy()
+    mask[-1, -8:] = 0  # the last audio 8 frames (one encoder frame) shorter
+    with torch.no_grad():
+        out = module.model.get_audio_features(torch.from_numpy(feeds["input_features"]),
+                                              torch.from_numpy(mask))
+    per_sample = mask.shape[1] // 8
+    assert out.pooler_output.shape[0] == hf.BATCH * per_sample - 1
