@@ -154,15 +154,8 @@ def _match(arr: np.ndarray, marked: dict[str, np.ndarray]) -> list[tuple[str, tu
     return hits
 
 
-def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str] | None = None,
-           opset: int = OPSET, loss: Any = None, labels: str = "y") -> KerasExport:
-    """Converts ``model(x, training=False)`` and links every initializer to its variable.
-    With ``loss`` (a Keras loss or a function of ``(y_true, y_pred)``), the graph is that
-    loss of the model's output against an input named ``labels``, its one output
-    ``keras_loss.LOSS_OUTPUT`` (frontends/keras_loss.py)."""
-    tf, keras, tf2onnx = _tf()
-    if opset > OPSET:
-        raise ArgumentError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
+def _check_layers(model: Any, keras: Any) -> None:
+    """Refuses trainable BatchNormalization layers (tf2onnx folds them); warns of Dropout."""
     trainable_bn = [layer.name for layer in _layers(model)
                     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
     if trainable_bn:
@@ -173,24 +166,21 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     if any(isinstance(layer, keras.layers.Dropout) for layer in _layers(model)):
         logger.warning("Keras Dropout layers export as no-ops: ngdist trains this model "
                        "without dropout")
-    specs = _input_specs(model, example_inputs, input_names)
-    n_in = len(specs)
 
-    def forward(*xs: Any) -> Any:
-        return model(xs[0] if n_in == 1 else list(xs[:n_in]), training=False)
 
-    if loss is not None:
-        specs.append(keras_loss.label_spec(loss, forward, specs, labels))
-    variables = [v for v in model.variables if np.dtype(v.dtype).kind == "f"]
-    original = [v.numpy() for v in variables]
+def _convert_marked(tf2onnx: Any, fn: Any, specs: list[Any], opset: int, variables: list[Any],
+                    original: list[np.ndarray], loss: Any
+                    ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``fn`` converted by tf2onnx while every float variable holds a value of its own
+    (nothing is folded away as 0/1, and each initializer matches one variable); the values
+    are put back after. Returns the proto and variable path -> the value it held."""
     rng = np.random.default_rng(20240607)
     marked = {}
     try:
-        for v in variables:  # unique values: nothing is folded away as 0/1, matches are unique
+        for v in variables:
             val = (rng.standard_normal(v.shape) + 3.0).astype(original[0].dtype)
             v.assign(val)
             marked[v.path] = val
-        fn = tf.function(forward if loss is None else keras_loss.loss_function(loss, forward))
         try:
             proto, _ = tf2onnx.convert.from_function(fn, input_signature=specs, opset=opset)
         except Exception as exc:  # noqa: BLE001 - tf2onnx raises anything; say what failed
@@ -200,11 +190,15 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     finally:
         for v, val in zip(variables, original):
             v.assign(val)
-    if loss is not None:
-        keras_loss.check_ops(loss, proto)
+    return proto, marked
+
+
+def _link_variables(exp: KerasExport, variables: list[Any], original: list[np.ndarray],
+                    marked: dict[str, np.ndarray]) -> None:
+    """Links each float initializer to the variable whose marked value it holds (possibly
+    transposed) and gives it that variable's real value."""
     by_path = {v.path: (v, val) for v, val in zip(variables, original)}
-    exp = KerasExport(proto, [s.name for s in specs], [])
-    for t in proto.graph.initializer:
+    for t in exp.model.graph.initializer:
         arr = numpy_helper.to_array(t)
         if arr.dtype.kind != "f":
             continue
@@ -217,6 +211,34 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
             var, value = by_path[path]
             exp.links[t.name] = VariableLink(path, perm, tuple(arr.shape), bool(var.trainable))
             t.CopyFrom(numpy_helper.from_array(exp.links[t.name].to_onnx(value), t.name))
+
+
+def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str] | None = None,
+           opset: int = OPSET, loss: Any = None, labels: str = "y") -> KerasExport:
+    """Converts ``model(x, training=False)`` and links every initializer to its variable.
+    With ``loss`` (a Keras loss or a function of ``(y_true, y_pred)``), the graph is that
+    loss of the model's output against an input named ``labels``, its one output
+    ``keras_loss.LOSS_OUTPUT`` (frontends/keras_loss.py)."""
+    tf, keras, tf2onnx = _tf()
+    if opset > OPSET:
+        raise ArgumentError(f"tf2onnx supports opset <= {OPSET} here; got {opset}")
+    _check_layers(model, keras)
+    specs = _input_specs(model, example_inputs, input_names)
+    n_in = len(specs)
+
+    def forward(*xs: Any) -> Any:
+        return model(xs[0] if n_in == 1 else list(xs[:n_in]), training=False)
+
+    if loss is not None:
+        specs.append(keras_loss.label_spec(loss, forward, specs, labels))
+    variables = [v for v in model.variables if np.dtype(v.dtype).kind == "f"]
+    original = [v.numpy() for v in variables]
+    fn = tf.function(forward if loss is None else keras_loss.loss_function(loss, forward))
+    proto, marked = _convert_marked(tf2onnx, fn, specs, opset, variables, original, loss)
+    if loss is not None:
+        keras_loss.check_ops(loss, proto)
+    exp = KerasExport(proto, [s.name for s in specs], [])
+    _link_variables(exp, variables, original, marked)
     _check_links(model, exp, marked)
     for old in list(exp.links):
         new = exp.links[old].path
