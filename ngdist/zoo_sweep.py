@@ -46,8 +46,11 @@ BN_VALUES = 16
 # timm models built with an argument of their own: VGG's pre-logits 7x7 convolution from 512 to
 # 4096 channels holds 103 M parameters (float64 oracle, optimizer states: past the memory
 # cap); a 64-channel hidden layer (mlp_ratio 1/64) holds 1.9 M (the model 11 M)
+# DeepSeek's ViT family has only its 412 M-parameter size: 2 of its 24 blocks at full width
+# hold 26 M (1.6 GB of float32 parameters alone had the row past the memory cap)
 _TIMM_KWARGS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("vgg11", "vgg11_bn", "vgg13", "vgg16", "vgg19"), {"mlp_ratio": 1 / 64}),
+    "deepseek_vit_412m": {"depth": 2},
 }
 
 
