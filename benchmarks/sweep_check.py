@@ -162,6 +162,10 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
         if missing:
             raise StageError(f"{len(missing)} parameters with a torch gradient are not "
                              f"trained by ngdist, e.g. {missing[:3]}")
+        extra = sorted(n for n in exp.params if n not in g64 and np.any(got.get(f"{n}.grad", 0)))
+        if extra:
+            raise StageError(f"{len(extra)} parameters that torch gives no gradient (read under "
+                             f"torch.no_grad or detached) get one from ngdist, e.g. {extra[:3]}")
         if abs(float(got["loss"]) - loss) > max(TOL * max(abs(loss), 1.0),
                                                 FACTOR * abs(loss32 - loss)):
             raise StageError(f"loss {float(got['loss']):.6g}, torch float64 {loss:.6g}, "

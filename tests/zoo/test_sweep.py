@@ -517,3 +517,28 @@ def test_torch_steps_from_one_state_leave_the_optimizers_state_as_it_was(opt):
     for k, s in optimizer.state_dict()["state"].items():
         for before, now in zip(saved[k], s.values()):
             assert torch.equal(torch.as_tensor(before), torch.as_tensor(now))
+
+
+def test_a_parameter_torch_reads_without_gradient_but_ngdist_trains_fails_the_gradients():
+    """A parameter read only under torch.no_grad (LayoutLMv3's relative position tables,
+    VibeVoice's audio tokenizer) has no torch gradient; ngdist gave it one, and the row
+    failed later at an optimizer step without saying why. The gradient stage names it."""
+    import sweep_check
+    import torch
+
+    class Biased(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.table = torch.nn.Linear(4, 3), torch.nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            with torch.no_grad():
+                shift = self.table * 2.0
+            return self.lin(x) + shift
+
+    torch.manual_seed(0)
+    feeds = {"x": np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32),
+             "y": np.array([0, 1, 2, 0, 1])}
+    with pytest.raises(sweep_check.StageError, match=r"1 parameters that torch gives no "
+                       r"gradient .* get one from ngdist, e.g. \['table'\]"):
+        sweep_check.check_gradients(Biased().train(), feeds, torch.nn.CrossEntropyLoss(), {})
