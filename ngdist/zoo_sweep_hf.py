@@ -12,10 +12,11 @@ write there, ``F.cross_entropy(logits.reshape(-1, V), labels, ignore_index=-100)
 * sequence classification: the same padded batch, 3 labels, one a sequence;
 * seq2seq and speech seq2seq: the decoder fed the labels shifted right, logits flattened
   over the tokens, padded target positions -100;
-* image and audio classification: logits of a small image or a short waveform / feature map;
+* image and audio classification: logits of a small image or a short waveform / feature map
+  (patches already cut, SigLIP2; a prompt holding the image's placeholders, ShieldGemma 2);
 * audio language models (audio features in, no decoder_input_ids: Granite Speech,
   AudioFlamingo3, ...): one placeholder token per audio embedding, then the padded text, the
-  loss over the next text token;
+  loss over the next text token (a streaming one, Voxtral Realtime: one embedding per token);
 * decoders over several code streams (Dia): decoder_input_ids of (batch, time, streams),
   labels flattened over the (sample, stream) rows of the logits.
 
