@@ -1,6 +1,7 @@
 """CPU seconds of ``ngdist.compile`` and of the first training steps of model sweep cases, by
 phase: the two torch.onnx exports (training and eval mode), the shape folding of the exported
-graphs (its probe sessions and runs), the compiler's passes, the Trainer's start (template
+graphs (its probe sessions and runs), the check of a trace that converted tensors to Python
+values, the compiler's passes, the Trainer's start (template
 copies without data, the step plan), onnxruntime's session creation, and the steps.
 
     python benchmarks/compile_time.py [hf/causal/bailing_hybrid ...] [--steps 3] [--reuse-plan]
@@ -36,6 +37,7 @@ PHASES = {
     "torch.onnx.export": ("torch/onnx/__init__.py", "export"),
     "shape folding": ("ngdist/frontends/cleanup.py", "fold_static_shapes"),
     "its probe sessions": ("ngdist/frontends/shape_probes.py", "_run"),
+    "traced-value check": ("ngdist/frontends/torch_trace_check.py", "traced_from_data"),
     "passes": ("ngdist/passes/pipeline.py", "run_passes"),
     "trainer start": ("ngdist/runtime/trainer.py", "__init__"),
     "onnxruntime sessions": ("onnxruntime_inference_collection.py", "_create_inference_session"),

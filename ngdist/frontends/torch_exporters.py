@@ -9,7 +9,9 @@ router), the dynamo exporter (``torch.export``) is tried, and the other way roun
 dynamo exporter is asked for first; the one used is logged. A module with running
 statistics is not handed to the dynamo exporter. When neither can export, one GraphError
 carries both exporters' messages. The TorchScript exporter is lent ngdist's symbolics for the
-aten operators it lacks (frontends/torch_symbolics.py) for the export's duration.
+aten operators it lacks (frontends/torch_symbolics.py) for the export's duration; the source
+lines of its TracerWarnings that say a tensor became a Python value are noted on the graph
+(metadata ``CONVERSIONS_KEY``) for frontends/torch_trace_check.py.
 
 The dynamo export runs without onnxscript's graph optimizer (``optimize=False``): the optimizer
 merges initializers of equal value (two fresh LayerNorms' weights become one tensor) and folds
@@ -35,6 +37,8 @@ from ngdist.frontends.torch_symbolics import dynamo_translations, lent_symbolics
 logger = logging.getLogger(__name__)
 
 EXPORTERS = ("torchscript", "dynamo")
+CONVERSIONS_KEY = "ngdist.tensor_to_python"  # metadata: where the tracer made data Python values
+_CONVERSION = re.compile(r"Converting a tensor to|Iterating over a tensor|registered as constants")
 MESSAGE_CHARS = 400  # of each exporter's message in the combined error
 
 
@@ -45,9 +49,10 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     mode = torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL
     dynamic = {**_leading_names(args, input_names), **{n: {0: "batch"} for n in output_names}}
     buf = io.BytesIO()
-    with warnings.catch_warnings(), sdpa_export(opset), lent_symbolics(opset), \
-            _custom_backwards(module) as called:
+    with warnings.catch_warnings(record=True) as seen, sdpa_export(opset), \
+            lent_symbolics(opset), _custom_backwards(module) as called:
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        warnings.simplefilter("always", torch.jit.TracerWarning)  # recorded, not shown
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,
                           input_names=input_names, output_names=output_names,
@@ -58,7 +63,19 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
                        "the forward's derivative (a straight-through or rescaled gradient, "
                        "PhiMoE's sparsemixer), the gradients differ from torch's",
                        type(module).__name__, ", ".join(sorted(called)))
-    return onnx.load_from_string(buf.getvalue())
+    model = onnx.load_from_string(buf.getvalue())
+    _note_conversions(model, seen)  # checked by frontends/torch_trace_check.py
+    return model
+
+
+def _note_conversions(model: onnx.ModelProto, seen: Sequence[Any]) -> None:
+    """Notes on ``model`` the ``file:line`` of each recorded TracerWarning that says a tensor
+    became a Python value (``seen``: ``warnings.catch_warnings(record=True)``'s list)."""
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in seen
+                    if w.category.__name__ == "TracerWarning"
+                    and _CONVERSION.search(str(w.message))})
+    if sites:
+        model.metadata_props.add(key=CONVERSIONS_KEY, value="\n".join(sites))
 
 
 @contextlib.contextmanager
