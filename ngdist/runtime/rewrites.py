@@ -14,6 +14,17 @@ A second PassManager runs on the model of every CPU session (:func:`session_rewr
 ``make_session``), where the inputs' shapes are known: :class:`~ngdist.runtime.blocked_conv.
 BlockConvs` moves convolutions to onnxruntime's blocked-channel kernels. A model given as
 bytes (the replicas' towers) is rewritten exactly as the same model given as a proto.
+
+:func:`shapes_first` orders a large session graph's shape computations (``Shape``, ``Size``,
+``Constant`` and what is computed from them and integer constants alone) right after what they
+read. onnxruntime sorts a graph's nodes at every stage of a session's initialisation with a
+priority list that takes ``Shape`` first and keeps each ready node in a linked list, so a shape
+computation placed far after its inputs (an exporter's, or a gradient rule's) waits in that
+list through the whole graph; the sessions of large graphs are made in about half the time
+with their shape computations first (docs/benchmarks.md, "Compile time"). Only deterministic
+nodes whose outputs are no larger than their inputs move (not ``ConstantOfShape``, ``Expand``,
+``Range``, ..., which would hold a tensor of a data size longer), and only in graphs without
+random ops, so every value and every draw is the same.
 """
 from __future__ import annotations
 
@@ -92,6 +103,73 @@ def _has_unused(model: onnx.ModelProto) -> bool:
     inputs = {i.name for i in model.graph.input}
     return bool(model.functions) or any(not used.intersection(n.output) for n in nodes) or \
         any(t.name not in used and t.name not in inputs for t in model.graph.initializer)
+
+
+SHAPES_FIRST_MIN_NODES = 4000  # smaller graphs go to sessions in their own order
+# a graph holding one of these keeps its order (draws follow the order of execution)
+_RANDOM = {"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike",
+           "Multinomial", "Bernoulli", "Dropout"}
+# outputs sized by an input's values, not its size: these stay where they are
+_GROWS = {"ConstantOfShape", "Expand", "Range", "Tile", "OneHot", "Pad", "Resize", "Upsample",
+          "EyeLike", "CenterCropPad", "Col2Im", "Loop", "Scan", "If"}
+
+
+def shapes_first(graph: onnx.GraphProto) -> list[int] | None:
+    """The order (indices into ``graph.node``) that puts each shape computation right after the
+    last node it reads (see the module docstring); None where nothing moves: a graph of at
+    most ``SHAPES_FIRST_MIN_NODES`` nodes, or one with a random op (also in a subgraph)."""
+    nodes = graph.node
+    if len(nodes) <= SHAPES_FIRST_MIN_NODES or _has_random(graph):
+        return None
+    inputs = {i.name for i in graph.input}
+    shapes = {t.name for t in graph.initializer if t.name not in inputs
+              and t.data_type not in _FLOATS}
+    producer: dict[str, int] = {}
+    place: list[int] = []
+    for k, node in enumerate(nodes):
+        read = [x for x in node.input if x]
+        moves = node.domain in ("", "ai.onnx") and node.op_type not in _RANDOM | _GROWS and \
+            not any(a.type in _SUBGRAPHS for a in node.attribute) and \
+            (node.op_type in ("Shape", "Size", "Constant") or all(x in shapes for x in read))
+        if moves:
+            shapes.update(o for o in node.output if o)
+        place.append(max((place[producer[x]] for x in read if x in producer), default=-1)
+                     if moves else k)
+        producer.update((o, k) for o in node.output if o)
+    order = sorted(range(len(nodes)), key=lambda k: (place[k], k))
+    return None if order == list(range(len(nodes))) else order
+
+
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+           onnx.TensorProto.BFLOAT16}
+_SUBGRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _has_random(graph: onnx.GraphProto) -> bool:
+    for node in graph.node:
+        if node.op_type in _RANDOM:
+            return True
+        for a in node.attribute:
+            if any(_has_random(g) for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH
+                                              else a.graphs)):
+                return True
+    return False
+
+
+def session_bytes(model: onnx.ModelProto) -> bytes:
+    """``model``'s bytes for a session, its nodes in :func:`shapes_first` order (``model``
+    itself is left as it was)."""
+    order = shapes_first(model.graph)
+    if order is None:
+        return model.SerializeToString()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes[k] for k in order)
+    try:
+        return model.SerializeToString()
+    finally:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
 
 
 def session_rewrites(model: onnx.ModelProto | bytes, block: Callable[[], int],

@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from ngdist.errors import NgdistError, OutOfMemoryError
 from ngdist.runtime import blocked_conv
-from ngdist.runtime.rewrites import session_rewrites
+from ngdist.runtime.rewrites import session_bytes, session_rewrites
 from ngdist.runtime.cuda import CudaOptions, missing
 
 logger = logging.getLogger(__name__)
@@ -271,14 +271,15 @@ def make_session(model: onnx.ModelProto | bytes, placement: Placement = CPU,
     """An InferenceSession for ``model`` on ``placement``, with :func:`session_options`;
     ``optimize=False`` runs the graph as it is (no onnxruntime graph rewrites). A graph of
     more than ``REUSE_PLAN_MAX_NODES`` nodes is planned without onnxruntime's memory-reuse
-    plan (quadratic in the graph's size; the arena reuses freed memory). On the CPU,
+    plan (quadratic in the graph's size; the arena reuses freed memory); a large proto goes to
+    onnxruntime with its shape computations first (``rewrites.shapes_first``). On the CPU,
     convolutions with weights fed as inputs run on the blocked-channel kernels
     (the session rewrites of runtime/rewrites.py; ``NGDIST_CPU_BLOCKED_CONV=0`` turns that
     off); ``shapes`` gives static shapes of inputs the model leaves open. A model given as
     bytes is rewritten the same. ``shared_arena``: see :func:`session_options`."""
     if optimize and placement.device == "cpu" and blocked_conv.requested():
         model = session_rewrites(model, nchwc_block_size, shapes)
-    data = model if isinstance(model, bytes) else model.SerializeToString()
+    data = model if isinstance(model, bytes) else session_bytes(model)
     opts = session_options(intra_op_threads, shared_arena, placement.device)
     if not optimize:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
