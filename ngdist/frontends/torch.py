@@ -253,9 +253,8 @@ def _trace_updating(trace: Any, module: Any, args: tuple[Any, ...], saved: dict[
     kept), each with the buffers' new values as outputs (frontends/torch_buffers.py)."""
     versions = {k: t._version for k, (t, _) in saved.items()}  # in-place writes count them
     used, train, example = trace(())
-    if used == "dynamo":  # torch.export traces with fake tensors: the buffers never moved
-        with _torch().no_grad():
-            module(*args)
+    with _torch().no_grad():  # torch.export's fake tensors never move buffers, and a forward
+        module(*args)  # may update some only outside an export (is_in_onnx_export)
     updated = forward_updated(module, saved, versions)
     if not updated:
         return used, train, {}, example
@@ -265,7 +264,7 @@ def _trace_updating(trace: Any, module: Any, args: tuple[Any, ...], saved: dict[
     used, train, example = trace(updated)
     check_same_trace(train, again, updated, module)
     logger.info("%s updates buffers in its forward: %s", type(module).__name__, updated)
-    updates = name_updates(train, updated, saved)
+    updates = name_updates(train, updated, saved, module)
     check_detached(train, updates, module)
     return used, train, updates, example
 

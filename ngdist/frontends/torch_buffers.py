@@ -3,9 +3,10 @@ norm layers (whose ONNX BatchNormalization outputs carry their new values): a ru
 assigned (``self.x_max = torch.maximum(self.x_max, m)``), an average updated in place
 (``self.avg.mul_(0.9).add_(...)``).
 
-The export's own tracing forward shows them (torch.export traces fake tensors: a real
-forward follows it): a buffer rebound, written in place (its ``_version``: a power iteration
-that has converged writes the same bytes) or changed since the snapshot before. Such a module
+The export's tracing forward and one real forward after it (torch.export traces fake tensors;
+a module may update a buffer only outside an export) show them: a buffer rebound, written in
+place (its ``_version``: a converged power iteration writes the same bytes) or changed since
+the snapshot before. Such a module
 is exported again with each of those buffers, as it stands after the forward, appended to the
 outputs (a forward hook), and the training step writes those values back (``update_binding``,
 as BatchNorm's statistics), so the trainer's buffers follow torch's step by step; several
@@ -133,7 +134,7 @@ def appended_outputs(module: Any, names: Sequence[str]) -> Iterator[None]:
 
 
 def name_updates(model: onnx.ModelProto, names: Sequence[str],
-                 saved: dict[str, tuple[Any, Any]]) -> dict[str, str]:
+                 saved: dict[str, tuple[Any, Any]], module: Any) -> dict[str, str]:
     """The graph's last ``len(names)`` outputs are the buffers' new values: each becomes an
     output ``<buffer>.new``, a ``CastLike`` of the value to the buffer (the TorchScript exporter
     computes on a 0-d tensor in the default dtype), which also keeps a buffer the forward
@@ -146,8 +147,12 @@ def name_updates(model: onnx.ModelProto, names: Sequence[str],
     tail = list(graph.output)[len(graph.output) - len(names):]
     updates: dict[str, str] = {}
     stale = []
+    copies = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity"}
     for name, out in zip(names, tail):
-        if out.name == name:  # the trace kept the old value: torch changed it another way
+        value = out.name
+        while value in copies:
+            value = copies[value]
+        if value == name:  # the trace kept the old value: torch changed it another way
             stale.append(name)
         new = f"{name}.new"
         graph.node.append(helper.make_node("CastLike", [out.name, name], [new],
@@ -155,9 +160,10 @@ def name_updates(model: onnx.ModelProto, names: Sequence[str],
         out.name = new
         updates[name] = new
     if stale:
-        raise GraphError(f"the training-mode forward changes the buffers {_listed(stale)}, but "
-                         "the traced graph does not (their update is not a traced tensor "
-                         "operation); compute it with torch operations on tensors")
+        raise GraphError(f"the training-mode forward of {_owners(module, stale)} changes the "
+                         f"buffers {_listed(stale)}, but the traced graph does not (the update "
+                         "is no traced tensor operation); compute it with torch operations on "
+                         "tensors, or compile a model whose forward does not update buffers")
     return updates
 
 

@@ -6,7 +6,7 @@ model and the dynamo exporter. Updates one traced graph cannot reproduce are ref
 buffers and modules named: a branch on the buffer's value (as I-BERT's QuantAct initialises
 its range), a forward that reads the updated buffer again (torch's update carries no
 gradient, the graph's would; spectral norm, whose converged power iteration writes the same
-bytes in place), an integer buffer. On 2 ranks the buffer is averaged as BatchNorm's
+bytes in place), an update the exporter does not see, an integer buffer. On 2 ranks the buffer is averaged as BatchNorm's
 statistics are: a running mean of the batch mean equals torch's on the combined batch."""
 from __future__ import annotations
 
@@ -89,6 +89,17 @@ class ReadsUpdated(InPlaceAverage):
         with torch.no_grad():
             self.avg.mul_(0.9).add_(0.1 * y.mean(0))
         return y - self.avg
+
+
+class Untraced(WithBuffer):
+    """Counts its forwards where the exporter does not look."""
+
+    BUFFER = "seen"
+
+    def forward(self, x):
+        if not torch.onnx.is_in_onnx_export():
+            self.seen += 1
+        return self.fc(x)
 
 
 class Counter(WithBuffer):
@@ -224,6 +235,10 @@ REFUSED = {
         "gradient (no_grad, detach), which the exported graph cannot express, so its "
         "gradients would differ. Read the buffers before updating them, or compile a model "
         "whose forward does not update buffers")),
+    "untraced": (Untraced, (
+        "the training-mode forward of Untraced changes the buffers 'seen', but the traced "
+        "graph does not (the update is no traced tensor operation); compute it with torch "
+        "operations on tensors, or compile a model whose forward does not update buffers")),
     "integer": (lambda: nn.Sequential(nn.Identity(), Counter()), (  # a submodule's name
         "the training-mode forward of Counter '1' changes the non-float buffers '1.calls' "
         "(torch.int64); ngdist updates float buffers only. Keep the buffer as a float tensor, "
