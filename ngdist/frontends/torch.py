@@ -17,8 +17,7 @@ Both exports name their initializers after ``module.state_dict()``, which is how
 are written back (``trainer.to_torch(module)``). Exporting runs the module's forward, which
 updates BatchNorm buffers in training mode: the frontend copies every parameter and buffer
 back in place afterwards (the same tensor objects; the state dict's ``_metadata`` untouched).
-Other buffers the training-mode forward changes get their new values from the step, or are
-refused (``frontends/torch_buffers.py``).
+Other buffers its forward updates are updated by the step too, or refused (torch_buffers.py).
 
 Semantic adjustments: ONNX's BatchNormalization updates the running variance with the
 *biased* batch variance, PyTorch with the unbiased one; the frontend rescales the
@@ -59,9 +58,10 @@ from ngdist.frontends.cleanup import (batch_feeds, fold_static_shapes, squeezing
                                       unbiased_running_var)
 from ngdist.frontends.torch_exporters import (export_graph, export_training, rename_aliases,
                                                tied_aliases)
-from ngdist.frontends.torch_buffers import (check_detached, check_float, check_same_trace,
-                                            forward_updated, name_updates)
+from ngdist.frontends.torch_buffers import (check_detached, check_same_trace, forward_updated,
+                                            name_updates, other_inputs)
 from ngdist.frontends.torch_embedding import check_embeddings, mark_padding_rows
+from ngdist.frontends.torch_stop_gradient import gradient_free
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_state import (check_batchnorm, mark_unique, rename_initializers,
                                           restore, snapshot)
@@ -217,12 +217,12 @@ def _export_both(module: Any, args: tuple[Any, ...], in_names: list[str], out_na
                  ) -> tuple[str, onnx.ModelProto, dict[str, str], Any, onnx.ModelProto]:
     """``_trace_updating``'s four, then the eval graph; ``module`` left as ``saved`` has it."""
 
-    def trace(appended: Sequence[str]) -> tuple[str, onnx.ModelProto, Any]:
+    def trace(appended: Sequence[str], inputs: tuple[Any, ...] = args) -> tuple[Any, ...]:
         if loss is None:
-            return (*export_training(module, args, in_names, out_names, opset, exporter,
+            return (*export_training(module, inputs, in_names, out_names, opset, exporter,
                                      appended), None)
         before = snapshot(module, buffers_only=True)  # the example labels' forward moves them
-        return torch_loss.export_with_loss(module, loss, args, in_names, out_names[0], labels,
+        return torch_loss.export_with_loss(module, loss, inputs, in_names, out_names[0], labels,
                                            opset, exporter, appended,
                                            reset=lambda: restore(module, before))
 
@@ -247,10 +247,9 @@ def _export_both(module: Any, args: tuple[Any, ...], in_names: list[str], out_na
 
 def _trace_updating(trace: Any, module: Any, args: tuple[Any, ...], saved: dict[str, Any]
                     ) -> tuple[str, onnx.ModelProto, dict[str, str], Any]:
-    """(exporter used, training graph, buffer -> the step value of its new value, example
-    labels): ``trace(appended)`` exports once; a module whose forward changes buffers is
-    traced twice more, from the state that forward left and from ``saved`` (the graph
-    kept), each with the buffers' new values as outputs (frontends/torch_buffers.py)."""
+    """(exporter, training graph, buffer -> its new value, example labels): a module whose
+    forward changes buffers is traced twice more with their new values as outputs, from the
+    state that forward left on other inputs and from ``saved`` (kept; torch_buffers.py)."""
     versions = {k: t._version for k, (t, _) in saved.items()}  # in-place writes count them
     used, train, example = trace(())
     with _torch().no_grad():  # torch.export's fake tensors never move buffers, and a forward
@@ -258,8 +257,7 @@ def _trace_updating(trace: Any, module: Any, args: tuple[Any, ...], saved: dict[
     updated = forward_updated(module, saved, versions)
     if not updated:
         return used, train, {}, example
-    check_float(module, updated)
-    _, again, _ = trace(updated)
+    _, again, _ = trace(updated, other_inputs(args))
     restore(module, saved)
     used, train, example = trace(updated)
     check_same_trace(train, again, updated, module)
@@ -305,7 +303,7 @@ def training_model(module: Any, example_inputs: Any, *, loss: Any = "softmax_cro
     exp = _export_with_loss(module, example_inputs, loss, labels, input_names, output_names,
                             exporter)
     mark_padding_rows(module, exp.train)
-    frozen_set = set(frozen or [])
+    frozen_set = set(frozen or []) | gradient_free(exp.train)  # torch's .grad stays None
     trained = [n for n in trained if n in exp.params and n not in frozen_set]
     if not isinstance(optimizer, optim.OPTIMIZERS):  # torch's groups: what the graph trains
         opt = restrict_groups(opt, trained)

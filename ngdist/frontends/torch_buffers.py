@@ -14,7 +14,8 @@ ranks average them as they do BatchNorm's (passes/buffers.py). The traced update
 straight-line formula: a module that branches on tensor values in Python (I-BERT's
 ``QuantAct`` initialises its range with another formula than the one it then averages with)
 traces another graph from another state, so the module is traced a second time from the state
-the first forward left and the two graphs must agree node for node. Refused, with the buffers
+the first forward left, on other float inputs (a value read into Python, ``float(y.mean())``,
+is a constant of the trace), and the two graphs must agree node for node. Refused, with the buffers
 and modules named: graphs that differ, a changed buffer that is not a float tensor or whose
 traced value is the old one, and a new value the forward reads again that depends on
 parameters (torch updates without gradient; ONNX has no way to say so).
@@ -62,7 +63,8 @@ def forward_updated(module: Any, saved: dict[str, tuple[Any, Any]], versions: di
                     ) -> list[str]:
     """The buffers (state_dict names) a forward changed since ``saved`` (torch_state.snapshot)
     and ``versions`` (each tensor's ``_version`` then) were taken: rebound, written in place
-    (even with the same values) or holding other values; norm layers' statistics left out."""
+    (even with the same values) or holding other values; norm layers' statistics left out.
+    Refused where one is not a float tensor."""
     import torch
 
     skip = {n for n, _ in module.named_parameters()} | _norm_statistics(module)
@@ -74,6 +76,7 @@ def forward_updated(module: Any, saved: dict[str, tuple[Any, Any]], versions: di
             continue
         if now is not tensor or now._version != versions[name] or not same_bytes(now, value):
             changed.append(name)
+    check_float(module, changed)
     return changed
 
 
@@ -200,6 +203,12 @@ def _scope(node_name: str) -> str:
     return ".".join(p for p in node_name.split("/") if p and p != "ngdist_model")
 
 
+def other_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The example inputs with other float values (shapes and integer inputs kept): a trace
+    that reads a tensor's value into Python (float(), a branch) then differs."""
+    return tuple(a * 0.5 + 0.25 if a.is_floating_point() else a for a in args)
+
+
 def _signature(node: onnx.NodeProto) -> bytes:
     """The node without its doc string and metadata (the dynamo exporter's stack traces name
     a generated file per export)."""
@@ -223,8 +232,9 @@ def check_same_trace(first: onnx.ModelProto, second: onnx.ModelProto, names: Seq
     owners = {b: b.rpartition(".")[0] for b in names}
     held = [b for b, o in owners.items() if any(not o or d.startswith(f"{o}.") for d in differ)]
     raise GraphError(
-        f"{_owners(module, held or sorted(differ), 1)} branches in Python on the values of "
-        f"buffers its training-mode forward updates ({_listed(list(names), 1)}), so one traced "
-        "graph cannot update them as torch does (traced again from the state one forward "
-        "leaves, it gives another graph). Write the update without Python branches on tensor "
-        "values (torch.where), or compile a model whose forward does not update buffers")
+        f"{_owners(module, held or sorted(differ), 1)} reads tensor values into Python (a "
+        "branch, float(), .item()) where its training-mode forward updates buffers "
+        f"({_listed(list(names), 1)}): traced again from the state one forward leaves, on "
+        "other inputs, it gives another graph, so one traced graph cannot update them as torch "
+        "does. Write the update with tensor operations (torch.where for a branch), or compile "
+        "a model whose forward does not update buffers")

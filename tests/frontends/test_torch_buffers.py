@@ -4,7 +4,7 @@ average updated in place and a buffer assigned without being read, trained 3 SGD
 against the same module in torch float64, through the built-in loss, a loss exported with the
 model and the dynamo exporter. Updates one traced graph cannot reproduce are refused with the
 buffers and modules named: a branch on the buffer's value (as I-BERT's QuantAct initialises
-its range), a forward that reads the updated buffer again (torch's update carries no
+its range), a batch mean stored through a Python float, a forward that reads the updated buffer again (torch's update carries no
 gradient, the graph's would; spectral norm, whose converged power iteration writes the same
 bytes in place), an update the exporter does not see, an integer buffer. On 2 ranks the buffer is averaged as BatchNorm's
 statistics are: a running mean of the batch mean equals torch's on the combined batch."""
@@ -80,6 +80,17 @@ class Branching(RunningMax):
             self.x_max = self.x_max + m
         else:
             self.x_max = 0.9 * self.x_max + 0.1 * m
+        return y
+
+
+class PythonScalar(WithBuffer):
+    """Stores the batch's mean through a Python float, which the trace keeps as a constant."""
+
+    BUFFER = "last"
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.last.fill_(float(y.detach().mean()))
         return y
 
 
@@ -215,11 +226,17 @@ def test_ranks_average_the_buffer_as_batchnorm_statistics(ranks, tmp_path):
 
 REFUSED = {
     "branching": (Branching, (
-        "Branching branches in Python on the values of buffers its training-mode forward "
-        "updates ('x_max'), so one traced graph cannot update them as torch does (traced "
-        "again from the state one forward leaves, it gives another graph). Write the update "
-        "without Python branches on tensor values (torch.where), or compile a model whose "
-        "forward does not update buffers")),
+        "Branching reads tensor values into Python (a branch, float(), .item()) where its "
+        "training-mode forward updates buffers ('x_max'): traced again from the state one "
+        "forward leaves, on other inputs, it gives another graph, so one traced graph cannot "
+        "update them as torch does. Write the update with tensor operations (torch.where for "
+        "a branch), or compile a model whose forward does not update buffers")),
+    "python_scalar": (PythonScalar, (
+        "PythonScalar reads tensor values into Python (a branch, float(), .item()) where its "
+        "training-mode forward updates buffers ('last'): traced again from the state one "
+        "forward leaves, on other inputs, it gives another graph, so one traced graph cannot "
+        "update them as torch does. Write the update with tensor operations (torch.where for "
+        "a branch), or compile a model whose forward does not update buffers")),
     "reads_updated": (ReadsUpdated, (
         "the training-mode forward of ReadsUpdated reads the buffers 'avg' after updating "
         "them from values that depend on parameters: torch updates them without gradient "
