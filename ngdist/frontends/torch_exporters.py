@@ -32,6 +32,7 @@ import onnx
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.frontends.torch_buffers import appended_outputs
+from ngdist.frontends.torch_stop_gradient import mark_stop_gradients, no_grad_detached
 from ngdist.frontends.torch_symbolics import dynamo_translations, lent_symbolics
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     dynamic = {**_leading_names(args, input_names), **{n: {0: "batch"} for n in output_names}}
     buf = io.BytesIO()
     with warnings.catch_warnings(record=True) as seen, sdpa_export(opset), \
-            lent_symbolics(opset), _custom_backwards(module) as called:
+            lent_symbolics(opset), no_grad_detached(), _custom_backwards(module) as called:
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         warnings.simplefilter("always", torch.jit.TracerWarning)  # recorded, not shown
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
@@ -65,6 +66,7 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
                        type(module).__name__, ", ".join(sorted(called)))
     model = onnx.load_from_string(buf.getvalue())
     _note_conversions(model, seen)  # checked by frontends/torch_trace_check.py
+    mark_stop_gradients(model)
     return model
 
 

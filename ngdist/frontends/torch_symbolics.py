@@ -40,6 +40,7 @@ torch) already registers for an operator is left in place and used.
 * elementwise and reduction math (``logaddexp``, ``xlogy``, ``copysign``, ``signbit``,
   ``count_nonzero``, ``nanmean``, integer ``pow`` and ``sum``, ...) and ``exponential_``
   (``-log(1 - U)``, PhiMoE's Gumbel sampling): ``frontends/torch_math.py``;
+* ``aten::detach``: a marked stop-gradient (``frontends/torch_stop_gradient.py``);
 * complex tensors as (real, imaginary) pairs (``polar``, ``view_as_complex``,
   ``view_as_real``, complex products; any other op of a complex value refused):
   ``frontends/torch_complex.py``.
@@ -59,6 +60,7 @@ from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_strided import as_strided, col2im
 from ngdist.frontends.torch_math import SYMBOLICS, WRAPS, const, helper
 from ngdist.frontends.torch_scatter import index_add, scatter_reduce
+from ngdist.frontends.torch_stop_gradient import stop_gradient
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +320,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::col2im": col2im,
     "aten::scatter_reduce": scatter_reduce,
     "aten::index_add": index_add,
+    "aten::detach": lambda _: stop_gradient,
     **{name: (lambda _, f=f: f) for name, f in SYMBOLICS.items()},  # torch_math's
     **WRAPS,
     **{name: (lambda _, f=f: f) for name, f in torch_complex.SYMBOLICS.items()},
@@ -326,7 +329,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
           "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
-          "aten::scatter_reduce", "aten::index_add", *WRAPS, *torch_complex.WRAPS}
+          "aten::scatter_reduce", "aten::index_add", "aten::detach", *WRAPS, *torch_complex.WRAPS}
 
 
 @contextlib.contextmanager

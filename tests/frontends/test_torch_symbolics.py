@@ -131,6 +131,7 @@ def _custom_groups() -> dict[str, object]:
                          "aten::unfold", "aten::permute", "aten::avg_pool2d",
                          "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
                          "aten::scatter_reduce", "aten::index_add", "aten::pow", "aten::sum",
+                         "aten::detach",
                          *SYMBOLICS,
                          *torch_complex.SYMBOLICS,
                          *torch_complex.WRAPS)}

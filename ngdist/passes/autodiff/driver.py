@@ -19,6 +19,16 @@ FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.Da
 # metadata_props key of an axis-0 Gather (an embedding lookup): the row of its data input whose
 # gradient from this lookup is zero (torch's nn.Embedding(padding_idx=p)), a decimal integer
 PADDING_IDX = "ngdist.padding_idx"
+# metadata_props key of an Identity that passes no gradient (torch's detach, or a value computed
+# under torch.no_grad): frontends/torch_stop_gradient.py
+STOP_GRADIENT = "ngdist.stop_gradient"
+
+
+def _no_gradient(node: ir.Node) -> bool:
+    """Whether no gradient flows through ``node`` (an op without one, or a marked Identity)."""
+    return node.domain == "" and (node.op_type in NON_DIFFERENTIABLE or
+                                  (node.op_type == "Identity" and
+                                   STOP_GRADIENT in node.metadata_props))
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
@@ -42,7 +52,7 @@ def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
     nodes = [n for n in graph if n is not anchor and n.domain != PREVIEW_TRAINING]
     from_x: set[int] = {id(x) for x in xs}
     for node in nodes:
-        if node.op_type in NON_DIFFERENTIABLE and node.domain == "":
+        if _no_gradient(node):
             continue
         if any(id(i) in from_x for i in node.inputs if i is not None):
             from_x.update(id(o) for o in node.outputs)
@@ -59,7 +69,7 @@ def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
 def _check_rules(active: list[ir.Node]) -> None:
     """Refuses, naming every node and op, a path to the loss through ops without a rule."""
     missing = [n for n in active
-               if get_rule(n) is None and not (n.domain == "" and n.op_type in NON_DIFFERENTIABLE)]
+               if get_rule(n) is None and not _no_gradient(n)]
     if missing:
         listing = ", ".join(f"{n.op_type} (node '{n.name}')" for n in missing)
         ops = sorted({f"{n.domain + '.' if n.domain else ''}{n.op_type}" for n in missing})
@@ -103,7 +113,7 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
     grads[id(y)] = [ctx.op("CastLike", ctx.op("ConstantOfShape", ctx.op("Shape", y),
                                                value=ir.tensor(np.ones(1, np.float32))), y)]
     for node in active:
-        if node.domain == "" and node.op_type in NON_DIFFERENTIABLE:
+        if _no_gradient(node):
             continue
         gys = [total(o) for o in node.outputs]
         if all(g is None for g in gys):
@@ -157,9 +167,9 @@ class AutodiffPass(ir.passes.InPlacePass):
     gets a zero gradient (with a warning). An op on the path without a rule raises
     GradientError listing every such node at once. An axis-0 Gather carrying
     ``metadata_props[PADDING_IDX] = p`` (nn.Embedding's padding_idx) adds nothing to row p
-    of its table's gradient. Every Sigmoid (and Swish's sigmoid) of the graph is then computed as
-    1 / (1 + exp(-x)) (``lowering.lower_sigmoids``: onnxruntime's is accurate only absolutely),
-    and a forward Conv with few output positions one MatMul (``lowering.lower_short_convs``).
+    of its table's gradient; an Identity carrying ``STOP_GRADIENT`` passes none. Every Sigmoid
+    (and Swish's sigmoid) of the graph is then computed as 1 / (1 + exp(-x))
+    (``lowering.lower_sigmoids``: onnxruntime's is accurate only absolutely), and a forward Conv with few output positions one MatMul (``lowering.lower_short_convs``).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
