@@ -69,8 +69,13 @@ def transformers() -> Any:
 
 def shrink(cfg: Any) -> None:
     """Small values for the known size attributes of ``cfg`` and its sub-configs; dropout 0;
-    then the sizes a config derives made consistent again."""
+    then the sizes a config derives made consistent again. A heterogeneous config's per-layer
+    overrides (``per_layer_config``) are shrunk alike, those of layers past the new depth
+    dropped (transformers refuses a global read of a per-layer attribute)."""
     tf = transformers()
+    spec = vars(cfg).get("_heterogeneity_spec")
+    if spec is not None:
+        cfg.per_layer_config = None
     for key, value in list(vars(cfg).items()):
         if isinstance(value, tf.PretrainedConfig):
             shrink(value)
@@ -88,6 +93,19 @@ def shrink(cfg: Any) -> None:
         elif any(key.endswith(z) for z in _ZERO) and isinstance(value, (float, list)):
             setattr(cfg, key, [0.0] * len(value) if isinstance(value, list) else 0.0)
     _derived(cfg)
+    if spec is not None:
+        cfg.per_layer_config = {i: _tiny_layer(o) for i, o in spec.per_layer_overrides.items()
+                                if i < cfg.num_hidden_layers}
+
+
+def _tiny_layer(overrides: dict[str, Any]) -> dict[str, Any]:
+    """One layer's overrides of a heterogeneous config, shrunk as ``shrink`` shrinks the
+    config's own (latent attention with as many kv heads as heads)."""
+    tiny = {key: _SCALARS[key] if key in _SCALARS and isinstance(value, int) else value
+            for key, value in overrides.items()}
+    if tiny.get("kv_lora_rank") and "num_attention_heads" in tiny:
+        tiny["num_key_value_heads"] = tiny["num_attention_heads"]
+    return tiny
 
 
 def _derived(cfg: Any) -> None:

@@ -112,8 +112,43 @@ def _timm_wrapper(cfg: Any) -> None:
 
 
 def _textnet(cfg: Any) -> None:
-    """TextNet's config asks for 640-pixel images (the sweep feeds ``image_size``): 64."""
+    """TextNet's config asks for 640-pixel images (the sweep feeds ``image_size``): 64. Its
+    first stage reads the stem's output, ``hidden_sizes[0]`` channels wide (the stem's default
+    64), and its 4 stages of 3 to 4 convolutions each were 10.7 M parameters 512 wide: 32 to
+    128 wide."""
     cfg.image_size = (64, 64)
+    cfg.hidden_sizes = [32, 32, 64, 64, 128]
+    cfg.stem_out_channels = cfg.hidden_sizes[0]
+
+
+def _dots1(cfg: Any) -> None:
+    """dots.llm1's mixture-of-experts layers always hold a shared expert
+    ``n_shared_experts`` times as wide as a routed one, a count its default leaves None: 2, the
+    released model's."""
+    cfg.n_shared_experts = 2
+
+
+def _dots3_note(cfg: Any) -> None:
+    """dots3 note's text model alternates indexed (sparse-selected) and sliding-window latent
+    attention: one layer of each (the shrunk depth kept only the first 2, both indexed), the
+    sliding one's head as wide as its nope and rope parts (as transformers requires), a
+    window of 4 and 4 indexed keys a query (8 tokens: both bind). Each layer type's rotary
+    fraction, derived when the config is made, again the rope part of the tiny head (the
+    default's 0.25 of 8 wide heads left a 2-wide table, broadcast over the rope part)."""
+    text = getattr(cfg, "text_config", None) or cfg
+    text.layer_types = ["indexed_attention", "sliding_attention"]
+    text.per_layer_config = {1: {"head_dim": text.qk_nope_head_dim + text.qk_rope_head_dim}}
+    text.sliding_window, text.index_topk = 4, 4
+    for i, kind in enumerate(text.layer_types):
+        text.rope_parameters[kind]["partial_rotary_factor"] = \
+            text.qk_rope_head_dim / text.per_layer_config[i].head_dim
+
+
+def _mistral4(cfg: Any) -> None:
+    """Mistral 4's latent attention derives ``head_dim`` (its rotary table's width, times the
+    rotary fraction) as the query head's, nope plus rope parts, when the config is made: derived
+    again from the tiny parts (the shrunk 8 gave a rotary table half the rope part's width)."""
+    cfg.head_dim = cfg.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
 
 
 def _kyutai(cfg: Any) -> None:
@@ -245,6 +280,9 @@ def _vibevoice(cfg: Any) -> None:
 FIXUPS: dict[str, Callable[[Any], None]] = {
     "blt": _blt,
     "dbrx": _dbrx,
+    "dots1": _dots1,
+    "dots3_note": _dots3_note,
+    "dots3_note_text": _dots3_note,
     "efficientnet": _efficientnet,
     "esmc": _esmc,
     "gemma3n_text": _gemma3n_text,
@@ -259,6 +297,7 @@ FIXUPS: dict[str, Callable[[Any], None]] = {
     "longcat_flash": _longcat_flash,
     "luke": _luke,
     "mamba2": _mamba2,
+    "mistral4": _mistral4,
     "mobilevitv2": _mobilevitv2,
     "moonshine_streaming": _moonshine_streaming,
     "nemo_speechlm": _nemo_speechlm,

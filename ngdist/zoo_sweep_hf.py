@@ -64,6 +64,8 @@ def _model(task: str, model_type: str) -> Any:
     name = getattr(modeling_auto, TASKS[task])[model_type]
     cls = getattr(tf, name[0] if isinstance(name, tuple) else name)  # deit: (plain, teacher)
     cfg = tiny_config(model_type)
+    if getattr(cls, "config_class", None) is getattr(cfg, "sub_configs", {}).get("text_config"):
+        cfg = cfg.get_text_config()  # a text model of a multimodal config, as Auto's swap
     torch = _torch()
     before_build(model_type)
     torch.manual_seed(0)
@@ -163,7 +165,9 @@ def _audio_feeds(model: Any, rng: np.random.Generator) -> dict[str, np.ndarray]:
 def _is_audio_lm(model: Any) -> bool:
     """A decoder-only language model that reads audio through placeholder tokens (Granite
     Speech, AudioFlamingo3, OmniASR, ...): audio features or a waveform in, no
-    decoder_input_ids."""
+    decoder_input_ids. Not one whose optional audio tower its config leaves out (Gemma 4)."""
+    if getattr(model.config, "audio_config", True) is None:
+        return False
     params = inspect.signature(model.forward).parameters
     return ("input_features" in params or "input_values" in params) \
         and "decoder_input_ids" not in params and (_audio_getter(model) is not None or

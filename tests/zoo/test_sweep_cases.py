@@ -159,7 +159,8 @@ def _agree(name: str) -> tuple[Any, dict[str, np.ndarray]]:
     "hf/causal/dbrx", "hf/causal/gemma3n_text", "hf/causal/kimi_linear", "hf/seq2seq/t5gemma",
     "hf/seqcls/lilt", "hf/seqcls/layoutlmv3", "hf/seq2seq/nemo_speechlm", "hf/seqcls/mra",
     "hf/seq2seq/musicflamingo", "hf/seq2seq/moss_transcribe_diarize",
-    "hf/speech2seq/vibevoice_asr"])
+    "hf/speech2seq/vibevoice_asr", "hf/causal/dots1", "hf/causal/emu3", "hf/imgcls/textnet",
+    "hf/seqcls/mistral4", "hf/causal/gemma4"])
 def test_a_tiny_config_its_default_did_not_build_runs_in_float32_and_float64(name):
     """Each raised before its tiny config's fix: DBRX's attention sub-config had no rotary
     base and no clip, Gemma 3n shared the caches of 15 of its 2 layers, Kimi Linear routed to
@@ -169,8 +170,27 @@ def test_a_tiny_config_its_default_did_not_build_runs_in_float32_and_float64(nam
     parameters), MRA's float64 oracle met its float32 attention output, MusicFlamingo's and
     MOSS's audio features were asked for without their placeholders and unused padding
     mask, VibeVoice's audio tokenizers held 170 M parameters and drew noise on its latents
-    (float32 and float64 losses 4e-3 apart)."""
+    (float32 and float64 losses 4e-3 apart), dots.llm1 had no shared-expert count, Emu3's
+    causal LM was given the multimodal config (not its text config, as Auto gives it),
+    TextNet's stem was 64 channels for a 32-channel stage, Mistral 4's rotary table half its
+    rope part, and Gemma 4, without an audio tower, was fed audio features."""
     _agree(name)
+
+
+@pytest.mark.parametrize("name", ["hf/causal/dots3_note_text", "hf/causal/dots3_note"])
+def test_a_heterogeneous_configs_per_layer_attention_is_shrunk_and_rotates_its_rope_part(name):
+    """dots3 note sets each sliding-window layer's latent attention per layer (a global read
+    of one raises): the overrides are shrunk with the config; one indexed and one sliding
+    layer, each layer type's rotary table as wide as its rope part (the default's rotary
+    fraction, 0.25 of the shrunk 8-wide head, gave a 2-wide table that torch broadcast over
+    the rope part silently)."""
+    module, _ = _agree(name)
+    model = module.model.model
+    assert sorted(model.config.layer_types) == ["indexed_attention", "sliding_attention"]
+    for layer in model.layers:
+        kind = model.config.layer_types[layer.self_attn.layer_idx]
+        table = getattr(model.rotary_emb, f"{kind}_inv_freq")
+        assert 2 * table.numel() == layer.self_attn.qk_rope_head_dim
 
 
 def test_patchified_images_and_an_image_prompt_are_fed_as_their_processors_give_them():
