@@ -12,6 +12,9 @@ ConstantOfShape(Shape(repeats)))`` followed by a Tile: without the value of that
 Expand's output has no rank, nor has anything after it, and gradient rules that need a rank
 (MatMul's) fail on it. Where the forward's shapes were folded to constants this did not show;
 a graph that runs at its example batch only keeps them computed.
+
+A sequence type has one element shape, so inference gives pieces of different sizes one size
+symbol; onnxruntime's planner would take them for one size, so those symbols are cleared.
 """
 from __future__ import annotations
 
@@ -41,12 +44,32 @@ def _typed(graph: onnx.GraphProto) -> dict[str, onnx.ValueInfoProto]:
 
 def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with ONNX's shape inference, data propagated; without propagation (logged)
-    where propagating fails."""
+    where propagating fails; the size symbols of sequence elements cleared
+    (``unshare_sequence_sizes``)."""
     try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # noqa: BLE001 (onnx raises several kinds)
         logger.debug("shape inference with data propagation failed (%s); without it", exc)
-        return onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(model)
+    return unshare_sequence_sizes(inferred)
+
+
+def unshare_sequence_sizes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (in place) without the size symbols ONNX's inference gives a sequence's
+    elements, wherever they appear: a sequence type has one element shape, so pieces of
+    different sizes (SplitToSequence by sizes computed in the graph, torch.split by counts
+    of the data) share one symbol, which onnxruntime's memory planner takes for one size (a
+    buffer of 11 rows reused for 20 fails the step). Symbols the graph's inputs name stay."""
+    g = model.graph
+    named = {d.dim_param for v in g.input for d in v.type.tensor_type.shape.dim}
+    shared = {d.dim_param for v in g.value_info if v.type.HasField("sequence_type")
+              for d in v.type.sequence_type.elem_type.tensor_type.shape.dim} - named - {""}
+    for v in (*g.value_info, *g.output) if shared else ():
+        typ = v.type.sequence_type.elem_type if v.type.HasField("sequence_type") else v.type
+        for d in typ.tensor_type.shape.dim:
+            if d.dim_param in shared:
+                d.Clear()
+    return model
 
 
 def fill_same_shape_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
