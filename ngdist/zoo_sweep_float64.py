@@ -22,6 +22,8 @@ def before_build(model_type: str) -> None:
         _led_float64()
     if model_type == "mra":
         _mra_attention_in_its_layers_dtype()
+    if model_type in _FLOAT32_ROUTERS:
+        _router_in_its_weights_dtype_of(*_FLOAT32_ROUTERS[model_type])
 
 
 def after_build(model_type: str, model: Any) -> None:
@@ -112,6 +114,41 @@ def _mra_attention_in_its_layers_dtype() -> None:
         return (out[0].to(self.query.weight.dtype), *out[1:])
 
     cls.forward = cls._in_layers_dtype = _in_layers_dtype
+
+
+# routers that cast their input to float32 (``hidden_states.float()``) before a linear layer of
+# float32 weights: module and class, for model types
+_FLOAT32_ROUTERS = {"inkling2": ("inkling2", "Inkling2TopKRouter"),
+                    "inkling2_text": ("inkling2", "Inkling2TopKRouter"),
+                    "inkling2_loop": ("inkling2_loop", "Inkling2LoopTopKRouter"),
+                    "inkling2_loop_text": ("inkling2_loop", "Inkling2LoopTopKRouter")}
+
+
+def _router_in_its_weights_dtype_of(module: str, name: str) -> None:
+    """Inkling 2's routers compute in float32 whatever the model's type (``.float()`` of their
+    input, then ``F.linear`` with their weight): in the float64 oracle the weight is float64
+    and the product refused the float32 input. While a router runs, ``Tensor.float`` gives
+    its weight's dtype: float32 unchanged in the float32 model, float64 in the oracle."""
+    import importlib
+
+    torch = _torch()
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                  name)
+    if "_in_weights_dtype" in vars(cls):
+        return
+    forward, to_float32 = cls.forward, torch.Tensor.float
+
+    def _in_weights_dtype(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.weight.dtype == torch.float32:
+            return forward(self, *args, **kwargs)
+        dtype = self.weight.dtype
+        torch.Tensor.float = lambda t, *a, **k: t.to(dtype)  # type: ignore[method-assign]
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            torch.Tensor.float = to_float32  # type: ignore[method-assign]
+
+    cls.forward = cls._in_weights_dtype = _in_weights_dtype
 
 
 # models that mix ``torch.finfo(dtype).min`` of float64 into float32 tensors (no float64
