@@ -137,7 +137,9 @@ def _dynamo(module: Any, args: tuple[Any, ...], training: bool, input_names: lis
                                     dynamo=True, opset_version=opset, input_names=input_names,
                                     output_names=output_names, optimize=False, verbose=False,
                                     custom_translation_table=dynamo_translations())
-    return program.model_proto
+    model = program.model_proto
+    mark_stop_gradients(model)
+    return model
 
 
 def _leading_dims(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

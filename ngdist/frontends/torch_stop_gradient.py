@@ -18,7 +18,8 @@ straight-through estimator ``x + (q(x) - x).detach()`` got ``q``'s derivative).
   ``Identity`` carrying ``metadata_props[STOP_GRADIENT]``, which the autodiff pass treats as
   a node without gradient (onnxruntime runs it as a plain Identity).
 
-The dynamo exporter's graphs are not marked.
+The dynamo exporter (a fallback) marks ``aten.detach`` the same way
+(:func:`dynamo_translations`); its graphs keep no trace of ``no_grad``: not covered there.
 """
 from __future__ import annotations
 
@@ -152,6 +153,27 @@ def no_grad_detached() -> Iterator[None]:
         yield
     finally:
         utils._create_jit_graph = original
+
+
+def _dynamo_detach(x: Any) -> Any:
+    """``aten.detach`` for the dynamo exporter (an ONNX Script function it traces)."""
+    from onnxscript.values import Opset
+
+    return Opset(DOMAIN, 1).StopGradient(x)
+
+
+def dynamo_translations() -> dict[Any, Any]:
+    """The dynamo exporter's translation of ``aten.detach``: the same ``StopGradient``; its
+    schema is registered with onnx once (the exporter checks every op against one)."""
+    import torch
+    from onnx.defs import OpSchema
+
+    if not onnx.defs.has("StopGradient", DOMAIN):
+        types = ["tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"]
+        onnx.defs.register_schema(OpSchema(
+            "StopGradient", DOMAIN, 1, inputs=[OpSchema.FormalParameter("x", "T")],
+            outputs=[OpSchema.FormalParameter("y", "T")], type_constraints=[("T", types, "")]))
+    return {torch.ops.aten.detach.default: _dynamo_detach}
 
 
 def mark_stop_gradients(model: onnx.ModelProto) -> int:

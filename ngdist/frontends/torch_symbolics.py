@@ -60,6 +60,7 @@ from ngdist.frontends import torch_complex
 from ngdist.frontends.torch_strided import as_strided, col2im
 from ngdist.frontends.torch_math import SYMBOLICS, WRAPS, const, helper
 from ngdist.frontends.torch_scatter import index_add, scatter_reduce
+from ngdist.frontends.torch_stop_gradient import dynamo_translations as stop_gradient_translations
 from ngdist.frontends.torch_stop_gradient import stop_gradient
 
 logger = logging.getLogger(__name__)
@@ -166,15 +167,17 @@ def _grouped_mm_onnxscript(x: Any, weight: Any, offs: Any) -> Any:
 
 
 def dynamo_translations() -> dict[Any, Callable[..., Any]]:
-    """The dynamo exporter's translations ngdist adds: Hugging Face's
-    ``transformers::grouped_mm_fallback`` (what its MoE layers call under torch.export),
-    where that op is registered in this process."""
+    """The dynamo exporter's translations ngdist adds: ``aten.detach`` (a marked
+    stop-gradient) and Hugging Face's ``transformers::grouped_mm_fallback`` (what its MoE
+    layers call under torch.export), where that op is registered in this process."""
     import torch
 
+    table = stop_gradient_translations()
     try:
-        return {torch.ops.transformers.grouped_mm_fallback.default: _grouped_mm_onnxscript}
+        table[torch.ops.transformers.grouped_mm_fallback.default] = _grouped_mm_onnxscript
     except (AttributeError, RuntimeError):
-        return {}  # transformers' MoE layers are not imported
+        pass  # transformers' MoE layers are not imported
+    return table
 
 
 def _pool_matrix(n: int, m: int) -> np.ndarray:

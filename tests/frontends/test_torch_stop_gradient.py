@@ -5,7 +5,7 @@ is not trained (torch's optimizers skip a parameter whose ``.grad`` is None: no 
 no momentum); a straight-through estimator ``h + (q(h) - h).detach()`` passes the gradient of
 the identity, not ``q``'s; a statistic of a trained weight taken under ``no_grad`` scales
 without adding its own derivative. Gradients of one step, then 3 steps of SGD with momentum and
-weight decay and of AdamW, match torch float64.
+weight decay and of AdamW, match torch float64. The dynamo exporter marks ``.detach()`` too.
 """
 from __future__ import annotations
 
@@ -87,12 +87,17 @@ def _batches(steps: int, batch: int = 6):
             rng.integers(0, CLASSES, (steps, batch)))
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_gradients_match_torch_float64(name):
+# the dynamo exporter (TorchScript's fallback) marks detach; its graphs keep no trace of no_grad
+CASES = [(name, "torchscript") for name in sorted(MODELS)] + \
+    [("detach_index", "dynamo"), ("straight_through", "dynamo")]
+
+
+@pytest.mark.parametrize("name,exporter", CASES)
+def test_gradients_match_torch_float64(name, exporter):
     module = MODELS[name]()
     x, y = _batches(1)
     model, _ = tfront.training_model(module, torch.zeros(2, D), loss=nn.CrossEntropyLoss(),
-                                     optimizer="sgd:lr=0.01")
+                                     optimizer="sgd:lr=0.01", exporter=exporter)
     got = run_step(model, {"x": x[0], "y": y[0]})
     loss, grads, _ = torch_step(module, x[0], y[0], nn.CrossEntropyLoss(), float64=True)
     assert abs(float(got["loss"]) - loss) <= TOL * abs(loss)
