@@ -217,6 +217,25 @@ def _gemma3n_text(cfg: Any) -> None:
     cfg.laurel_rank, cfg.sliding_window = 8, 4
 
 
+def _gemma3n(cfg: Any) -> None:
+    """Gemma 3n's text model as ``_gemma3n_text`` makes it; its audio encoder's conformer
+    (12 layers of 8 heads, named ``conf_*``) 2 layers of 4 heads, 32 mel features. Its
+    vocabulary ends in the vision and audio encoders' hard tokens (128 each past 262144, at
+    ``vocab_offset``): 16 each at the end of the tiny one, per-layer inputs for the text ids
+    before them; as many audio placeholders an audio as the encoder gives (188 asked for 2).
+    Its vision tower, timm's mobilenetv5_300m_enc (294 M parameters), unused by text and
+    audio: timm's small test ResNet."""
+    _gemma3n_text(cfg.text_config)
+    audio = cfg.audio_config
+    audio.conf_num_hidden_layers, audio.conf_num_attention_heads = 2, HEADS
+    audio.input_feat_size, audio.sscp_conv_channel_size = 32, [16, 8]
+    cfg.vision_config.vocab_offset, cfg.vision_config.vocab_size = VOCAB - 32, 16
+    audio.vocab_offset, audio.vocab_size = VOCAB - 16, 16
+    cfg.text_config.vocab_size_per_layer_input = VOCAB - 32
+    cfg.audio_soft_tokens_per_image = 2  # the sweep's 32 frames: 4x subsampled, 4x reduced
+    cfg.vision_config.architecture = "test_resnet"
+
+
 def _kimi_linear(cfg: Any) -> None:
     """Kimi Linear names its experts per token ``num_experts_per_token`` (8 of the 4 tiny
     experts: top-k out of range) and its linear attention's heads ``linear_num_heads`` (32);
@@ -285,6 +304,7 @@ FIXUPS: dict[str, Callable[[Any], None]] = {
     "dots3_note_text": _dots3_note,
     "efficientnet": _efficientnet,
     "esmc": _esmc,
+    "gemma3n": _gemma3n,
     "gemma3n_text": _gemma3n_text,
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,

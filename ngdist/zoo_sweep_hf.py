@@ -228,7 +228,7 @@ def _audio_features(model: Any, rng: np.random.Generator
     or without a channel axis), or a feature map in the layout the audio encoder takes
     (features by frames or frames by features; 2 * max_source_positions frames, or one
     chunk, 2 * n_window, where the encoder takes whole chunks), and the masks
-    get_audio_features takes (``_probe_inputs``)."""
+    get_audio_features takes (``_probe_inputs``; a frame mask int64, else bool: Gemma 3n)."""
     torch = _torch()
     cfg = model.config
     sub = getattr(cfg, "audio_config", None) or getattr(cfg, "encoder_config", None) or cfg
@@ -241,14 +241,15 @@ def _audio_features(model: Any, rng: np.random.Generator
         key, frames = "input_values", 1600
         shapes: tuple[tuple[int, ...], ...] = ((BATCH, 1, frames), (BATCH, frames))
     else:
-        width = getattr(sub, "input_size", None) or getattr(sub, "input_dim", None) or \
-            sub.num_mel_bins
+        width = next(getattr(sub, k) for k in ("input_size", "input_dim", "input_feat_size",
+                                                "num_mel_bins") if getattr(sub, k, None))
         frames = 2 * getattr(sub, "n_window", getattr(sub, "max_source_positions", 16))
         key, shapes = "input_features", ((BATCH, width, frames), (BATCH, frames, width))
     fed, extra, unused = _probe_inputs(model, params, frames)
     failures = []
-    for shape in shapes:
-        feeds = {key: rng.standard_normal(shape).astype(np.float32), **fed}
+    for shape, kind in [(s, k) for s in shapes for k in (np.int64, np.bool_)]:
+        feeds = {key: rng.standard_normal(shape).astype(np.float32),
+                 **{k: v.astype(kind) if k == "input_features_mask" else v for k, v in fed.items()}}
         try:
             with torch.no_grad():
                 out = getter(*map(torch.from_numpy, [*feeds.values(), *extra.values()]),
