@@ -5,7 +5,9 @@ Making the session is most of a probe's cost on a large graph (onnxruntime's ini
 grows faster than the node count: docs/benchmarks.md, "Compile time"), and the same probe is
 often asked twice in one process: the eval-mode export of a module whose graph is its
 training-mode one (no dropout, no BatchNorm), or the same module compiled again (another
-optimizer, a second trainer). The results of the last ``CACHED`` successful probes are kept,
+optimizer, a second trainer). The results of the last ``CACHED`` successful probes are kept
+(``CACHED_MAX_BYTES`` of values at most, the oldest dropped first: a large graph's probe
+returns tens of MiB),
 by a digest of everything the runs depend on (the probe graph's bytes, the values asked, every
 feed and weight: name, type, shape and bytes), so a probe asked again with the same bytes gets
 the same arrays, read-only, without a session. A probe that fails is run again each time, so
@@ -26,7 +28,7 @@ from ngdist.runtime.sessions import make_session
 logger = logging.getLogger(__name__)
 
 CACHED = 4  # probes whose results are kept
-CACHED_MAX_BYTES = 64 << 20  # results larger than this (all runs of one probe) are not kept
+CACHED_MAX_BYTES = 256 << 20  # of all kept results together (the oldest go first)
 
 Runs = list[dict[str, np.ndarray]]
 _RESULTS: OrderedDict[bytes, Runs] = OrderedDict()
@@ -64,13 +66,17 @@ def probe_runs(probe: onnx.ModelProto, names: list[str],
     runs = _run(probe, names, feeds, weights)
     arrays = [v for r in runs or () for v in r.values()]
     if runs is not None and all(isinstance(v, np.ndarray) for v in arrays) and \
-            sum(v.nbytes for v in arrays) <= CACHED_MAX_BYTES:
+            _nbytes(runs) <= CACHED_MAX_BYTES:
         for v in arrays:
             v.setflags(write=False)
         _RESULTS[key] = runs
-        while len(_RESULTS) > CACHED:
+        while len(_RESULTS) > CACHED or sum(map(_nbytes, _RESULTS.values())) > CACHED_MAX_BYTES:
             _RESULTS.popitem(last=False)
     return runs
+
+
+def _nbytes(runs: Runs) -> int:
+    return sum(v.nbytes for r in runs for v in r.values())
 
 
 def _run(probe: onnx.ModelProto, names: list[str], feeds: Sequence[Mapping[str, np.ndarray]],

@@ -121,3 +121,18 @@ def test_kept_results_are_the_runs_own_and_other_feeds_are_run(sessions):
     assert [r["batch"].item() for r in runs] == [len(f["x"]) for f in other]
     shape_probes.probe_runs(probe, names, feeds, {"w": np.zeros((3, 5), np.float32)})
     assert len(sessions) == 3  # weights are part of what a probe depends on
+
+
+def test_kept_results_stay_within_their_byte_budget(sessions, monkeypatch):
+    probe, names = _probe()
+    weights = {"w": np.ones((3, 5), np.float32)}
+    feeds = [batch_feeds({"x": np.full((2, 3), v, np.float32)}) for v in (1.0, 2.0)]
+    one = shape_probes._nbytes(shape_probes.probe_runs(probe, names, feeds[0], weights))
+    shape_probes._RESULTS.clear()
+    monkeypatch.setattr(shape_probes, "CACHED_MAX_BYTES", one)  # room for one probe's results
+    for f in (*feeds, feeds[1]):
+        shape_probes.probe_runs(probe, names, f, weights)
+    assert len(sessions) == 3  # the first probe once more, then the second from its results
+    assert len(shape_probes._RESULTS) == 1
+    shape_probes.probe_runs(probe, names, feeds[0], weights)
+    assert len(sessions) == 4  # dropped for the second
