@@ -520,12 +520,17 @@ def test_torch_steps_from_one_state_leave_the_optimizers_state_as_it_was(opt):
             assert torch.equal(torch.as_tensor(before), torch.as_tensor(now))
 
 
-def test_a_parameter_torch_reads_without_gradient_but_ngdist_trains_fails_the_gradients():
+def test_a_parameter_torch_reads_without_gradient_but_ngdist_trains_fails_the_gradients(
+        monkeypatch: pytest.MonkeyPatch):
     """A parameter read only under torch.no_grad (LayoutLMv3's relative position tables,
-    VibeVoice's audio tokenizer) has no torch gradient; ngdist gave it one, and the row
-    failed later at an optimizer step without saying why. The gradient stage names it."""
+    VibeVoice's audio tokenizer) has no torch gradient. Were ngdist to give it one (as it
+    does with its stop-gradient marks ignored and nothing frozen, below), the row would fail
+    later at an optimizer step without saying why: the gradient stage names it."""
     import sweep_check
     import torch
+
+    from ngdist.frontends import torch as tfront
+    from ngdist.passes.autodiff import driver
 
     class Biased(torch.nn.Module):
         def __init__(self) -> None:
@@ -537,9 +542,13 @@ def test_a_parameter_torch_reads_without_gradient_but_ngdist_trains_fails_the_gr
                 shift = self.table * 2.0
             return self.lin(x) + shift
 
-    torch.manual_seed(0)
     feeds = {"x": np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32),
              "y": np.array([0, 1, 2, 0, 1])}
+    torch.manual_seed(0)
+    sweep_check.check_gradients(Biased().train(), feeds, torch.nn.CrossEntropyLoss(), {})
+    monkeypatch.setattr(driver, "STOP_GRADIENT", "ngdist.test.no_such_mark")
+    monkeypatch.setattr(tfront, "gradient_free", lambda graph: set())
+    torch.manual_seed(0)
     with pytest.raises(sweep_check.StageError, match=r"1 parameters that torch gives no "
                        r"gradient .* get one from ngdist, e.g. \['table'\]"):
         sweep_check.check_gradients(Biased().train(), feeds, torch.nn.CrossEntropyLoss(), {})
