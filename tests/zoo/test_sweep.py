@@ -29,7 +29,6 @@ CI_MODELS = {
     "hf/seqcls/bert": "hf/seqcls/bert",
     "hf/causal/llama": "hf/causal/llama",
     "hf/causal/afmoe": "hf/causal/afmoe",  # mixture of experts: histc, grouped_mm, top-k
-    "hf/causal/jetmoe": "hf/causal/jetmoe",  # expert sizes from the data: dynamo, sequences
     "hf/imgcls/beit": "hf/imgcls/beit",
     "hf/audiocls/audio-spectrogram-transformer": "hf/audiocls/audio-spectrogram-transformer",
 }
