@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ngdist.frontends.shape_probes import probe_runs
-from ngdist.ir.copies import copy_fields
+from ngdist.ir.copies import copy_fields, node_subgraphs
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +203,9 @@ def _rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
     renamed by ``names``."""
     for k, name in enumerate(node.input):
         node.input[k] = names.get(name, name)
-    for a in node.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            for inner in sub.node:
-                _rename_inputs(inner, names)
+    for sub in node_subgraphs(node):
+        for inner in sub.node:
+            _rename_inputs(inner, names)
 
 
 def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:

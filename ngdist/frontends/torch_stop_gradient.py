@@ -31,6 +31,7 @@ from typing import Any
 
 import onnx
 
+from ngdist.ir.copies import node_subgraphs
 from ngdist.passes.autodiff.driver import STOP_GRADIENT
 
 logger = logging.getLogger(__name__)
@@ -196,10 +197,9 @@ def mark_stop_gradients(model: onnx.ModelProto) -> int:
 def _read_names(node: onnx.NodeProto) -> set[str]:
     """The values ``node`` reads: its inputs and, in its subgraphs, every name they read."""
     names = {i for i in node.input if i}
-    for a in node.attribute:
-        for g in [a.g] if a.HasField("g") else list(a.graphs):
-            for inner in g.node:
-                names |= _read_names(inner)
+    for g in node_subgraphs(node):
+        for inner in g.node:
+            names |= _read_names(inner)
     return names
 
 

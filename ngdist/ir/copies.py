@@ -1,4 +1,5 @@
-"""Copies of ONNX models that leave tensors' data out, and the data put back.
+"""Copies of ONNX models that leave tensors' data out, and the data put back; the subgraphs a
+node holds (``node_subgraphs``).
 
 A protobuf message (upb) keeps all it ever held until the whole message is freed: a tensor
 overwritten in place (``CopyFrom``) or a repeated field cleared and filled again leaves the old
@@ -32,6 +33,12 @@ def large(tensor: onnx.TensorProto) -> bool:
         return tensor.ByteSize() > LARGE_BYTES
     itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
     return math.prod(tensor.dims) * itemsize > LARGE_BYTES
+
+
+def node_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs ``node``'s attributes hold (an If's branches, a Loop's or Scan's body)."""
+    return [sub for a in node.attribute
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
 
 
 def copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:

@@ -35,6 +35,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from ngdist.ir.copies import node_subgraphs
 from ngdist.ir.domain import DOMAIN, comm_attributes
 from ngdist.kernels import get_kernel
 from ngdist.runtime import blocked_conv
@@ -93,8 +94,7 @@ def _has_unused(model: onnx.ModelProto) -> bool:
     while graphs:
         graph = graphs.pop()
         nodes += graph.node
-        subs = [sub for n in graph.node for a in n.attribute
-                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+        subs = [sub for n in graph.node for sub in node_subgraphs(n)]
         subgraphs += subs
         graphs += subs
     used = {i for n in nodes for i in n.input} | {o.name for o in model.graph.output}
@@ -149,10 +149,8 @@ def _has_random(graph: onnx.GraphProto) -> bool:
     for node in graph.node:
         if node.op_type in _RANDOM:
             return True
-        for a in node.attribute:
-            if any(_has_random(g) for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH
-                                              else a.graphs)):
-                return True
+        if any(_has_random(g) for g in node_subgraphs(node)):
+            return True
     return False
 
 
