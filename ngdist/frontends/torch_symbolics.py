@@ -16,7 +16,8 @@ torch) already registers for an operator is left in place and used.
   (torch's symbolic hands ONNX's CumSum a bool tensor, which onnxruntime refuses);
 * ``aten::unfold`` (``Tensor.unfold``) along an axis whose extent the exporter cannot see
   (timm's halonet): :func:`_unfold`;
-* ``aten::permute`` with negative dims: counted from the end (:func:`_permute`);
+* ``aten::permute`` and ``aten::movedim`` with negative dims: counted from the end
+  (:func:`_permute`, :func:`_movedim`);
 * ``aten::repeat_interleave`` along a negative dim: torch's symbolic adds the rank to the
   traced constant in place, which every other user of that constant then reads
   (:func:`_repeat_interleave`);
@@ -250,6 +251,27 @@ def _permute(builtin: Callable[..., Any]) -> Callable[..., Any]:
     return symbolic
 
 
+def _movedim(builtin: Callable[..., Any]) -> Callable[..., Any]:
+    """``movedim`` with negative dims (``x.movedim(-1, 2)``: Hugging Face Gemma 3n's audio
+    attention): torch's symbolic indexes its permutation with them unchanged and writes -1
+    into Transpose's ``perm``; here they count from the end, as torch counts them."""
+    def symbolic(g: Any, x: Any, source: Any, destination: Any) -> Any:
+        h = helper()
+        rank = h._get_tensor_rank(x)
+        src, dst = (h._maybe_get_const(v, "t") for v in (source, destination))
+        if rank is None or h._is_value(src) or h._is_value(dst):
+            return builtin(g, x, source, destination)
+        src, dst = ([int(a) % rank for a in np.reshape(v, -1)] for v in (src, dst))
+        perm = [-1] * rank
+        for s, d in zip(src, dst):
+            perm[d] = s
+        rest = iter(a for a in range(rank) if a not in src)
+        perm = [next(rest) if p < 0 else p for p in perm]
+        return g.op("Transpose", x, perm_i=perm)
+
+    return symbolic
+
+
 def _repeat_interleave(builtin: Callable[..., Any]) -> Callable[..., Any]:
     """``repeat_interleave`` with a constant ``dim``: torch's symbolic (opset 13) makes a
     negative dim positive by ``dim += rank`` on the constant's own tensor, so every node that
@@ -317,6 +339,7 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
     "aten::cumsum": _cumsum,
     "aten::unfold": _unfold,
     "aten::permute": _permute,
+    "aten::movedim": _movedim,
     "aten::avg_pool2d": _avg_pool2d,
     "aten::repeat_interleave": _repeat_interleave,
     "aten::as_strided": as_strided,
@@ -331,7 +354,8 @@ _LENT: dict[str, Callable[[Callable[..., Any] | None], Callable[..., Any]]] = {
 }
 # operators whose torch symbolic is kept as the fallback of the lent one
 _WRAPS = {"aten::adaptive_avg_pool2d", "aten::cumsum", "aten::unfold", "aten::permute",
-          "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
+          "aten::movedim", "aten::avg_pool2d", "aten::repeat_interleave", "aten::as_strided",
+          "aten::col2im",
           "aten::scatter_reduce", "aten::index_add", "aten::detach", *WRAPS, *torch_complex.WRAPS}
 
 

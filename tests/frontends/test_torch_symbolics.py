@@ -128,7 +128,7 @@ def _custom_groups() -> dict[str, object]:
             if registration.registry.get_function_group(name) else None
             for name in ("aten::expm1", "aten::diff", "aten::histc",
                          "aten::adaptive_avg_pool2d", "aten::_grouped_mm", "aten::cumsum",
-                         "aten::unfold", "aten::permute", "aten::avg_pool2d",
+                         "aten::unfold", "aten::permute", "aten::movedim", "aten::avg_pool2d",
                          "aten::repeat_interleave", "aten::as_strided", "aten::col2im",
                          "aten::scatter_reduce", "aten::index_add", "aten::pow", "aten::sum",
                          "aten::detach",
@@ -370,6 +370,27 @@ def test_permute_with_negative_dims_is_valid_onnx_whose_shapes_infer():
     assert len(out.type.tensor_type.shape.dim) == 4
     (got,) = _ort(Fn(lambda t: t.permute(0, -2, -1, 1) * 2), x)
     np.testing.assert_array_equal(got, (x.permute(0, 2, 3, 1) * 2).numpy())
+
+
+@pytest.mark.parametrize("source,destination", [(-1, 2), ([-1, 0], [1, -1]), (1, -2)])
+def test_movedim_with_negative_dims_is_torchs_permutation(source, destination):
+    """torch's symbolic writes -1 into Transpose's perm for ``movedim(-1, 2)`` (Hugging Face
+    Gemma 3n's audio attention): onnxruntime refuses the graph."""
+    import onnx
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t.movedim(source, destination) * 2
+
+    x = torch.randn(2, 3, 4, 5, 6)
+    buf = io.BytesIO()
+    with lent_symbolics(OPSET):
+        torch.onnx.export(Fn(fn), (x,), buf, dynamo=False, opset_version=OPSET,
+                          dynamic_axes={"x": {0: "n"}}, input_names=["x"])
+    model = onnx.load_from_string(buf.getvalue())
+    perms = [list(a.ints) for n in model.graph.node for a in n.attribute if a.name == "perm"]
+    assert len(perms) == 1 and sorted(perms[0]) == list(range(5))
+    (got,) = _ort(Fn(fn), x)
+    np.testing.assert_array_equal(got, fn(x).numpy())
 
 
 def test_repeat_interleave_along_a_negative_dim_leaves_the_shared_constant_alone():
