@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ngdist.frontends.shape_probes import probe_runs
-from ngdist.ir.copies import copy_fields, node_subgraphs
+from ngdist.ir.copies import copy_fields, node_subgraphs, outer_reads
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,14 @@ def _shape_only_values(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
             continue
         shape_inputs = [node.input[k] for k in _SHAPE_INPUTS.get(node.op_type, ())
                         if k < len(node.input) and node.input[k]]
-        if node.op_type in _DATA_SHAPED_OPS or any(i in shaped for i in node.input) or \
+        reads = outer_reads(node)  # an If's branches may read weights it has no input for
+        if node.op_type in _DATA_SHAPED_OPS or any(i in shaped for i in reads) or \
                 any(i not in derived and i not in fixed for i in shape_inputs):
             shaped.update(outs)
         if node.op_type in _SHAPE_SOURCES:
             if node.input[0] in shaped:
                 continue
-        elif not (node.input and all(not i or i in derived for i in node.input)):
+        elif not (reads and all(i in derived for i in reads)):
             continue
         derived.update(outs)
         order.extend(outs)
@@ -142,7 +143,7 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
         if outs and all(o in fixed for o in outs):
             continue
         kept.append(node)
-    used = {i for n in kept for i in n.input} | {o.name for o in g.output}
+    used = {i for n in kept for i in outer_reads(n)} | {o.name for o in g.output}
     folded = [n for n in fixed if n in used]
     outputs = {o.name for o in g.output}
     # a folded value is an initializer of its own name: the node output it replaces may
@@ -152,20 +153,27 @@ def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.n
              for n in folded}
     g.initializer.extend(numpy_helper.from_array(fixed[n], names[n]) for n in folded)
     for node in kept:
-        _rename_inputs(node, names)
+        rename_inputs(node, names)
     del g.node[:]
     g.node.extend(kept)
-    _remove_dead(g)
+    remove_dead(g)
     return len(folded)
+
+
+def constants(g: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The values of ``g`` that are constants: its initializers and its Constant nodes'
+    tensors, by name."""
+    consts = {t.name: t for t in g.initializer}
+    consts.update({n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"
+                   and len(n.attribute) == 1 and n.attribute[0].name == "value"})
+    return consts
 
 
 def squeezing_splits(model: onnx.ModelProto) -> int:
     """Drops the ``split`` input of every SplitToSequence with ``keepdims=0`` whose
     ``split`` is a constant scalar 1 (see the module's docstring); the number rewritten."""
     g = model.graph
-    consts = {t.name: t for t in g.initializer}
-    consts.update({n.output[0]: n.attribute[0].t for n in g.node if n.op_type == "Constant"
-                   and len(n.attribute) == 1 and n.attribute[0].name == "value"})
+    consts = constants(g)
     done = 0
     for node in g.node:
         if node.op_type != "SplitToSequence" or len(node.input) < 2 or \
@@ -198,14 +206,14 @@ def _probe_model(model: onnx.ModelProto, tensors: Mapping[str, onnx.TensorProto]
     return probe, {n: numpy_helper.to_array(tensors.get(n, t)) for n, t in weights.items()}
 
 
-def _rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
+def rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
     """``node``'s inputs, and those of nodes in its subgraphs (which may read outer values),
     renamed by ``names``."""
     for k, name in enumerate(node.input):
         node.input[k] = names.get(name, name)
     for sub in node_subgraphs(node):
         for inner in sub.node:
-            _rename_inputs(inner, names)
+            rename_inputs(inner, names)
 
 
 def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:
@@ -265,16 +273,15 @@ def probe_feeds(model: onnx.ModelProto) -> list[dict[str, np.ndarray]]:
     return feeds
 
 
-def _remove_dead(g: onnx.GraphProto) -> None:
+def remove_dead(g: onnx.GraphProto) -> None:
     """Drops nodes none of whose outputs are used, and unused initializers."""
     while True:
-        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        used = {i for n in g.node for i in outer_reads(n)} | {o.name for o in g.output}
         live = [n for n in g.node if any(o in used for o in n.output if o)]
         if len(live) == len(g.node):
             break
         del g.node[:]
         g.node.extend(live)
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
     for k in reversed(range(len(g.initializer))):  # (kept ones are not copied again)
         if g.initializer[k].name not in used:
             del g.initializer[k]

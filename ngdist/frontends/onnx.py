@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ngdist import optim
 from ngdist.errors import GraphError, OptionError
 from ngdist.frontends.cleanup import fold_static_shapes, probe_feeds, squeezing_splits
+from ngdist.frontends.constant_ifs import constant_ifs
 from ngdist.frontends.optim_nodes import optimizer_nodes
 from ngdist.ir.domain import PREVIEW_TRAINING
 from ngdist.ir.copies import copy_fields, large, put_tensor_data, without_tensor_data
@@ -72,6 +73,7 @@ def normalize_forward(model: onnx.ModelProto,
                                 tensors)
     if folded:
         logger.info("%d shape values and Reshape targets folded to constants", folded)
+    constant_ifs(model)
     try:
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     except Exception as exc:  # inference is a help, not a requirement

@@ -31,7 +31,7 @@ from typing import Any
 
 import onnx
 
-from ngdist.ir.copies import node_subgraphs
+from ngdist.ir.copies import outer_reads
 from ngdist.passes.autodiff.driver import STOP_GRADIENT
 
 logger = logging.getLogger(__name__)
@@ -194,15 +194,6 @@ def mark_stop_gradients(model: onnx.ModelProto) -> int:
     return marked
 
 
-def _read_names(node: onnx.NodeProto) -> set[str]:
-    """The values ``node`` reads: its inputs and, in its subgraphs, every name they read."""
-    names = {i for i in node.input if i}
-    for g in node_subgraphs(node):
-        for inner in g.node:
-            names |= _read_names(inner)
-    return names
-
-
 def gradient_free(model: onnx.ModelProto) -> set[str]:
     """The float initializers of ``model`` from which no differentiable path leads to its first
     output but through marked stop-gradients (every use detached or under no_grad): torch
@@ -214,7 +205,7 @@ def gradient_free(model: onnx.ModelProto) -> set[str]:
         blocked = node.op_type == "Identity" and any(p.key == STOP_GRADIENT
                                                      for p in node.metadata_props)
         if not blocked and any(o in reach for o in node.output):
-            reach |= _read_names(node)
+            reach |= outer_reads(node)
     floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
               onnx.TensorProto.BFLOAT16}
     free = {t.name for t in model.graph.initializer

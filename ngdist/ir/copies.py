@@ -1,5 +1,5 @@
 """Copies of ONNX models that leave tensors' data out, and the data put back; the subgraphs a
-node holds (``node_subgraphs``).
+node holds (``node_subgraphs``) and the outer values it reads (``outer_reads``).
 
 A protobuf message (upb) keeps all it ever held until the whole message is freed: a tensor
 overwritten in place (``CopyFrom``) or a repeated field cleared and filled again leaves the old
@@ -39,6 +39,21 @@ def node_subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     """The graphs ``node``'s attributes hold (an If's branches, a Loop's or Scan's body)."""
     return [sub for a in node.attribute
             for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """The values of the graph around ``node`` that it reads: its inputs and every name its
+    subgraphs read without making it themselves (an If branch may read a weight that is not
+    among the If's inputs)."""
+    names = {i for i in node.input if i}
+    for sub in node_subgraphs(node):
+        made = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+        read: set[str] = set()
+        for inner in sub.node:
+            read |= outer_reads(inner)
+            made.update(inner.output)
+        names |= read - made
+    return names
 
 
 def copy_fields(src: Any, dst: Any, skip: tuple[str, ...]) -> Any:

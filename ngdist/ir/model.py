@@ -32,7 +32,7 @@ from onnx import numpy_helper
 from ngdist.errors import GraphError, ModelLoadError
 from ngdist.ir.atomic import remove_stale_temps_in, write_atomic
 from ngdist.ir.copies import (TENSOR_DATA, checker_copy, copy_fields, large, put_tensor_data,
-                              without_tensor_data)
+                              outer_reads, without_tensor_data)
 from ngdist.ir.domain import DOMAIN, DOMAIN_VERSION
 from ngdist.ir.modelfile import (check_nodes, check_tensor_data, check_text, read_model_bytes,
                                  resolve_external_data)
@@ -152,7 +152,7 @@ def save_proto(model: onnx.ModelProto, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------- split / assemble
 
 def _used_names(graph: onnx.GraphProto) -> set[str]:
-    return {i for n in graph.node for i in n.input if i} | {o.name for o in graph.output}
+    return {i for n in graph.node for i in outer_reads(n)} | {o.name for o in graph.output}
 
 
 def _roles(alg: onnx.GraphProto, main_inits: dict[str, onnx.TensorProto],

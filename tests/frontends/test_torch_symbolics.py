@@ -36,6 +36,19 @@ def _agree(step: dict, ref: torch.nn.Module, loss: torch.Tensor) -> None:
     assert max(errors.values()) < 1e-5, errors
 
 
+def _one_step_agrees(module: torch.nn.Module, make: type, x: torch.Tensor, y: torch.Tensor
+                     ) -> object:
+    """``module``'s training model (SGD, cross-entropy) on ``(x, y)``: its loss and gradients
+    against torch float64 autograd of ``make()`` holding the same state; the model."""
+    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
+                                     optimizer="sgd:lr=0.1")
+    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
+    ref = make().double()
+    ref.load_state_dict(module.state_dict())
+    _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
+    return model
+
+
 class Fn(torch.nn.Module):
     def __init__(self, fn) -> None:
         super().__init__()
@@ -115,12 +128,7 @@ def test_gradients_through_the_lent_symbolics_match_torch_float64():
     torch.manual_seed(0)
     module = Lent()
     x, y = torch.randn(5, 2, 7, 8), torch.randint(0, 4, (5,))
-    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
-                                     optimizer="sgd:lr=0.1")
-    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
-    ref = Lent().double()
-    ref.load_state_dict(module.state_dict())
-    _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
+    _one_step_agrees(module, Lent, x, y)
 
 
 def _custom_groups() -> dict[str, object]:
@@ -344,12 +352,7 @@ def test_gradients_through_the_math_symbolics_match_torch_float64():
     torch.manual_seed(0)
     module = Math()
     x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
-                                     optimizer="sgd:lr=0.1")
-    got = run_step(model, {"x": x.numpy(), "y": y.numpy()})
-    ref = Math().double()
-    ref.load_state_dict(module.state_dict())
-    _agree(got, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
+    _one_step_agrees(module, Math, x, y)
 
 
 def test_permute_with_negative_dims_is_valid_onnx_whose_shapes_infer():
@@ -451,13 +454,8 @@ def test_an_avg_pool_window_larger_than_the_map_is_a_global_average_with_a_gradi
     (got,) = _ort(module, x)
     np.testing.assert_allclose(got, module.double()(x.double()).detach().numpy(), atol=1e-6)
     module.float()
-    model, _ = tfront.training_model(module, (x,), loss=torch.nn.CrossEntropyLoss(),
-                                     optimizer="sgd:lr=0.1")
+    model = _one_step_agrees(module, Pooled, x, y)
     assert "GlobalAveragePool" in {n.op_type for n in model.graph.node}
-    step = run_step(model, {"x": x.numpy(), "y": y.numpy()})
-    ref = Pooled().double()
-    ref.load_state_dict(module.state_dict())
-    _agree(step, ref, torch.nn.functional.cross_entropy(ref(x.double()), y))
 
 
 @pytest.mark.parametrize("kw", [{}, {"right": True}, {"side": "right"}, {"out_int32": True},
@@ -479,3 +477,26 @@ def test_searchsorted_matches_torch_on_ties_infinities_nan_and_batched_rows(kw):
         exact = torch.searchsorted(s, v, **args).numpy()
         assert got.dtype == exact.dtype
         np.testing.assert_array_equal(got, exact)
+
+
+class TiledWindow(torch.nn.Module):
+    """A windowed position table tiled to the feature map (timm's SAM2 Hiera): torch's
+    ``tile`` with fewer repeats than axes exports as an If whose branches read the weight,
+    which is none of the If's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.window = torch.nn.Parameter(torch.randn(1, 3, 2, 2))
+        self.out = torch.nn.Linear(3, 4)
+
+    def forward(self, x):
+        reps = (x.shape[-2] // self.window.shape[-2], x.shape[-1] // self.window.shape[-1])
+        return self.out((x + self.window.tile(reps)).mean((2, 3)))
+
+
+def test_a_weight_read_only_inside_an_if_branch_is_trained_as_torch_trains_it():
+    torch.manual_seed(0)
+    module = TiledWindow()
+    x, y = torch.randn(5, 3, 4, 6), torch.randint(0, 4, (5,))
+    model = _one_step_agrees(module, TiledWindow, x, y)
+    assert "window" in {t.name for t in model.graph.initializer}

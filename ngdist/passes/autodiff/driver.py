@@ -45,6 +45,18 @@ def _is_float(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
+def _reads(node: ir.Node) -> list[ir.Value]:
+    """The values ``node`` reads: its inputs and, for an If, Loop or Scan, every value its
+    subgraphs read (a branch may read a weight that is none of the node's inputs)."""
+    reads = [i for i in node.inputs if i is not None]
+    for attr_ in node.attributes.values():
+        if attr_.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            subs = [attr_.value] if attr_.type == ir.AttributeType.GRAPH else attr_.value
+            reads += [i for sub in subs for inner in ir.traversal.RecursiveGraphIterator(sub)
+                      for i in inner.inputs if i is not None]
+    return reads
+
+
 def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value
                   ) -> tuple[set[int], list[ir.Node]]:
     """The ids of the values reachable from ``xs`` (through differentiable nodes), and the
@@ -54,15 +66,15 @@ def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
     for node in nodes:
         if _no_gradient(node):
             continue
-        if any(id(i) in from_x for i in node.inputs if i is not None):
+        if any(id(i) in from_x for i in _reads(node)):
             from_x.update(id(o) for o in node.outputs)
     to_y: set[int] = {id(y)}
     active: list[ir.Node] = []
     for node in reversed(nodes):
-        if any(id(o) in to_y for o in node.outputs) and \
-                any(i is not None and id(i) in from_x for i in node.inputs):
+        reads = _reads(node)
+        if any(id(o) in to_y for o in node.outputs) and any(id(i) in from_x for i in reads):
             active.append(node)
-            to_y.update(id(i) for i in node.inputs if i is not None)
+            to_y.update(id(i) for i in reads)
     return from_x, active
 
 
