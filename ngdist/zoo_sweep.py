@@ -47,10 +47,11 @@ BN_VALUES = 16
 # 4096 channels holds 103 M parameters (float64 oracle, optimizer states: past the memory
 # cap); a 64-channel hidden layer (mlp_ratio 1/64) holds 1.9 M (the model 11 M)
 # DeepSeek's ViT family has only its 412 M-parameter size: 2 of its 24 blocks at full width
-# hold 26 M (1.6 GB of float32 parameters alone had the row past the memory cap)
+# hold 26 M (1.6 GB of float32 parameters alone had the row past the memory cap); Gemma 4's
+# smallest ViT with a classifier has 167 M, 35 M in 2 blocks
 _TIMM_KWARGS: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("vgg11", "vgg11_bn", "vgg13", "vgg16", "vgg19"), {"mlp_ratio": 1 / 64}),
-    "deepseek_vit_412m": {"depth": 2},
+    **dict.fromkeys(("deepseek_vit_412m", "gemma4_vit_167m"), {"depth": 2}),
 }
 # timm models whose patch size divides none of 32, 64, 128 (the default side, 546 for DeepSeek's
 # ViT, held the row past the memory cap): the sides tried
@@ -175,6 +176,8 @@ def _timm_families(cache: Path | None, candidates: int = 4) -> dict[str, str]:
             try:
                 with _torch().device("meta"):
                     model = timm.create_model(name, pretrained=False, num_classes=CLASSES)
+                if getattr(model, "num_classes", CLASSES) != CLASSES:
+                    continue  # an encoder without a classifier (timm's gemma4_vit_167m_enc)
                 sizes.append((sum(p.numel() for p in model.parameters()), name))
             except Exception as exc:  # noqa: BLE001 - a variant that needs arguments: skip it
                 logger.info("timm %s: %s", name, exc)
