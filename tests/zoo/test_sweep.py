@@ -487,6 +487,22 @@ def test_a_trained_state_off_in_one_slice_says_so_relative_to_the_states_scale()
         "; 1 of 4 slices along axis 0 off, the rest within 0.0e+00"
 
 
+def test_an_infinite_entry_a_step_leaves_as_it_was_is_no_error_and_one_it_changes_is():
+    """timm's Gemma 4 ViT clips activations to parameters that start at -inf/+inf: equal
+    infinities are no error (they were NaN, failing every row), and an infinity where float64
+    has a finite value is an infinite one."""
+    import sweep_check
+
+    before = {"lo": np.array([-np.inf, -np.inf]), "w": np.array([1.0, 2.0])}
+    exact = {"lo": before["lo"].copy(), "w": np.array([0.9, 2.0])}
+    assert sweep_check._scales(exact, before) == {"lo": pytest.approx(0.1), "w": 2.0}
+    same = {"lo": before["lo"].copy(), "w": np.array([0.9, 2.0 + 2e-6])}
+    assert sweep_check._errors(same, exact, before, {}) == {"lo": 0.0,
+                                                            "w": pytest.approx(1e-6)}
+    moved = {"lo": np.array([-np.inf, 0.0]), "w": exact["w"]}
+    assert sweep_check._errors(moved, exact, before, {})["lo"] == np.inf
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_torch_steps_from_one_state_leave_the_optimizers_state_as_it_was(opt):
     """Every float32 run steps from the same state: a step must not update the optimizer's
