@@ -101,8 +101,9 @@ def _zamba(cfg: Any) -> None:
 def _longcat_flash(cfg: Any) -> None:
     """LongCat-Flash names its widths ffn_hidden_size and expert_ffn_hidden_size (12288 and
     2048: 73 M parameters) and routes to 256 parameter-free zero experts besides: tiny widths,
-    2 zero experts."""
+    2 zero experts; its experts per token are ``moe_topk`` (12 of 4 + 2): 2."""
     cfg.ffn_hidden_size, cfg.expert_ffn_hidden_size, cfg.zero_expert_num = 2 * WIDTH, WIDTH, 2
+    cfg.moe_topk = 2
 
 
 def _timm_wrapper(cfg: Any) -> None:
