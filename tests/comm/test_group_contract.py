@@ -361,8 +361,10 @@ group = {"mpi": lambda: host, "staged": lambda: HostStagedGroup(host),
          }[kind]()
 xp = fake_nccl.cupy if kind.startswith("nccl") else np
 if world.rank == 1:
-    if scenario != "dead":
-        time.sleep(8)  # late past rank 0's 1.5 s deadline, then gone
+    if scenario != "dead":  # late past rank 0's 1.5 s deadline (until it has its result or
+        end = time.monotonic() + 30  # the job is aborted), then gone
+        while not os.path.exists("caught.json") and time.monotonic() < end:
+            time.sleep(0.05)
     os._exit(0)
 buf = xp.asarray(np.ones(8, np.float32))
 if scenario == "overlap":  # the wait returns at once; the next call finds it past its deadline
@@ -381,8 +383,9 @@ if kind == "nccl":
         group.allreduce(buf, "next").wait()
     except Exception as exc:
         after = str(exc)
-json.dump({"caught": caught, "aborts": fake_nccl.RECORD["aborts"], "after": after},
-          open("caught.json", "w"))
+with open("caught.part", "w") as fh:  # whole when rank 1 sees it
+    json.dump({"caught": caught, "aborts": fake_nccl.RECORD["aborts"], "after": after}, fh)
+os.replace("caught.part", "caught.json")
 os._exit(0)
 """
 HINT = ("; a rank has probably died or is running a different program. Check the other ranks' "
