@@ -228,7 +228,10 @@ else:
     os._exit(0)
 """
 DEAD = WAITER % {"timeout": 60, "rank1": "os._exit(0)"}
-LATE = WAITER % {"timeout": 2, "rank1": "time.sleep(5)  # alive, but past rank 0's deadline"}
+# alive, but past rank 0's deadline: until rank 0 has its result (at most 30 s)
+LATE = WAITER % {"timeout": 2, "rank1": """end = time.monotonic() + 30
+    while not os.path.exists("caught.json") and time.monotonic() < end:
+        time.sleep(0.05)"""}
 
 
 @pytest.mark.mpi
