@@ -32,8 +32,10 @@ else:  # a split whose order is the reverse of the world's: group rank != job-wi
 if rank == 1:
     with open("pid1", "w") as fh:
         fh.write(str(os.getpid()))
-    if scenario == "late":
-        time.sleep(6)
+    if scenario == "late":  # past rank 0's deadline: until rank 0 has its result (<= 30 s)
+        end = time.monotonic() + 30
+        while not os.path.exists("caught.json") and time.monotonic() < end:
+            time.sleep(0.05)
     elif scenario == "absent":
         time.sleep(60)
     os._exit(0)  # leaves without finalizing MPI, status 0
