@@ -82,6 +82,15 @@ def _gemma4(cfg: Any) -> None:
             sub.vocab_size_per_layer_input, sub.hidden_size_per_layer_input = VOCAB, 8
 
 
+def _reformer(cfg: Any) -> None:
+    """Reformer's axial position table factors 4096 positions into 64 x 64 with 64 + 192
+    channels (the width is 32 here, and a training batch must hold all 4096 positions):
+    ordinary position embeddings; local attention in both layers (LSH attention draws its
+    hash rotations at random in each forward, which no export can replay); a decoder, which
+    its LM head requires."""
+    cfg.axial_pos_embds, cfg.attn_layers, cfg.is_decoder = False, ["local", "local"], True
+
+
 def _roc_bert(cfg: Any) -> None:
     """RoCBert's pronunciation and glyph-shape embeddings (910 and 24858 rows of 768 and 512)
     the tiny vocabulary's rows of the tiny width."""
@@ -324,6 +333,7 @@ FIXUPS: dict[str, Callable[[Any], None]] = {
     "nemo_speechlm": _nemo_speechlm,
     "perceiver": _perceiver,
     "qwen3_asr": _qwen3_asr,
+    "reformer": _reformer,
     "roc_bert": _roc_bert,
     "shieldgemma2": _shieldgemma2,
     "t5gemma": _t5gemma,

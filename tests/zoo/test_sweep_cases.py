@@ -44,12 +44,13 @@ def test_an_audio_lm_without_a_placeholder_id_gets_one_inside_the_vocabulary():
     """Voxtral's config sets no ``audio_token_id`` (None: no placeholder matched, and its
     forward raised): the tiny config's is the sweep's placeholder, one per audio embedding."""
     from ngdist import zoo_sweep_hf as hf
+    from ngdist.zoo_sweep_configs import AUDIO_TOKEN
     from ngdist.zoo_sweep_fixups import tiny_config
 
-    assert tiny_config("voxtral").audio_token_id == hf.AUDIO_TOKEN
+    assert tiny_config("voxtral").audio_token_id == AUDIO_TOKEN
     loss, feeds = _loss("hf/speech2seq/voxtral")
     assert np.isfinite(loss)
-    assert (feeds["input_ids"] == hf.AUDIO_TOKEN).sum() > 0
+    assert (feeds["input_ids"] == AUDIO_TOKEN).sum() > 0
 
 
 def test_prophetnets_float64_oracle_has_finite_gradients_that_agree_with_float32():
@@ -90,14 +91,46 @@ def test_an_audio_lm_that_runs_its_tower_itself_gets_placeholders_and_a_frame_ma
     audio in the graph. Now one placeholder per audio embedding leads each sequence, not
     counted in the loss, and the features come with their frame mask."""
     from ngdist import zoo_sweep_hf as hf
+    from ngdist.zoo_sweep_configs import AUDIO_TOKEN
 
     loss, feeds = _loss("hf/seq2seq/qwen2_audio")
     assert np.isfinite(loss) and "decoder_input_ids" not in feeds
     assert feeds["feature_attention_mask"].shape == (hf.BATCH, feeds["input_features"].shape[2])
     ids, y = feeds["input_ids"], feeds["y"].reshape(hf.BATCH, -1)
-    audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
-    assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
+    audio = int((ids == AUDIO_TOKEN).sum(1)[0])
+    assert audio > 0 and (ids[:, :audio] == AUDIO_TOKEN).all()
     assert (y[:, :audio - 1] == -100).all()
+
+
+@pytest.mark.parametrize("model_type", ["musicgen", "musicgen_melody"])
+def test_a_causal_lm_over_parallel_code_streams_predicts_each_streams_next_code(model_type):
+    """MusicGen's causal LM takes (batch * codebooks, time) codes and returns logits of
+    (batch * codebooks, time, vocabulary): each label is the next code of its own stream, and
+    the loss is torch's cross-entropy over all of them."""
+    import torch
+
+    from ngdist import zoo_sweep_hf as hf
+
+    loss, feeds = _loss(f"hf/causal/{model_type}")
+    ids, y = feeds["input_ids"], feeds["y"]
+    k = ids.shape[0] // hf.BATCH
+    assert k > 1 and y.shape == (ids.size,)
+    nxt = y.reshape(hf.BATCH, k, -1)
+    np.testing.assert_array_equal(nxt[..., :-1], ids.reshape(hf.BATCH, k, -1)[..., 1:])
+    module, _, _ = hf._build("causal", model_type)
+    with torch.no_grad():
+        logits = module.model(input_ids=torch.from_numpy(ids)).logits
+    assert tuple(logits.shape[:2]) == ids.shape
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             torch.from_numpy(y))
+    assert loss == pytest.approx(float(want), rel=1e-6)
+
+
+def test_reformers_tiny_config_trains_as_a_decoder_on_a_short_batch():
+    """Reformer's default axial position table needs 4096 positions a training batch."""
+    loss, _ = _loss("hf/causal/reformer")
+    seq, _ = _loss("hf/seqcls/reformer")
+    assert np.isfinite(loss) and np.isfinite(seq)
 
 
 @pytest.mark.parametrize("model_type", ["xlm", "flaubert"])
@@ -230,12 +263,13 @@ def test_an_audio_lm_that_counts_its_audio_embeddings_from_a_sample_mask_is_fed_
     from a mask of the waveform's samples (it was fed as a text model: float waveforms as
     token ids): the waveform, its all-ones mask, one placeholder per embedding."""
     from ngdist import zoo_sweep_hf as hf
+    from ngdist.zoo_sweep_configs import AUDIO_TOKEN
 
     module, feeds = _agree("hf/speech2seq/vibevoice")
     assert feeds["padding_mask"].shape == feeds["input_values"].shape[::2]
     assert feeds["padding_mask"].all()
     hop = module.model.config.audio_config.hop_length
-    assert ((feeds["input_ids"] == hf.AUDIO_TOKEN).sum(1) == 1600 // hop).all()
+    assert ((feeds["input_ids"] == AUDIO_TOKEN).sum(1) == 1600 // hop).all()
 
 
 def test_nemotron_transcribes_speech_encoders_take_a_padding_mask():
