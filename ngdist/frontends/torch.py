@@ -31,14 +31,13 @@ A torch loss module or function given as ``loss=`` is exported with the model, s
 torch can export trains with torch's formula (``frontends/torch_loss.py``).
 
 Optimizers follow PyTorch's formulas exactly (``docs/ARCHITECTURE.md``, "Optimizer formulas"):
-``torch.optim.SGD`` (momentum, dampening, Nesterov, weight decay) maps onto ONNX Momentum
-(beta = 1 - dampening); ``torch.optim.Adam`` and ``torch.optim.AdamW`` become
-``ngdist.optim.TorchAdam`` / ``ngdist.optim.AdamW`` (AMSGrad included), ONNX Adam nodes marked
-with PyTorch's formula (ONNX's own Adam adds epsilon before the bias correction, which differs
-wherever a gradient's RMS is not far above eps, e.g. bias gradients of ~1e-7 at
-initialization). ``maximize`` and per-group hyper-parameters are refused with a clear error;
-``foreach``, ``fused``, ``capturable`` and ``differentiable`` only choose torch's
-implementation and are ignored.
+``torch.optim.SGD`` maps onto ONNX Momentum (beta = 1 - dampening); ``Adam`` and ``AdamW``
+become ONNX Adam nodes marked with PyTorch's formula (ONNX's own adds epsilon before the bias
+correction). ``foreach``, ``fused``, ``capturable`` and ``differentiable`` only choose torch's
+implementation and are ignored (``frontends/torch_optim.py``).
+
+Custom autograd Functions whose backward differs from autograd through their forward are
+refused by name (``frontends/torch_custom_grad.py``).
 """
 from __future__ import annotations
 
@@ -65,6 +64,7 @@ from ngdist.frontends.torch_stop_gradient import gradient_free
 from ngdist.frontends import torch_loss
 from ngdist.frontends.torch_state import (check_batchnorm, mark_unique, rename_initializers,
                                           restore, snapshot)
+from ngdist.frontends.torch_custom_grad import check_module
 from ngdist.frontends.torch_trace_check import traced_from_data
 from ngdist.frontends.torch_optim import (_optimizer_params, lr_source, restrict_groups,
                                           translate_optimizer, write_optimizer_state)
@@ -180,6 +180,8 @@ def export(module: Any, example_inputs: Any, *, input_names: Sequence[str] | Non
         raise ArgumentError(f"{len(in_names)} input names for {len(args)} example inputs")
     out_names = list(output_names) if output_names else ["output"]
     saved = snapshot(module)
+    check_module(module, args)  # custom autograd Functions
+    restore(module, saved)
     used, train, updates, example, ev = _export_both(module, args, in_names, out_names, opset,
                                                      exporter, loss, labels, saved)
     feed_values = dict(zip(in_names, args), **({} if loss is None else {labels: example}))

@@ -19,12 +19,11 @@ computations on parameters into new constants, and either would leave parameters
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import onnx
@@ -51,19 +50,13 @@ def _torchscript(module: Any, args: tuple[Any, ...], training: bool, input_names
     dynamic = {**_leading_names(args, input_names), **{n: {0: "batch"} for n in output_names}}
     buf = io.BytesIO()
     with warnings.catch_warnings(record=True) as seen, sdpa_export(opset), \
-            lent_symbolics(opset), no_grad_detached(), _custom_backwards(module) as called:
+            lent_symbolics(opset), no_grad_detached():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         warnings.simplefilter("always", torch.jit.TracerWarning)  # recorded, not shown
         torch.onnx.export(module, args, buf, dynamo=False, training=mode,
                           do_constant_folding=False, opset_version=opset,
                           input_names=input_names, output_names=output_names,
                           dynamic_axes=dynamic, keep_initializers_as_inputs=False)
-    if training and called:
-        logger.warning("%s calls torch.autograd.Function %s: ngdist differentiates the traced "
-                       "forward, not the Function's own backward; where that backward is not "
-                       "the forward's derivative (a straight-through or rescaled gradient, "
-                       "PhiMoE's sparsemixer), the gradients differ from torch's",
-                       type(module).__name__, ", ".join(sorted(called)))
     model = onnx.load_from_string(buf.getvalue())
     _note_conversions(model, seen)  # checked by frontends/torch_trace_check.py
     mark_stop_gradients(model)
@@ -78,28 +71,6 @@ def _note_conversions(model: onnx.ModelProto, seen: Sequence[Any]) -> None:
                     and _CONVERSION.search(str(w.message))})
     if sites:
         model.metadata_props.add(key=CONVERSIONS_KEY, value="\n".join(sites))
-
-
-@contextlib.contextmanager
-def _custom_backwards(module: Any) -> Iterator[set[str]]:
-    """The names of the ``torch.autograd.Function`` classes without an ONNX ``symbolic`` that
-    are applied while the block runs (the TorchScript exporter inlines their forward)."""
-    import torch
-
-    function = torch.autograd.Function
-    apply = function.__dict__["apply"]
-    called: set[str] = set()
-
-    def recorded(cls: Any, *args: Any, **kwargs: Any) -> Any:
-        if not hasattr(cls, "symbolic"):
-            called.add(cls.__qualname__)
-        return apply.__func__(cls, *args, **kwargs)
-
-    function.apply = classmethod(recorded)
-    try:
-        yield called
-    finally:
-        function.apply = apply
 
 
 def _leading_names(args: tuple[Any, ...], input_names: list[str]) -> dict[str, dict[int, str]]:

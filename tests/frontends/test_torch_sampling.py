@@ -1,18 +1,18 @@
 """Training-mode sampling and custom backwards through the torch frontend: ``exponential_``
 (PhiMoE's Gumbel sampling of experts) exports as ``-log(1 - U) / lambd`` of onnxruntime's
 uniform draws, checked against the exponential distribution itself; a module that applies a
-``torch.autograd.Function`` is told that ngdist differentiates its traced forward, not its
-own backward."""
+``torch.autograd.Function`` whose backward is not its forward's derivative is refused (the
+export keeps only the forward: frontends/torch_custom_grad.py)."""
 from __future__ import annotations
 
 import io
-import logging
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
+from ngdist.errors import GraphError
 from ngdist.frontends import torch as tfront
 from ngdist.frontends.torch_symbolics import lent_symbolics
 
@@ -84,15 +84,12 @@ class UsesStraight(torch.nn.Module):
         return Straight.apply(self.lin(x))
 
 
-def test_a_custom_backward_is_named_in_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="ngdist.frontends"):
+def test_a_custom_backward_that_is_not_the_forwards_derivative_is_refused():
+    with pytest.raises(GraphError, match="^UsesStraight applies custom autograd Functions "
+                       "whose backward differs from autograd through their forward: "
+                       "test_torch_sampling.Straight \\(the gradients of lin.weight and 1 "
+                       "more differ\\)"):
         tfront.training_model(UsesStraight(), (torch.randn(4, 3),), loss=torch.nn.MSELoss(),
                               optimizer="sgd:lr=0.1")
-    warned = [m for _, level, m in caplog.record_tuples if level == logging.WARNING]
-    assert warned == [
-        "UsesStraight calls torch.autograd.Function Straight: ngdist differentiates the traced "
-        "forward, not the Function's own backward; where that backward is not the forward's "
-        "derivative (a straight-through or rescaled gradient, PhiMoE's sparsemixer), the "
-        "gradients differ from torch's"]
     assert "apply" in torch.autograd.Function.__dict__
     assert Straight.apply(torch.ones(1)).item() == 2.0  # torch's apply is back
