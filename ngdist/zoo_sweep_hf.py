@@ -81,6 +81,8 @@ def _model(task: str, model_type: str) -> Any:
                     not param.any():
                 param.normal_(0.0, 0.02)
     after_build(model_type, model)
+    if hasattr(model, "set_default_language"):  # X-MOD: adapters per language, one chosen
+        model.set_default_language(model.config.languages[0])
     return _no_dropout(model)
 
 

@@ -126,6 +126,13 @@ def test_a_causal_lm_over_parallel_code_streams_predicts_each_streams_next_code(
     assert loss == pytest.approx(float(want), rel=1e-6)
 
 
+@pytest.mark.parametrize("name", ["hf/seqcls/xmod", "hf/causal/xmod"])
+def test_xmod_runs_with_its_first_language_adapter(name):
+    """X-MOD refuses a forward until a language (its adapters) is chosen."""
+    loss, _ = _loss(name)
+    assert np.isfinite(loss)
+
+
 def test_reformers_tiny_config_trains_as_a_decoder_on_a_short_batch():
     """Reformer's default axial position table needs 4096 positions a training batch."""
     loss, _ = _loss("hf/causal/reformer")
