@@ -149,3 +149,16 @@ def _no_shared_memory_left_behind():
     before = leftovers.snapshot()
     yield
     leftovers.remove(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one intra-op thread for a module's tests (restored after): the models under
+    test are small, and on a 2-core machine torch's second thread contends with onnxruntime's
+    pool and other processes (a file of vision models took 3x longer with two threads)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

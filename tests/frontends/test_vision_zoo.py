@@ -61,7 +61,7 @@ import ngdist  # noqa: E402
 from ngdist.frontends import torch as tfront  # noqa: E402
 from step_probe import gradient_errors, max_rel_err, run_step  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-4
 # float32 gradients further than TOL from float64, torch's as much as ngdist's (the gradient
