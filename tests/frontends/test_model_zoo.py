@@ -45,7 +45,7 @@ from ngdist import zoo_transformers as hfzoo  # noqa: E402
 from ngdist.frontends import torch as tfront  # noqa: E402
 from step_probe import gradient_errors, max_rel_err, run_step  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 TOL = 1e-4
 UPDATE_TOL = 1e-3  # updates alone: see the module docstring
