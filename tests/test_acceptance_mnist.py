@@ -27,6 +27,9 @@ from ngdist.data import load_digits
 BATCH, EXACT_STEPS, EPOCHS = 16, 50, 6
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class Net(nn.Module):
     """The example's network; fc1 sized for 8x8 digits (9216 for 28x28 MNIST)."""
 
