@@ -108,6 +108,7 @@ def test_tiny_configs_build_and_feed_what_the_model_takes(name):
     from sweep_check import _tensors, loss_of
 
     from ngdist import zoo_sweep_hf as hf
+    from ngdist.zoo_sweep_configs import AUDIO_TOKEN
 
     task, model_type = name.split("/")[1:]
     module, feeds, loss_fn = hf._build(task, model_type)
@@ -119,9 +120,9 @@ def test_tiny_configs_build_and_feed_what_the_model_takes(name):
         assert feeds["y"].shape == (hf.BATCH * 9 * hf.LENGTH,)
     if model_type == "audioflamingo3":
         ids, y = feeds["input_ids"], feeds["y"].reshape(hf.BATCH, -1)
-        audio = int((ids == hf.AUDIO_TOKEN).sum(1)[0])
-        assert audio > 0 and (ids[:, :audio] == hf.AUDIO_TOKEN).all()
-        assert (y[:, :audio - 1] == -100).all() and (y[:, audio:] != hf.AUDIO_TOKEN).all()
+        audio = int((ids == AUDIO_TOKEN).sum(1)[0])
+        assert audio > 0 and (ids[:, :audio] == AUDIO_TOKEN).all()
+        assert (y[:, :audio - 1] == -100).all() and (y[:, audio:] != AUDIO_TOKEN).all()
 
 
 @pytest.mark.parametrize("name", [
