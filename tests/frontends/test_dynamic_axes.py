@@ -31,6 +31,9 @@ LR = 0.1
 BATCHES = (5, 3)  # two batch sizes through the same trainer
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class ConvPool1d(nn.Module):
     """Conv1d + MaxPool1d + AvgPool1d; the head averages over the length, so the length may
     be symbolic too (the Conv and pooling gradients then read it at run time)."""
