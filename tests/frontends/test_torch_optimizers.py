@@ -21,6 +21,9 @@ from step_probe import max_rel_err  # noqa: E402
 BIAS_SCALE = 1e-6  # the last layer's bias enters as bias * 1e-6: its gradient is ~1e-7
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class ScaledBiasLinear(nn.Module):
     """A linear layer whose bias gradient is tiny at initialization, as transformer biases'
     are (ONNX Adam and torch Adam differ most there)."""
