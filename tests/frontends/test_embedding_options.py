@@ -30,6 +30,9 @@ V, D, T, PAD, CLASSES = 12, 16, 6, 0, 3
 TOL = 1e-4
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 ENCODER_SOURCE = """
 class Encoder(nn.Module):
     \"\"\"Token and position embeddings, a LayerNorm with eps 1e-12, an encoder layer, a
