@@ -20,6 +20,9 @@ C = 5
 WEIGHT = torch.arange(1.0, C + 1, dtype=torch.float64)
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class Net(nn.Module):
     def __init__(self, log_softmax: bool = False) -> None:
         super().__init__()
