@@ -25,6 +25,9 @@ nn = torch.nn
 spectral_norm = nn.utils.parametrizations.spectral_norm
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class WithBuffer(nn.Module):
     """A Linear layer and one buffer of zeros (``BUFFER``, its dtype ``DTYPE``, 3 values)."""
 
