@@ -6,6 +6,7 @@ version, torchvision's MNASNet among them."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import ngdist
@@ -13,6 +14,9 @@ from ngdist.zoo_vision import import_torchvision
 from step_probe import check_step_graph
 
 nn = torch.nn
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _state(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
