@@ -15,6 +15,9 @@ from ngdist.frontends import torch as tfront  # noqa: E402
 from step_probe import (dropout_mask_outputs, gradient_errors, max_rel_err, rank_results,
                         run_step, torch_step)  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 CNN_SOURCE = """
 def make_cnn(torch, seed=0):
     torch.manual_seed(seed)
