@@ -24,6 +24,9 @@ D, CLASSES = 5, 3
 TOL = 1e-4
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class NoGradIndex(nn.Module):
     """A Linear plus rows of a parameter read under no_grad."""
 
