@@ -21,6 +21,9 @@ from step_probe import gradient_errors, run_step  # noqa: E402
 HEADS, KV_HEADS, DIM, LENGTH = 4, 2, 8, 6
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class Attention(nn.Module):
     """Projections to 4 query and ``kv_heads`` key/value heads, sdpa, a mean-pooled head."""
 
