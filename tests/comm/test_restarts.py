@@ -125,7 +125,8 @@ def test_a_killed_rank_restarts_the_job_which_resumes_bit_for_bit(tmp_path, unin
 
 @pytest.mark.mpi
 def test_without_restarts_a_killed_rank_fails_the_job(tmp_path):
-    proc, state = train(tmp_path, "once", "--max-restarts", "0", kill=True)
+    # --grace 1: the launcher stops the survivor 1 s after the death (not the default 3 s)
+    proc, state = train(tmp_path, "once", "--max-restarts", "0", "--grace", "1", kill=True)
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert state is None
     assert "restarting" not in proc.stderr
@@ -149,11 +150,13 @@ while True:
 @pytest.mark.parametrize("when", ["restarting", "ready 1"])
 def test_sigterm_during_a_restart_stops_everything_and_never_restarts(tmp_path, when):
     """SIGTERM as the restart line is printed (between two attempts) or once the second
-    attempt runs: exit 143, no third attempt, no process left."""
+    attempt runs: exit 143, no third attempt, no process left. (``--grace 1``: the first
+    attempt's survivor is stopped 1 s after rank 1's exit, not the default 3 s.)"""
     path = script(tmp_path, FAILS_FIRST)
     log = open(tmp_path / "out.txt", "wb")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "-m", "ngdist", "run", "-n", "2",
-                             "--max-restarts", "5", "--", sys.executable, str(path)],
+                             "--max-restarts", "5", "--grace", "1", "--",
+                             sys.executable, str(path)],
                             stdout=log if when == "restarting" else subprocess.PIPE,
                             stderr=subprocess.PIPE if when == "restarting" else log,
                             env=ENV, cwd=tmp_path)
