@@ -28,6 +28,9 @@ TOL = 1e-4
 CLASSES = 3
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class Head(nn.Module):
     """features(x) [N, C, H, W] -> mean over space -> Linear to CLASSES."""
 
