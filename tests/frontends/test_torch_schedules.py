@@ -25,6 +25,9 @@ from test_torch_optim_formulas import (assert_same_state, data as formula_data, 
 STEPS = 10
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 def data():
     return formula_data(STEPS)
 
