@@ -24,6 +24,9 @@ MAX_NORMS = (1.0, 0.15)  # the recipe's, and one that clips
 NO_DECAY = ("bias", "LayerNorm.weight")
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 def recipe(model: torch.nn.Module):
     """The optimizer and scheduler every Hugging Face fine-tuning script builds."""
     named = list(model.named_parameters())
