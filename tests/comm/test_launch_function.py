@@ -96,6 +96,8 @@ def test_a_main_function_trains_and_every_rank_ends_with_the_same_bytes(tmp_path
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_a_failing_rank_reraises_in_the_caller_with_its_message(tmp_path, n):
+    """(grace=1: the others, waiting in a barrier, are stopped 1 s after rank 1 fails, not
+    the default 3 s; the grace period has its own test in test_supervisor.py)"""
     started = time.monotonic()
     proc = python_c(f"""
         import ngdist
@@ -107,7 +109,7 @@ def test_a_failing_rank_reraises_in_the_caller_with_its_message(tmp_path, n):
             return 0
 
         try:
-            ngdist.launch(load, n={n}, args=("/data",))
+            ngdist.launch(load, n={n}, args=("/data",), grace=1)
         except ngdist.LaunchError as exc:
             print("CAUGHT", exc.rank, repr(str(exc)), repr(exc.__cause__))
             print("TRACEBACK", "in load" in exc.remote_traceback)
