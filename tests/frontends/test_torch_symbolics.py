@@ -500,3 +500,24 @@ def test_a_weight_read_only_inside_an_if_branch_is_trained_as_torch_trains_it():
     x, y = torch.randn(5, 3, 4, 6), torch.randint(0, 4, (5,))
     model = _one_step_agrees(module, TiledWindow, x, y)
     assert "window" in {t.name for t in model.graph.initializer}
+
+
+class SqueezedRows(torch.nn.Module):
+    """``squeeze`` of an axis whose extent depends on the data (the rows a mask keeps): torch
+    exports it as an If (Squeeze where the extent is 1, Identity otherwise) that no shape
+    folding can settle, and ngdist differentiates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h[x[:, 0] > -10].squeeze(0))  # (every row kept)
+
+
+def test_an_if_that_squeezes_an_axis_of_run_time_extent_trains_as_torch():
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    model = _one_step_agrees(SqueezedRows(), SqueezedRows, x, y)
+    assert "If" in {n.op_type for n in model.graph.node}

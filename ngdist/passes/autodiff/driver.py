@@ -11,7 +11,7 @@ from ngdist.ir.domain import PREVIEW_TRAINING
 import ngdist.passes.autodiff.rules  # noqa: F401  (registers every rule family)
 from ngdist.passes.autodiff.lowering import lower_short_convs, lower_sigmoids
 from ngdist.passes.autodiff.registry import (NON_DIFFERENTIABLE, GradContext, attr, get_rule,
-                                             taken_names)
+                                             subgraph_reads, taken_names)
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,9 @@ def _is_float(value: ir.Value) -> bool:
 
 
 def _reads(node: ir.Node) -> list[ir.Value]:
-    """The values ``node`` reads: its inputs and, for an If, Loop or Scan, every value its
-    subgraphs read (a branch may read a weight that is none of the node's inputs)."""
-    reads = [i for i in node.inputs if i is not None]
-    for attr_ in node.attributes.values():
-        if attr_.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-            subs = [attr_.value] if attr_.type == ir.AttributeType.GRAPH else attr_.value
-            reads += [i for sub in subs for inner in ir.traversal.RecursiveGraphIterator(sub)
-                      for i in inner.inputs if i is not None]
-    return reads
+    """The values ``node`` reads: its inputs and, for an If, Loop or Scan, the values around
+    it its subgraphs read (a branch may read a weight that is none of the node's inputs)."""
+    return [i for i in node.inputs if i is not None] + subgraph_reads(node)
 
 
 def _active_nodes(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Value
@@ -140,11 +134,11 @@ def differentiate(graph: ir.Graph, anchor: ir.Node, xs: list[ir.Value], y: ir.Va
         except Exception as exc:
             raise GradientError(f"gradient rule of {node.op_type} failed on node '{node.name}': "
                                 f"{exc}") from exc
-        if len(gxs) < len(node.inputs):
-            gxs += [None] * (len(node.inputs) - len(gxs))
+        targets = [*node.inputs, *subgraph_reads(node)]
+        gxs += [None] * (len(targets) - len(gxs))
         if PADDING_IDX in node.metadata_props and gxs[0] is not None:
             gxs[0] = _without_padding_row(ctx, node, gxs[0])
-        for inp, gx in zip(node.inputs, gxs):
+        for inp, gx in zip(targets, gxs):
             if inp is None or gx is None or id(inp) not in from_x or not _is_float(inp):
                 continue
             grads.setdefault(id(inp), []).append(gx)

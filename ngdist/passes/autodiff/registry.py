@@ -37,6 +37,25 @@ NON_DIFFERENTIABLE: set[str] = {
 }
 
 
+def subgraph_reads(node: ir.Node) -> list[ir.Value]:
+    """The values of the graph around ``node`` that its subgraphs (an If's branches, a Loop's
+    body) read without being among its inputs, in first-read order. A rule of such a node
+    returns one gradient per input, then one per value of this list."""
+    inputs = {id(i) for i in node.inputs if i is not None}
+    made: set[int] = set()
+    reads: dict[int, ir.Value] = {}
+    for attr_ in node.attributes.values():
+        if attr_.type not in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            continue
+        for sub in [attr_.value] if attr_.type == ir.AttributeType.GRAPH else attr_.value:
+            made.update(id(v) for v in sub.inputs)
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                made.update(id(o) for o in inner.outputs)
+                reads.update((id(i), i) for i in inner.inputs if i is not None)
+            reads.update((id(o), o) for o in sub.outputs)
+    return [v for k, v in reads.items() if k not in made and k not in inputs]
+
+
 def register(*op_types: str, domain: str = "") -> Callable[[GradRule], GradRule]:
     """Decorator: ``@register("Add")`` makes the function the gradient rule of Add."""
 

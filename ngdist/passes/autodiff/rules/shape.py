@@ -1,11 +1,14 @@
 """Shape ops: Reshape, Flatten, Transpose, Squeeze, Unsqueeze, Expand, Concat, Split, Pad, Tile,
 Trilu, DepthToSpace, SpaceToDepth, ReverseSequence, CenterCropPad (the data inputs only;
-shape, axes, pads, repeats, k, lengths and split-size inputs get no gradient)."""
+shape, axes, pads, repeats, k, lengths and split-size inputs get no gradient); an If whose
+branches each return a view of one value (torch's squeeze of an axis whose extent is known
+only at run time: Squeeze or Identity)."""
 from __future__ import annotations
 
 import numpy as np
 
-from ngdist.passes.autodiff.registry import attr, register
+from ngdist.errors import GradientError
+from ngdist.passes.autodiff.registry import attr, register, subgraph_reads
 from ngdist.passes.autodiff.rules._common import known_rank
 from ngdist.passes.autodiff.rules.pad_modes import folded_pad
 
@@ -159,3 +162,40 @@ def center_crop_pad(ctx, node, gys):
         extents = ctx.op("Gather", extents, ctx.ints(list(axes)))
     return [ctx.op("CenterCropPad", gys[0], extents, axes=None if axes is None else list(axes)),
             None]
+
+
+_VIEWS = {"Squeeze", "Unsqueeze", "Identity", "Reshape", "Flatten"}
+
+
+def _viewed(branch, output):
+    """The value around ``branch`` that ``output`` is a chain of views of, else None."""
+    inner = {id(n) for n in branch}
+    value = output
+    while value.producer() is not None and id(value.producer()) in inner:
+        node = value.producer()
+        if node.op_type not in _VIEWS or node.domain not in ("", "ai.onnx"):
+            return None
+        value = node.inputs[0]
+    return None if value.producer() is None and value in branch.inputs else value
+
+
+@register("If")
+def if_of_views(ctx, node, gys):
+    branches = [attr(node, "then_branch"), attr(node, "else_branch")]
+    targets = [*node.inputs, *subgraph_reads(node)]
+    gxs = [None] * len(targets)
+    for k, gy in enumerate(gys):
+        if gy is None:
+            continue
+        seen = {id(v) if v is not None else None
+                for v in (_viewed(b, b.outputs[k]) for b in branches)}
+        source = next((t for t in targets if id(t) in seen), None)
+        if len(seen) != 1 or source is None:
+            raise GradientError(
+                f"If node '{node.name}': output {k} is not a view of one value in both "
+                "branches (Squeeze, Unsqueeze, Reshape, Identity); ngdist differentiates an "
+                "If only so (torch's squeeze of an axis whose extent is known at run time)")
+        g = ctx.op("Reshape", gy, ctx.op("Shape", source))
+        i = targets.index(source)
+        gxs[i] = g if gxs[i] is None else ctx.op("Add", gxs[i], g)
+    return gxs
