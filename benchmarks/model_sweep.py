@@ -100,7 +100,7 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                "TOKENIZERS_PARALLELISM": "false"}
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    cwd=tmp, preexec_fn=limit_cpu)
+                                    cwd=tmp, preexec_fn=limit_cpu, start_new_session=True)
             stop = None
             deadline = time.monotonic() + wall
             while proc.poll() is None:
@@ -111,16 +111,28 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                     stop = {"stage": "memory", "error": f"more than {MEMORY >> 20} MiB "
                                                         "resident"}
                 if stop:
-                    proc.kill()
+                    _end_group(proc.pid)
                     proc.wait()
                     return {**row, **stop}
                 time.sleep(0.5)
+        _end_group(proc.pid)  # a forked oracle its process left behind (past its CPU limit)
         if result.exists():
             return json.loads(result.read_text())
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
         tail = " ".join(log.read_text().strip().splitlines()[-3:])[-400:]
         return {**row, "stage": "crash", "error": f"exit {proc.returncode}: {tail}"}
+
+
+def _end_group(pid: int) -> None:
+    """Kills the process group of a model's process (its own session: the process and the
+    torch oracle it forks), if any of it is left."""
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _resident(pid: int) -> int:

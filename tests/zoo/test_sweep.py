@@ -12,6 +12,7 @@ tensor where float32 is ill-conditioned), and its AdamW step timed against eager
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -223,8 +224,13 @@ def test_a_model_past_its_memory_or_wall_time_is_a_failed_row(monkeypatch):
     assert (row["status"], row["stage"], row["error"]) == \
         ("fail", "memory", "more than 1 MiB resident")
     monkeypatch.setattr(model_sweep, "MEMORY", 8 << 30)
+    started, popen = [], model_sweep.subprocess.Popen
+    monkeypatch.setattr(model_sweep.subprocess, "Popen",
+                        lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
     row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 1)
     assert (row["stage"], row["error"]) == ("timeout", "no result within 1 s of wall time")
+    with pytest.raises(ProcessLookupError):  # its session (a forked oracle too) is gone
+        os.killpg(started[0].pid, 0)
 
 
 def test_only_takes_a_case_name_alone_and_a_prefix_ending_in_a_slash(capsys):
