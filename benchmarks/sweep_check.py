@@ -236,7 +236,7 @@ def _off(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     timm's Gemma 4 ViT clips activations to parameters that start at +-inf), inf where one
     entry is infinite or NaN and the other is not."""
     with np.errstate(invalid="ignore"):
-        return np.where(a == b, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf))
+        return np.where(a == b, 0.0, np.nan_to_num(np.abs(a - b), nan=np.inf, posinf=np.inf))
 
 
 def _finite_max(a: np.ndarray) -> float:
