@@ -23,18 +23,19 @@ def constant_ifs(model: onnx.ModelProto) -> int:
         index = next((k for k, n in enumerate(g.node) if n.op_type == "If" and
                       n.domain in ("", "ai.onnx") and n.input[0] in consts), None)
         if index is None:
+            if done:
+                remove_dead(g)  # (conditions' initializers that nothing else reads)
             return done
         node = g.node[index]
         taken = bool(numpy_helper.to_array(consts[node.input[0]]).reshape(-1)[0])
         branch = next(a.g for a in node.attribute
                       if a.name == ("then_branch" if taken else "else_branch"))
         nodes = _inlined(branch, node)
+        g.initializer.extend(_renamed_tensor(t, f"{node.output[0]}/{t.name}")
+                             for t in branch.initializer)
         del g.node[index]
         for k, inner in enumerate(nodes):
             g.node.insert(index + k, inner)
-        g.initializer.extend(_renamed_tensor(t, f"{node.output[0]}/{t.name}")
-                             for t in branch.initializer)
-        remove_dead(g)  # (the condition's initializer, when nothing else reads it)
         done += 1
 
 
