@@ -98,12 +98,19 @@ def _roc_bert(cfg: Any) -> None:
     cfg.pronunciation_embed_dim = cfg.shape_embed_dim = WIDTH
 
 
+# Zamba's two kinds of layer: a Mamba layer, then two hybrid ones (the attention block they
+# share, tied, then a Mamba layer each; one alone fails transformers' tying of the others
+# to it); the defaults reach the first hybrid at layer 3 or 7
+_HYBRID_LAYERS = ["linear_attention", "hybrid", "hybrid"]
+
+
 def _zamba(cfg: Any) -> None:
     """Zamba derives its attention width, head size and Mamba dt rank from the hidden size
     when the config is made: derived again from the tiny one (7424 wide attention: 30 M
-    parameters)."""
+    parameters). Its layers are its layer-type list (76 long), not ``num_hidden_layers``."""
     cfg.attention_hidden_size, cfg.attention_head_dim = None, None
     cfg.mamba_dt_rank = "auto"
+    cfg.layers_block_type = list(_HYBRID_LAYERS)
     cfg.__post_init__()
 
 
@@ -187,8 +194,10 @@ def _mamba2(cfg: Any) -> None:
 
 def _zamba2(cfg: Any) -> None:
     """Zamba2 derives its attention and Mamba head sizes from the hidden size when the config
-    is made (``__post_init__``): derived again from the tiny one."""
+    is made (``__post_init__``): derived again from the tiny one; its layers are its
+    layer-type list (54 long)."""
     cfg.n_mamba_heads, cfg.intermediate_size = HEADS, None
+    cfg.layers_block_type = list(_HYBRID_LAYERS)
     cfg.__post_init__()
 
 

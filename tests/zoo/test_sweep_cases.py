@@ -177,6 +177,24 @@ def test_a_tiny_config_builds_a_tiny_model(model_type, limit):
     assert sum(p.numel() for p in model.parameters()) < limit
 
 
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+def test_zambas_layers_are_a_mamba_one_and_two_hybrid_ones(model_type):
+    """Zamba builds a layer per entry of its layer-type list, not ``num_hidden_layers`` (the
+    default list: 76 and 54 layers, a row past 600 CPU-s): three layers, a Mamba one and two
+    hybrid ones (which share an attention block)."""
+    import torch
+    from transformers.models.auto import modeling_auto
+
+    from ngdist import zoo_sweep_hf as hf
+
+    name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    with torch.device("meta"):
+        model = getattr(hf._transformers(), name)(hf.tiny_config(model_type))
+    layers = model.model.layers
+    assert [type(layer).__name__.endswith("HybridLayer") for layer in layers] == \
+        [False, True, True]
+
+
 def _agree(name: str) -> tuple[Any, dict[str, np.ndarray]]:
     """The case's module and feeds, after checking that its loss is finite and the same in
     float32 and in float64 (the oracle)."""
