@@ -30,6 +30,7 @@ from typing import Any
 import onnx
 
 from ngdist.errors import GraphError, OptionError
+from ngdist.frontends.cleanup import rename_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +214,9 @@ def _strip_prefix(model: onnx.ModelProto) -> None:
     for t in model.graph.initializer:
         t.name = renames.get(t.name, t.name)
     for node in model.graph.node:
-        for values in (node.input, node.output):
-            for i, name in enumerate(values):
-                if name in renames:
-                    values[i] = renames[name]
+        rename_inputs(node, renames)  # (and those its If/Loop/Scan branches read)
+        for i, name in enumerate(node.output):
+            node.output[i] = renames.get(name, name)
     for info in model.graph.value_info:
         info.name = renames.get(info.name, info.name)
 
