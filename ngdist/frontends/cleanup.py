@@ -71,7 +71,8 @@ def _shape_only_values(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
         shape_inputs = [node.input[k] for k in _SHAPE_INPUTS.get(node.op_type, ())
                         if k < len(node.input) and node.input[k]]
         reads = outer_reads(node)  # an If's branches may read weights it has no input for
-        if node.op_type in _DATA_SHAPED_OPS or any(i in shaped for i in reads) or \
+        if (node.op_type in _DATA_SHAPED_OPS and not _shape_decided_if(node, derived)) or \
+                any(i in shaped for i in reads) or \
                 any(i not in derived and i not in fixed for i in shape_inputs):
             shaped.update(outs)
         if node.op_type in _SHAPE_SOURCES:
@@ -82,6 +83,27 @@ def _shape_only_values(model: onnx.ModelProto) -> tuple[list[str], set[str]]:
         derived.update(outs)
         order.extend(outs)
     return order, shaped
+
+
+def _shape_decided_if(node: onnx.NodeProto, derived: set[str]) -> bool:
+    """Whether ``node`` is an If whose output shapes follow from shapes alone: its condition
+    is computed from shapes and constants, and its branches only take ops whose output shapes
+    follow from their inputs' (their shape inputs are the branch's own constants or shape
+    values). torch's squeeze of an axis of run-time extent exports so (Squeeze where the
+    extent is 1, else Identity); each such If's condition then folds in one probe, not one
+    probe per If (a value downstream of an If whose shape is data-dependent is never
+    folded)."""
+    if node.op_type != "If" or node.input[0] not in derived:
+        return False
+    for branch in node_subgraphs(node):
+        made = {n.output[0] for n in branch.node if n.op_type == "Constant"}
+        for inner in branch.node:
+            shape_inputs = [inner.input[k] for k in _SHAPE_INPUTS.get(inner.op_type, ())
+                            if k < len(inner.input) and inner.input[k]]
+            if inner.op_type in _DATA_SHAPED_OPS or \
+                    any(i not in made and i not in derived for i in shape_inputs):
+                return False
+    return True
 
 
 def fold_static_shapes(model: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]],

@@ -524,6 +524,38 @@ def test_an_if_that_squeezes_an_axis_of_run_time_extent_trains_as_torch():
     assert "If" in {n.op_type for n in model.graph.node}
 
 
+def _half(h: torch.Tensor) -> torch.Tensor:
+    """The first half of each row, through ``chunk`` and ``squeeze`` (Zamba splits its Mamba
+    projection so): torch exports the squeeze as an If on an extent computed at run time."""
+    return h.view(h.shape[0], -1, 2).chunk(2, dim=2)[0].squeeze(2)
+
+
+class Halves(torch.nn.Module):
+    """Two such Ifs, the second's condition computed from the first's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(4, 8)
+        self.c = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.c(_half(torch.tanh(self.b(_half(torch.tanh(self.a(x)))))))
+
+
+def test_ifs_decided_by_shapes_fold_in_turn_and_train_as_torch():
+    """An If whose condition is computed from shapes, with views as branches, has output
+    shapes that follow from shapes: the values after it fold too, and the next If's condition
+    with them (it stayed a run-time value; in Zamba, whose Mamba layers each hold one, the
+    rank of what followed was unknown and a broadcast gradient could not be reduced)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    exp = tfront.export(Halves(), (x,))
+    ifs = [n for n in exp.train.graph.node if n.op_type == "If"]
+    consts = {t.name for t in exp.train.graph.initializer}
+    assert len(ifs) == 2 and all(n.input[0] in consts for n in ifs)
+    _one_step_agrees(Halves(), Halves, x, y)
+
+
 def test_an_if_exported_with_the_loss_reads_the_models_values_by_their_names():
     """A loss without a built-in form is exported with the model, under a wrapper whose
     prefix the values' names then lose: the If's branches read the same names (they kept
