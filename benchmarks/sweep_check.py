@@ -19,8 +19,9 @@ float32 runs (sweep_oracle.TORCH32_RUNS: oneDNN on and off, channels-last, two t
 float inputs one ulp away; the row lists them, ``torch32_runs``): in an ill-conditioned model
 one run's error of a tensor can be small by luck (one ReLU input within rounding of 0 took
 torch's side in that run and the other side in the next). AdamW:
-entries whose float64 gradient is within float32's error of zero step by ~lr in rounding's
-direction on both sides; they are bounded by twice the model's largest update, not compared.
+entries whose float64 gradient is within the gradients stage's bound of zero (an accepted
+gradient error can flip their sign, and a normalised step moves ~lr in the sign's direction)
+are bounded by twice the model's largest update, not compared.
 A failing tensor's message says how many of its slices along axis 0 are off and how close
 the rest are (one output channel off alone: an activation within float32's error of a ReLU
 kink); a gradient off in one slice alone is checked again on a second batch of float inputs,
@@ -335,8 +336,15 @@ def step_oracle(module: Any, optimizer: Any, feeds: dict[str, np.ndarray], loss_
 
 
 def noise_entries(g64: dict, g32: dict) -> dict[str, np.ndarray]:
+    """AdamW's entries whose step direction a gradient within the gradients stage's bound
+    does not decide: the float64 gradient is within that bound of zero (``TOL`` of the
+    tensor's largest entry, or ``FACTOR`` x torch's float32 error of the tensor), or within
+    1e-6 of the model's largest gradient. A step normalises each entry (about lr x its sign
+    at the first), so where an accepted gradient error can flip the sign, the step can move
+    by 2 lr either way."""
     largest = max(float(np.abs(g).max()) for g in g64.values())
-    return {n: np.abs(g) <= max(3 * float(np.abs(g32[n] - g).max()), 1e-6 * largest)
+    return {n: np.abs(g) <= max(FACTOR * float(np.abs(g32[n] - g).max()),
+                                TOL * float(np.abs(g).max()), 1e-6 * largest)
             for n, g in g64.items()}
 
 
