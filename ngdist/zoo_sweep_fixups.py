@@ -306,6 +306,13 @@ def _nemo_speechlm(cfg: Any) -> None:
     text.moe_shared_expert_intermediate_size = 2 * WIDTH
 
 
+def _lfm2_moe(cfg: Any) -> None:
+    """LFM2-MoE's default config names no layer types (its layers index ``layer_types``;
+    released configs list them): a convolution layer, then an attention one; the first
+    dense, the second a mixture of experts."""
+    cfg.layer_types, cfg.num_dense_layers = ["conv", "full_attention"], 1
+
+
 def _vibevoice(cfg: Any) -> None:
     """VibeVoice's audio tokenizers double their width at each of 6 downsampling stages from
     ``num_filters`` (32: 2048 wide, 85 M parameters a tokenizer): 3 stages from 4 (32 wide),
@@ -332,6 +339,7 @@ FIXUPS: dict[str, Callable[[Any], None]] = {
     "kyutai_speech_to_text": _kyutai,
     "layoutlmv3": _layout_widths,
     "levit": _levit,
+    "lfm2_moe": _lfm2_moe,
     "lilt": _layout_widths,
     "longcat_flash": _longcat_flash,
     "luke": _luke,

@@ -218,7 +218,7 @@ def _agree(name: str) -> tuple[Any, dict[str, np.ndarray]]:
     "hf/seqcls/lilt", "hf/seqcls/layoutlmv3", "hf/seq2seq/nemo_speechlm", "hf/seqcls/mra",
     "hf/seq2seq/musicflamingo", "hf/seq2seq/moss_transcribe_diarize",
     "hf/speech2seq/vibevoice_asr", "hf/causal/dots1", "hf/causal/emu3", "hf/imgcls/textnet",
-    "hf/seqcls/mistral4", "hf/causal/gemma4", "hf/causal/gemma3n"])
+    "hf/seqcls/mistral4", "hf/causal/gemma4", "hf/causal/gemma3n", "hf/causal/lfm2_moe"])
 def test_a_tiny_config_its_default_did_not_build_runs_in_float32_and_float64(name):
     """Each raised before its tiny config's fix: DBRX's attention sub-config had no rotary
     base and no clip, Gemma 3n shared the caches of 15 of its 2 layers, Kimi Linear routed to
@@ -234,7 +234,7 @@ def test_a_tiny_config_its_default_did_not_build_runs_in_float32_and_float64(nam
     rope part, and Gemma 4, without an audio tower, was fed audio features; Gemma 3n's text
     model shared the caches of 15 of its 2 layers, its audio encoder was fed an int64 frame
     mask it inverts as bool, and its audio and vision hard tokens lay past the tiny
-    vocabulary."""
+    vocabulary; LFM2-MoE's default config names no layer types."""
     _agree(name)
 
 
