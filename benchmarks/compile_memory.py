@@ -156,6 +156,7 @@ def oracle(stages: Stages, module: Any, feeds: dict[str, Any], loss_fn: Any) -> 
 def instrument_sweep(stages: Stages) -> None:
     """The sweep check's own stages (benchmarks/sweep_check.py) wrapped too."""
     import sweep_check
+    import sweep_steps
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import step_probe
@@ -165,7 +166,8 @@ def instrument_sweep(stages: Stages) -> None:
             (step_probe, "run_step", "sweep: ngdist gradients (run_step)"),
             (sweep_check, "torch_grads", "sweep: torch gradients"),
             (sweep_check, "check_training", "sweep: 3 steps"),
-            (sweep_check, "torch_step", "sweep: torch step"),
+            (sweep_steps, "torch_grads", "sweep: torch gradients of a step's noise entries"),
+            (sweep_steps, "torch_step", "sweep: torch step"),
             (sweep_check, "time_steps", "sweep: timing")):
         stages.wrap(owner, attr, label)
 

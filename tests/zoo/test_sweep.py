@@ -483,10 +483,11 @@ def test_torchs_own_float32_error_is_the_largest_of_its_runs_and_only_widens_the
 
 def test_a_trained_state_off_in_one_slice_says_so_relative_to_the_states_scale():
     import sweep_check
+    import sweep_steps
 
     before = {"w": np.ones((4, 3)), "b": np.zeros(4)}
     exact = {"w": before["w"] - 0.01, "b": before["b"] + 0.5}
-    scales = sweep_check._scales(exact, before)
+    scales = sweep_steps.scales(exact, before)
     assert scales == {"w": 0.99, "b": 0.5}  # the largest entry, or the largest update
     got = exact["w"].copy()
     got[1, 2] += 1e-3
@@ -498,16 +499,15 @@ def test_an_infinite_entry_a_step_leaves_as_it_was_is_no_error_and_one_it_change
     """timm's Gemma 4 ViT clips activations to parameters that start at -inf/+inf: equal
     infinities are no error (they were NaN, failing every row), and an infinity where float64
     has a finite value is an infinite one."""
-    import sweep_check
+    from sweep_steps import scales, state_errors
 
     before = {"lo": np.array([-np.inf, -np.inf]), "w": np.array([1.0, 2.0])}
     exact = {"lo": before["lo"].copy(), "w": np.array([0.9, 2.0])}
-    assert sweep_check._scales(exact, before) == {"lo": pytest.approx(0.1), "w": 2.0}
+    assert scales(exact, before) == {"lo": pytest.approx(0.1), "w": 2.0}
     same = {"lo": before["lo"].copy(), "w": np.array([0.9, 2.0 + 2e-6])}
-    assert sweep_check._errors(same, exact, before, {}) == {"lo": 0.0,
-                                                            "w": pytest.approx(1e-6)}
+    assert state_errors(same, exact, before, {}) == {"lo": 0.0, "w": pytest.approx(1e-6)}
     moved = {"lo": np.array([-np.inf, 0.0]), "w": exact["w"]}
-    assert sweep_check._errors(moved, exact, before, {})["lo"] == np.inf
+    assert state_errors(moved, exact, before, {})["lo"] == np.inf
 
 
 def test_adamws_unchecked_entries_are_those_whose_sign_the_gradient_bound_leaves_open():
@@ -516,13 +516,45 @@ def test_adamws_unchecked_entries_are_those_whose_sign_the_gradient_bound_leaves
     sign in a gradient that passed; AdamW's normalised step then moves the other way. Those
     entries are left out of the comparison (3x the error left entries out at 3-10x it:
     timm's NextViT failed at step 1 by one such flip); larger ones are compared."""
-    import sweep_check
+    from sweep_steps import noise_entries
 
     g64 = {"w": np.array([1.0, 0.05, 0.02, 5e-5, -0.2]), "b": np.array([4.0, 0.0])}
     g32 = {"w": g64["w"] + np.array([0.0, 0.0, 0.004, 0.0, 0.0]), "b": g64["b"].copy()}
-    noise = sweep_check.noise_entries(g64, g32)
+    noise = noise_entries(g64, g32)
     assert noise["w"].tolist() == [False, False, True, True, False]  # bound 0.04; 1e-4
     assert noise["b"].tolist() == [False, True]
+
+
+def test_adamws_noise_entries_widen_to_the_largest_float32_error_over_torchs_runs():
+    """The gradients stage's bound of a tensor is 10x the largest float32 error over torch's
+    runs, so AdamW's noise entries, asked over every run, are those of each run together
+    (DenseNet-169's last BatchNorm biases: torch's default run 2e-2 off float64 at step 3,
+    another run and ngdist's 45% off, every entry's sign open)."""
+    import torch
+    from sweep_oracle import TORCH32_RUNS, float32_runs, state_of, torch_grads
+    from sweep_steps import WIDER, noise_entries, step_oracle
+
+    module = _conv_net()
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 3, 12, 12)).astype(np.float32),
+             "y": rng.integers(0, 5, 4)}
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def make_opt(ps):
+        return torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1)
+
+    optimizer = make_opt(module.parameters())
+    runs = float32_runs(module, feeds)
+    assert runs == TORCH32_RUNS
+    oracle = step_oracle(module, optimizer, feeds, loss_fn, make_opt, "adamw", state_of(module))
+    first = oracle(("default",))["noise"]
+    wide = oracle((WIDER, *runs))
+    g64 = torch_grads(module, feeds, loss_fn, True)[1]
+    each = [noise_entries(g64, torch_grads(module, feeds, loss_fn, False, r)[1]) for r in runs]
+    for k, mask in wide["noise"].items():
+        assert np.array_equal(mask, np.logical_or.reduce([e[k] for e in each])), k
+        assert np.all(mask >= first[k])
+    assert set(wide["runs"]) == set(runs) and "ref32" in wide
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
