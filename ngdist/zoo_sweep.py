@@ -124,11 +124,19 @@ def _tv_build(ctor: str) -> tuple[Any, dict[str, np.ndarray], Any]:
         kwargs["image_size"] = side
     if ctor == "maxvit_t":
         kwargs["input_size"] = (side, side)
-    torch.manual_seed(0)
-    model = models.get_model(ctor, weights=None, **kwargs)
+    # as timm's: the smallest of side, 2x and 4x at which every BatchNorm channel normalizes
+    # BN_VALUES values (a ViT or MaxViT is built for its side)
+    sides = (side,) if "image_size" in kwargs or "input_size" in kwargs else \
+        (side, 2 * side, 4 * side)
+    for side in sides:
+        torch.manual_seed(0)
+        model = models.get_model(ctor, weights=None, **kwargs)
+        feeds = _image_feeds(side)
+        if _fewest_bn_values(model, feeds["x"]) >= BN_VALUES:
+            break
     if ctor.startswith("vit_"):  # torchvision zero-initializes the head
         torch.nn.init.normal_(model.heads.head.weight, std=0.02)
-    return _no_dropout(model), _image_feeds(side), torch.nn.CrossEntropyLoss()
+    return _no_dropout(model), feeds, torch.nn.CrossEntropyLoss()
 
 
 def torchvision_cases(all_constructors: bool = True) -> list[Case]:

@@ -274,6 +274,20 @@ def test_a_batchnorm_normalizing_a_few_values_is_counted_and_the_timm_case_gets_
     assert feeds["x"].shape == (zoo_sweep.BATCH, 3, 64, 64)
 
 
+@pytest.mark.parametrize("ctor, side", [("densenet121", 64), ("resnet18", 64), ("vgg11_bn", 32),
+                                        ("inception_v3", 160), ("convnext_tiny", 32)])
+def test_a_torchvision_case_takes_the_side_at_which_its_batchnorms_normalize_enough(ctor,
+                                                                                     side):
+    """torchvision's constructors follow timm's rule (DenseNet-169's last BatchNorms over 4
+    values: torch's own float32 gradients 45% off float64, its AdamW steps chaos); a model
+    without BatchNorm keeps the side it was given."""
+    from ngdist import zoo_sweep
+
+    model, feeds, _ = zoo_sweep._tv_build(ctor)
+    assert feeds["x"].shape[-1] == side
+    assert zoo_sweep._fewest_bn_values(model, feeds["x"]) >= zoo_sweep.BN_VALUES
+
+
 def test_leds_float64_oracle_has_finite_gradients_that_agree_with_float32():
     """LED's windowed attention in float64 masks with float32's lowest value and keeps its
     softmax in float64 (zoo_sweep_float64._led_float64): float64's lowest value, summed twice and
