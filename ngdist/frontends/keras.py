@@ -46,6 +46,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends import keras_loss
+from ngdist.frontends.cleanup import rename_inputs
 from ngdist.frontends.keras_loss import translate_loss  # noqa: F401  (the frontend's API)
 from ngdist.frontends.keras_optim import translate_optimizer
 from ngdist.ir.writeback import WriteBack
@@ -128,9 +129,7 @@ def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -
 
 def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name == old:
-                node.input[i] = new
+        rename_inputs(node, {old: new})  # (and what its branches read)
         for i, name in enumerate(node.output):
             if name == old:
                 node.output[i] = new
@@ -283,7 +282,7 @@ def _canonical_names(graph: onnx.GraphProto, keep: set[str], prefix: str = "") -
         if _GENERATED.search(node.name):
             node.name = _GENERATED.sub("", node.name) + f"__g{next(counter)}"
     for node in graph.node:
-        node.input[:] = [renames.get(n, n) for n in node.input]
+        rename_inputs(node, renames)  # (and what its branches read)
         node.output[:] = [renames.get(n, n) for n in node.output]
     ordered = [inits[n] for n in order]
     for t in ordered:

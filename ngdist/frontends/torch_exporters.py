@@ -29,6 +29,7 @@ from typing import Any
 import onnx
 
 from ngdist.errors import ArgumentError, GraphError
+from ngdist.frontends.cleanup import rename_inputs
 from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.frontends.torch_buffers import appended_outputs
 from ngdist.frontends.torch_stop_gradient import mark_stop_gradients, no_grad_detached
@@ -199,6 +200,5 @@ def rename_aliases(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
     for t in model.graph.initializer:
         t.name = renames.get(t.name, t.name)
     for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            node.input[i] = renames.get(name, name)
+        rename_inputs(node, renames)  # (and what its branches read)
 

@@ -290,10 +290,10 @@ def _name_model_output(model: onnx.ModelProto, name: str) -> None:
         return
     graph.node.remove(node)
     for n in graph.node:
-        for values in (n.input, n.output):
-            for i, value in enumerate(values):
-                if value == source:
-                    values[i] = name
+        rename_inputs(n, {source: name})  # (and what its branches read)
+        for i, value in enumerate(n.output):
+            if value == source:
+                n.output[i] = name
     for info in graph.value_info:
         if info.name == source:
             info.name = name

@@ -12,6 +12,7 @@ from onnx import numpy_helper
 
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_loss
+from ngdist.frontends.cleanup import rename_inputs
 from ngdist.frontends.torch_buffers import same_bytes
 
 
@@ -43,9 +44,7 @@ def rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) ->
     for t in g.initializer:
         t.name = renames.get(t.name, t.name)
     for node in g.node:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
+        rename_inputs(node, renames)  # (and what its branches read)
 
 
 def mark_unique(module: Any) -> dict[str, np.ndarray]:

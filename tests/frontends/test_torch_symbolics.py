@@ -566,3 +566,61 @@ def test_an_if_exported_with_the_loss_reads_the_models_values_by_their_names():
     model = _one_step_agrees(SqueezedRows(), SqueezedRows, x, y,
                              torch.nn.CrossEntropyLoss(label_smoothing=0.1))
     assert "If" in {n.op_type for n in model.graph.node}
+
+
+def _branch_reading(value: str) -> object:
+    """A model whose If's branches read ``value`` of the graph around them (no input of the
+    If's): ``out = cond ? x + value : x - value``, ``value`` an initializer [2] or made by
+    ``src = x * x`` with the graph output ``output = Identity(src)``."""
+    from onnx import TensorProto, helper
+
+    def branch(op: str) -> object:
+        return helper.make_graph([helper.make_node(op, ["x", value], [f"{op}_out"])], op, [],
+                                 [helper.make_tensor_value_info(f"{op}_out", TensorProto.FLOAT,
+                                                                [2])])
+
+    nodes = [helper.make_node("Mul", ["x", "x"], ["src"]),
+             helper.make_node("Identity", ["src"], ["output"]),
+             helper.make_node("If", ["cond"], ["out"], then_branch=branch("Add"),
+                              else_branch=branch("Sub"))]
+    inits = [helper.make_tensor("cond", TensorProto.BOOL, [], [True]),
+             helper.make_tensor("onnx::W_1", TensorProto.FLOAT, [2], [0.5, 1.5])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("output", "out")],
+        inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("rename, read, renamed", [
+    ("initializers", "onnx::W_1", "w"), ("aliases", "onnx::W_1", "w"),
+    ("model_output", "src", "output"), ("keras_value", "src", "output"),
+    ("keras_canonical", "onnx::W_1", "const/1")])
+def test_a_value_renamed_after_export_is_renamed_where_if_branches_read_it(rename, read,
+                                                                           renamed):
+    """An exported initializer given its state_dict name, a tied weight's alias its tensor's
+    name, the model output's source the output's name (torch), a value renamed or a
+    constant named by first use (Keras, tf2onnx): If branches that read the old name read
+    the new one (they kept the old, a value the graph no longer has)."""
+    from onnx.reference import ReferenceEvaluator
+
+    from ngdist.frontends import keras, torch_exporters, torch_loss, torch_state
+    from ngdist.ir.copies import outer_reads
+
+    model = _branch_reading(read)
+    if rename == "initializers":
+        torch_state.rename_initializers(model, {"w": np.array([0.5, 1.5], np.float32)})
+    elif rename == "aliases":
+        torch_exporters.rename_aliases(model, {"onnx::W_1": "w"})
+    elif rename == "model_output":
+        torch_loss._name_model_output(model, "output")
+    elif rename == "keras_value":
+        keras._rename_value(model.graph, "src", "output")
+        model.graph.node.remove(model.graph.node[1])  # (the Identity that made "output")
+    else:
+        keras._canonical_names(model.graph, keep=set())
+    (node,) = [n for n in model.graph.node if n.op_type == "If"]
+    assert renamed in outer_reads(node) and read not in outer_reads(node)
+    x = np.array([1.0, 2.0], np.float32)
+    got = dict(zip(["output", "out"], ReferenceEvaluator(model).run(None, {"x": x})))
+    assert got["out"].tolist() == (x + (x * x if read == "src" else [0.5, 1.5])).tolist()
