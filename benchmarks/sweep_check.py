@@ -25,8 +25,8 @@ are bounded by twice the model's largest update, not compared; where a tensor is
 bounds, they are taken over every torch float32 run, as that bound is (sweep_steps.py).
 A failing tensor's message says how many of its slices along axis 0 are off and how close
 the rest are (one output channel off alone: an activation within float32's error of a ReLU
-kink); a gradient off in one slice alone is checked again on a second batch of float inputs,
-the first failure kept.
+kink); a stage off in one slice alone is checked again, every stage, on a second batch of
+float inputs, the first failure kept.
 
 The torch oracle (float64 and float32 autograd, each step's torch optimizer step) runs in a
 forked child process (``Oracle``): the sweep's memory cap is on ngdist and the model, and the
@@ -187,25 +187,35 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
     return g64, g32
 
 
-def gradients_or_second_batch(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
-                              out: dict[str, Any]) -> dict[str, np.ndarray]:
-    """``check_gradients``; where it fails in one slice of one tensor alone (the rest of that
-    tensor within bound) and the batch has float inputs, once more on a second batch of
-    those (the same shapes, seed 1), which the later stages then use: an activation within
-    float32's error of a kink is one point of input space, a wrong rule fails there too.
-    The first batch's failure stays in the row (``first_batch``)."""
+def stages_or_second_batch(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
+                           out: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
+    """``stages`` (the gradients, SGD's and AdamW's steps); where one fails in one slice of
+    its worst tensor alone (the rest of that tensor within bound) and the batch has float
+    inputs, all of them once more on a second batch of those (the same shapes, seed 1): an
+    activation within float32's error of a kink (a ReLU input, a max-pool window's two
+    largest values) is one point of input space, a wrong rule fails there too. The first
+    batch's failure stays in the row (``first_batch``). Returns the AdamW trainer and the
+    batch the stages passed on."""
     try:
-        check_gradients(module, feeds, loss_fn, out)
-        return feeds
+        return stages(module, feeds, loss_fn, out), feeds
     except StageError as exc:
         if "; 1 of " not in str(exc) or not any(v.dtype.kind == "f" for v in feeds.values()):
             raise
-        out["first_batch"] = str(exc)
+        out["first_batch"] = f"{out['stage']}: {exc}"
+    gc.collect()  # the first batch's trainers
     rng = np.random.default_rng(1)
     feeds = {k: rng.standard_normal(v.shape).astype(v.dtype) if v.dtype.kind == "f" else v
              for k, v in feeds.items()}
+    return stages(module, feeds, loss_fn, out), feeds
+
+
+def stages(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, out: dict[str, Any]
+           ) -> Any:
+    """The gradients, then 3 steps of SGD, then 3 of AdamW; returns the AdamW trainer."""
     check_gradients(module, feeds, loss_fn, out)
-    return feeds
+    check_training(module, feeds, loss_fn, "sgd", out)
+    gc.collect()  # the SGD trainer's sessions, before AdamW's are made
+    return check_training(module, feeds, loss_fn, "adamw", out)
 
 
 def _slices(got: np.ndarray, exact: np.ndarray, scale: float = 0.0) -> str:
@@ -339,10 +349,7 @@ def check(case: Any) -> dict[str, Any]:
             float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds)))
             float(loss_of(to_float64(copy.deepcopy(module)), loss_fn, _tensors(feeds, True)))
         release_freed_memory()
-        feeds = gradients_or_second_batch(module, feeds, loss_fn, out)
-        check_training(module, feeds, loss_fn, "sgd", out)
-        gc.collect()  # the SGD trainer's sessions, before AdamW's are made
-        trainer = check_training(module, feeds, loss_fn, "adamw", out)
+        trainer, feeds = stages_or_second_batch(module, feeds, loss_fn, out)
         time_steps(trainer, module, feeds, loss_fn, out)
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
         out.update(describe(exc))
