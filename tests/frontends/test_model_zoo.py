@@ -77,7 +77,7 @@ def test_a_bare_hugging_face_model_is_refused_with_the_wrapper_to_write():
                        optimizer="sgd:lr=0.01")
 
 
-GRAD_CASES = [(n, "float32") for n in hfzoo.MODELS] + [(n, "float64") for n in FLOAT64]
+GRAD_CASES = [(n, "float32") for n in hfzoo.MODELS] + [(n, "float64") for n in sorted(FLOAT64)]
 
 
 @pytest.mark.parametrize("name,dtype", GRAD_CASES, ids=[f"{n}-{d}" for n, d in GRAD_CASES])
