@@ -238,6 +238,12 @@ def rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
             rename_inputs(inner, names)
 
 
+def rename_values(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
+    """``rename_inputs``, and ``node``'s outputs renamed by ``names`` too."""
+    rename_inputs(node, names)
+    node.output[:] = [names.get(o, o) for o in node.output]
+
+
 def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:
     """The Reshape target that gives every one of ``shapes`` (the output shapes of one
     Reshape at several batch sizes, ``inputs`` its input shapes, empty when a 0 in the

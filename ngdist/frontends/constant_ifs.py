@@ -8,7 +8,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from ngdist.frontends.cleanup import constants, remove_dead, rename_inputs
+from ngdist.frontends.cleanup import constants, remove_dead, rename_values
 
 
 def constant_ifs(model: onnx.ModelProto) -> int:
@@ -54,9 +54,7 @@ def _inlined(branch: onnx.GraphProto, node: onnx.NodeProto) -> list[onnx.NodePro
         copied = onnx.NodeProto()
         copied.CopyFrom(inner)
         copied.name = prefix + inner.name if inner.name else ""
-        rename_inputs(copied, names)
-        for k, o in enumerate(copied.output):
-            copied.output[k] = names.get(o, o)
+        rename_values(copied, names)
         nodes.append(copied)
     nodes += [helper.make_node("Identity", [names.get(name, name)], [out],
                                name=f"{prefix}Identity_{out}")

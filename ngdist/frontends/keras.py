@@ -46,7 +46,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends import keras_loss
-from ngdist.frontends.cleanup import rename_inputs
+from ngdist.frontends.cleanup import rename_values
 from ngdist.frontends.keras_loss import translate_loss  # noqa: F401  (the frontend's API)
 from ngdist.frontends.keras_optim import translate_optimizer
 from ngdist.ir.writeback import WriteBack
@@ -129,10 +129,7 @@ def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -
 
 def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
     for node in graph.node:
-        rename_inputs(node, {old: new})  # (and what its branches read)
-        for i, name in enumerate(node.output):
-            if name == old:
-                node.output[i] = new
+        rename_values(node, {old: new})  # (and what its branches read)
     for vi in [*graph.input, *graph.output, *graph.value_info]:
         if vi.name == old:
             vi.name = new
@@ -282,8 +279,7 @@ def _canonical_names(graph: onnx.GraphProto, keep: set[str], prefix: str = "") -
         if _GENERATED.search(node.name):
             node.name = _GENERATED.sub("", node.name) + f"__g{next(counter)}"
     for node in graph.node:
-        rename_inputs(node, renames)  # (and what its branches read)
-        node.output[:] = [renames.get(n, n) for n in node.output]
+        rename_values(node, renames)  # (and what its branches read)
     ordered = [inits[n] for n in order]
     for t in ordered:
         t.name = renames.get(t.name, t.name)

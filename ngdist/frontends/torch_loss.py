@@ -30,7 +30,7 @@ from typing import Any
 import onnx
 
 from ngdist.errors import GraphError, OptionError
-from ngdist.frontends.cleanup import rename_inputs
+from ngdist.frontends.cleanup import rename_values
 
 logger = logging.getLogger(__name__)
 
@@ -214,9 +214,7 @@ def _strip_prefix(model: onnx.ModelProto) -> None:
     for t in model.graph.initializer:
         t.name = renames.get(t.name, t.name)
     for node in model.graph.node:
-        rename_inputs(node, renames)  # (and those its If/Loop/Scan branches read)
-        for i, name in enumerate(node.output):
-            node.output[i] = renames.get(name, name)
+        rename_values(node, renames)  # (and what its If/Loop/Scan branches read)
     for info in model.graph.value_info:
         info.name = renames.get(info.name, info.name)
 
@@ -290,10 +288,7 @@ def _name_model_output(model: onnx.ModelProto, name: str) -> None:
         return
     graph.node.remove(node)
     for n in graph.node:
-        rename_inputs(n, {source: name})  # (and what its branches read)
-        for i, value in enumerate(n.output):
-            if value == source:
-                n.output[i] = name
+        rename_values(n, {source: name})  # (and what its branches read)
     for info in graph.value_info:
         if info.name == source:
             info.name = name
