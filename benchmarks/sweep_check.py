@@ -25,8 +25,9 @@ are bounded by twice the model's largest update, not compared; where a tensor is
 bounds, they are taken over every torch float32 run, as that bound is (sweep_steps.py).
 A failing tensor's message says how many of its slices along axis 0 are off and how close
 the rest are (one output channel off alone: an activation within float32's error of a ReLU
-kink); a stage off in one slice alone is checked again, every stage, on a second batch of
-float inputs, the first failure kept.
+kink); a stage off in one slice alone, in its worst tensor or in another one out of bounds
+(the kink's own channel: the tensors past it inherit it in many slices), is checked again,
+every stage, on a second batch of float inputs, the first failure kept.
 
 The torch oracle (float64 and float32 autograd, each step's torch optimizer step) runs in a
 forked child process (``Oracle``): the sweep's memory cap is on ngdist and the model, and the
@@ -88,11 +89,17 @@ def _judge(errors: dict[str, float], own: dict[str, float], vs32: dict[str, floa
     """(worst error from float64, torch's own worst float32 error, the first tensor out of
     bounds or None). Tensor by tensor: within TOL of float64, or FACTOR x torch's float32
     error of that tensor, or within TOL of torch's float32 result."""
-    # (written so that a NaN error is out of bounds: NaN compares false to everything)
-    bad = [k for k, e in errors.items()
-           if not e <= max(TOL, FACTOR * own.get(k, 0.0)) and not vs32.get(k, 0.0) <= TOL]
+    bad = out_of_bounds(errors, own, vs32)
     worst = max(errors.values(), default=0.0, key=lambda e: np.inf if np.isnan(e) else e)
     return worst, max(own.values(), default=0.0), max(bad, key=errors.get) if bad else None
+
+
+def out_of_bounds(errors: dict[str, float], own: dict[str, float], vs32: dict[str, float]
+                  ) -> list[str]:
+    """The tensors ``_judge`` fails, in ``errors``' order."""
+    # (written so that a NaN error is out of bounds: NaN compares false to everything)
+    return [k for k, e in errors.items()
+            if not e <= max(TOL, FACTOR * own.get(k, 0.0)) and not vs32.get(k, 0.0) <= TOL]
 
 
 def largest_of_runs(runs: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -182,15 +189,17 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
     out.update(grad_err=err, torch32_err=own32, params=len(g64),
                torch32_runs=list(ref["runs"]), grad_spread=spread(errors, ref["runs"]))
     if bad:
+        sign = _kink_sign(bad, out_of_bounds(errors, own, vs32),
+                          lambda n: (got[f"{n}.grad"], g64[n], 0.0))
         raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
-                         f"{own[bad]:.1e}){_slices(got[f'{bad}.grad'], g64[bad])}")
+                         f"{own[bad]:.1e}){sign}")
     return g64, g32
 
 
 def stages_or_second_batch(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                            out: dict[str, Any]) -> tuple[Any, dict[str, np.ndarray]]:
     """``stages`` (the gradients, SGD's and AdamW's steps); where one fails in one slice of
-    its worst tensor alone (the rest of that tensor within bound) and the batch has float
+    a tensor alone (``_kink_sign``: the rest of it within bound) and the batch has float
     inputs, all of them once more on a second batch of those (the same shapes, seed 1): an
     activation within float32's error of a kink (a ReLU input, a max-pool window's two
     largest values) is one point of input space, a wrong rule fails there too. The first
@@ -231,6 +240,21 @@ def _slices(got: np.ndarray, exact: np.ndarray, scale: float = 0.0) -> str:
     rest = float(per[~outside].max(initial=0.0))
     return f"; {int(outside.sum())} of {got.shape[0]} slices along axis 0 off, the rest within " \
            f"{rest:.1e}"
+
+
+def _kink_sign(worst: str, bad: list[str], pair: Any) -> str:
+    """``_slices`` of the worst tensor ``worst``; where that is more than one slice, also the
+    first other out-of-bounds tensor of ``bad`` that is off in one slice alone, named: a kink
+    shows there (the one channel next to it), the tensors past it inherit it in many slices.
+    ``pair(name)`` is (got, exact, scale) of a tensor."""
+    found = _slices(*pair(worst))
+    if found.startswith("; 1 of "):
+        return found
+    for name in bad:
+        one = _slices(*pair(name))
+        if name != worst and one.startswith("; 1 of "):
+            return f"{found}; 1 of {one[len('; 1 of '):].replace(' off', f' off in {name}', 1)}"
+    return found
 
 
 def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt: str,
@@ -277,10 +301,13 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
         if tight["default_ratio"] >= out.get(f"{opt}_spread", tight)["default_ratio"]:
             out[f"{opt}_spread"] = tight
         if bad:
-            kept = np.where(noise.get(bad, False), ref64[bad], mine[bad])  # noise not compared
+            scale = scales(ref64, before)
+            vs32 = state_errors(mine, ref["ref32"], before, noise)
+            sign = _kink_sign(bad, out_of_bounds(errors, own, vs32), lambda n: (
+                np.where(noise.get(n, False), ref64[n], mine[n]),  # noise not compared
+                ref64[n], scale[n]))
             raise StageError(f"{opt} step {step}: {bad} {errors[bad]:.2e} from float64 (torch "
-                             f"float32: {own[bad]:.1e})"
-                             f"{_slices(kept, ref64[bad], scales(ref64, before)[bad])}")
+                             f"float32: {own[bad]:.1e}){sign}")
         del ref, noise, ref64
         release_freed_memory()  # the oracle's freed blocks, so the cap measures the model
     out[f"{opt}_err"], out[f"{opt}_torch32_err"] = worst, own_worst

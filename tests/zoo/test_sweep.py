@@ -189,6 +189,29 @@ def test_a_gradient_off_in_one_slice_says_how_many_and_how_close_the_rest_are():
     assert sweep_check._slices(got[0, :1], exact[0, :1]) == ""
 
 
+def test_a_kink_upstream_of_the_worst_tensor_is_named_with_its_one_slice():
+    """A kink shows in the one channel next to it; the tensors past it inherit it in many
+    slices, and the worst of those is the one the message starts with."""
+    import sweep_check
+
+    exact = {n: np.linspace(1.0, 2.0, 12).reshape(4, 3) for n in ("near", "past", "fine")}
+    got = {n: e * (1 + 3e-6) for n, e in exact.items()}
+    got["near"][2] += 0.1
+    got["past"][1:] += 0.5
+
+    def pair(name):
+        return got[name], exact[name], 0.0
+
+    assert sweep_check._kink_sign("past", ["near", "past"], pair) == \
+        "; 3 of 4 slices along axis 0 off, the rest within 1.8e-06; 1 of 4 slices along " \
+        "axis 0 off in near, the rest within 3.0e-06"
+    assert sweep_check._kink_sign("near", ["near", "past"], pair) == \
+        "; 1 of 4 slices along axis 0 off, the rest within 3.0e-06"
+    got["near"][0] += 0.1  # two channels: not the sign of one kink
+    assert sweep_check._kink_sign("past", ["near", "past"], pair) == \
+        "; 3 of 4 slices along axis 0 off, the rest within 1.8e-06"
+
+
 @pytest.mark.parametrize("failing", ["gradients", "adamw"])
 def test_one_slice_off_is_checked_again_on_a_second_batch_more_is_a_failure(monkeypatch,
                                                                               failing):
