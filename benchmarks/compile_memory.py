@@ -168,7 +168,10 @@ def instrument_sweep(stages: Stages) -> None:
             (sweep_check, "check_training", "sweep: 3 steps"),
             (sweep_steps, "torch_grads", "sweep: torch gradients of a step's noise entries"),
             (sweep_steps, "torch_step", "sweep: torch step"),
-            (sweep_check, "time_steps", "sweep: timing")):
+            (sweep_check, "time_steps", "sweep: timing"),
+            (sweep_check.Oracle, "ask", "sweep: the oracle's answer received"),
+            (sweep_check, "_state", "sweep: the state copied"),
+            (sweep_check, "_judged_step", "sweep: a step judged")):
         stages.wrap(owner, attr, label)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from sweep_oracle import (Oracle, StageError, float32_runs, forked, loss_of, state_of,
                           tensors_of, to_float64, torch_grads)
-from sweep_steps import (FACTOR, TOL, WIDER, finite_max, off, scales, state_errors,
+from sweep_steps import (FACTOR, TOL, WIDER, finite_max, max_off, off, scales, state_errors,
                          step_oracle)
 
 NGDIST = str(Path(__file__).resolve().parents[1] / "ngdist")
@@ -160,8 +160,8 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
             loss32, g32 = torch_grads(module, feeds, loss_fn, False, run)
             result["runs"][run] = gradient_errors({f"{n}.grad": g for n, g in g32.items()},
                                                   g64)
-            if run == "default":
-                result.update(loss32=loss32, g32=g32)
+            if run == "default":  # (float32 gradients are exact in float32)
+                result.update(loss32=loss32, g32={n: g.astype(np.float32) for n, g in g32.items()})
         return result
 
     with Oracle(oracle) as torch_oracle:
@@ -321,9 +321,9 @@ def _judged_step(mine: dict[str, np.ndarray], before: dict[str, np.ndarray],
     answer ``ref``: each tensor's error and ``judge_over_runs``'s verdict. Noise entries
     (AdamW's) may move up to twice the model's largest update, no more."""
     noise, ref64 = ref["noise"], ref["ref64"]
-    moved = max(finite_max(off(ref64[k], before[k])) for k in ref64)
+    moved = max(max_off(ref64[k], before[k], finite=True) for k in ref64)
     for k, mask in noise.items():
-        if off(mine[k], before[k])[mask].max(initial=0.0) > 2 * moved + 1e-12:
+        if max_off(mine[k], before[k], mask) > 2 * moved + 1e-12:
             raise StageError(f"{where}: {k} entries with a zero gradient moved more than "
                              "twice the model's largest update")
     errors = state_errors(mine, ref64, before, noise)

@@ -20,6 +20,9 @@ from sweep_oracle import torch_grads, torch_step
 TOL = 1e-4
 FACTOR = 10.0
 WIDER = "noise over every run"  # asked of the step oracle: AdamW's noise entries widened
+CHUNK = 1 << 22  # entries a reduction takes at a time: the float64 temporaries of a whole
+# large tensor (VGG's classifier weight: 102 M entries, 0.8 GB each) would cost more than
+# the model
 
 
 def scales(exact: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> dict[str, float]:
@@ -28,8 +31,8 @@ def scales(exact: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> dict[
     kind = {k: k.rsplit(".", 1)[-1] if "running_" in k else "param" for k in exact}
     moved: dict[str, float] = {}
     for k in exact:
-        moved[kind[k]] = max(moved.get(kind[k], 0.0), finite_max(off(exact[k], before[k])))
-    return {k: max(finite_max(np.abs(exact[k])), moved[kind[k]], 1e-30) for k in exact}
+        moved[kind[k]] = max(moved.get(kind[k], 0.0), max_off(exact[k], before[k], finite=True))
+    return {k: max(finite_max(exact[k]), moved[kind[k]], 1e-30) for k in exact}
 
 
 def off(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -41,15 +44,39 @@ def off(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def finite_max(a: np.ndarray) -> float:
-    return float(np.abs(a[np.isfinite(a)]).max(initial=0.0))
+    """The largest finite |entry| of ``a`` (0 where none is)."""
+    out = 0.0
+    for (part,) in chunks(a):
+        out = max(out, float(np.abs(part[np.isfinite(part)]).max(initial=0.0)))
+    return out
+
+
+def max_off(a: np.ndarray, b: np.ndarray, keep: np.ndarray | None = None,
+            finite: bool = False) -> float:
+    """The largest ``off(a, b)`` over the entries ``keep`` (all by default), of its finite
+    entries alone where ``finite``; ``CHUNK`` entries at a time."""
+    out = 0.0
+    for part in chunks(a, b, *(() if keep is None else (keep,))):
+        diff = off(part[0], part[1])
+        if keep is not None:
+            diff = diff[part[2]]
+        out = max(out, finite_max(diff) if finite else float(diff.max(initial=0.0)))
+    return out
+
+
+def chunks(*arrays: np.ndarray):
+    """The arrays (of one shape), flattened, ``CHUNK`` entries at a time, side by side."""
+    flat = [np.ravel(a) for a in arrays]
+    for start in range(0, flat[0].size, CHUNK):
+        yield [f[start:start + CHUNK] for f in flat]
 
 
 def state_errors(state, exact, before, noise) -> dict[str, float]:
     """Per tensor: max |state - exact| off the noise entries, relative to its ``scales``."""
     scale, out = scales(exact, before), {}
     for k, value in state.items():
-        keep = ~noise.get(k, np.zeros(value.shape, bool))
-        out[k] = float(off(value, exact[k])[keep].max(initial=0.0) / scale[k])
+        mask = noise.get(k)
+        out[k] = max_off(value, exact[k], None if mask is None else ~mask) / scale[k]
     return out
 
 

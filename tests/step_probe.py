@@ -61,8 +61,15 @@ def max_rel_err(a: np.ndarray, b: np.ndarray, floor: float = 1e-12) -> float:
     ``floor`` covers tensors whose exact value is zero (e.g. the gradient of a conv bias
     followed by BatchNorm, where the reference itself holds only rounding noise).
     """
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), floor))
+    a, b = np.broadcast_arrays(np.asarray(a), np.asarray(b))
+    a, b = np.ravel(a), np.ravel(b)
+    step = 1 << 22  # float64 temporaries a few million entries at a time, not a whole tensor's
+    diff = top = 0.0
+    for i in range(0, a.size, step):
+        part = b[i:i + step].astype(np.float64)
+        diff = np.maximum(diff, np.abs(a[i:i + step] - part).max())  # (NaN stays NaN)
+        top = np.maximum(top, np.abs(part).max())
+    return float(diff / max(top, floor))
 
 
 def rank_results(proc, n: int) -> tuple[dict, list[dict]]:
