@@ -189,7 +189,7 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
     out.update(grad_err=err, torch32_err=own32, params=len(g64),
                torch32_runs=list(ref["runs"]), grad_spread=spread(errors, ref["runs"]))
     if bad:
-        sign = _kink_sign(bad, out_of_bounds(errors, own, vs32),
+        sign = _kink_sign(bad, out_of_bounds(errors, ref["runs"]["default"], vs32),
                           lambda n: (got[f"{n}.grad"], g64[n], 0.0))
         raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
                          f"{own[bad]:.1e}){sign}")
@@ -244,13 +244,14 @@ def _slices(got: np.ndarray, exact: np.ndarray, scale: float = 0.0) -> str:
 
 def _kink_sign(worst: str, bad: list[str], pair: Any) -> str:
     """``_slices`` of the worst tensor ``worst``; where that is more than one slice, also the
-    first other out-of-bounds tensor of ``bad`` that is off in one slice alone, named: a kink
-    shows there (the one channel next to it), the tensors past it inherit it in many slices.
+    last tensor of ``bad`` (out of bounds against torch's default float32 run: another run
+    can take the same kink's other side) that is off in one slice alone, named: a kink shows
+    there (the one channel next to it), the tensors before it inherit it in many slices.
     ``pair(name)`` is (got, exact, scale) of a tensor."""
     found = _slices(*pair(worst))
     if found.startswith("; 1 of "):
         return found
-    for name in bad:
+    for name in reversed(bad):
         one = _slices(*pair(name))
         if name != worst and one.startswith("; 1 of "):
             return f"{found}; 1 of {one[len('; 1 of '):].replace(' off', f' off in {name}', 1)}"
@@ -303,9 +304,9 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
         if bad:
             scale = scales(ref64, before)
             vs32 = state_errors(mine, ref["ref32"], before, noise)
-            sign = _kink_sign(bad, out_of_bounds(errors, own, vs32), lambda n: (
-                np.where(noise.get(n, False), ref64[n], mine[n]),  # noise not compared
-                ref64[n], scale[n]))
+            sign = _kink_sign(bad, out_of_bounds(errors, ref["runs"]["default"], vs32),
+                              lambda n: (np.where(noise.get(n, False), ref64[n], mine[n]),
+                                         ref64[n], scale[n]))  # (noise is not compared)
             raise StageError(f"{opt} step {step}: {bad} {errors[bad]:.2e} from float64 (torch "
                              f"float32: {own[bad]:.1e}){sign}")
         del ref, noise, ref64
