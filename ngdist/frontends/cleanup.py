@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from ngdist.frontends.renames import rename_inputs
 from ngdist.frontends.shape_probes import probe_runs
 from ngdist.ir.copies import copy_fields, node_subgraphs, outer_reads
 
@@ -226,22 +227,6 @@ def _probe_model(model: onnx.ModelProto, tensors: Mapping[str, onnx.TensorProto]
     probe.graph.input.extend(helper.make_tensor_value_info(n, t.data_type, list(t.dims))
                              for n, t in weights.items() if n not in inputs)
     return probe, {n: numpy_helper.to_array(tensors.get(n, t)) for n, t in weights.items()}
-
-
-def rename_inputs(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
-    """``node``'s inputs, and those of nodes in its subgraphs (which may read outer values),
-    renamed by ``names``."""
-    for k, name in enumerate(node.input):
-        node.input[k] = names.get(name, name)
-    for sub in node_subgraphs(node):
-        for inner in sub.node:
-            rename_inputs(inner, names)
-
-
-def rename_values(node: onnx.NodeProto, names: Mapping[str, str]) -> None:
-    """``rename_inputs``, and ``node``'s outputs renamed by ``names`` too."""
-    rename_inputs(node, names)
-    node.output[:] = [names.get(o, o) for o in node.output]
 
 
 def _one_free_axis(shapes: list[np.ndarray], inputs: list[np.ndarray]) -> np.ndarray | None:

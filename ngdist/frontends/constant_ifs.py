@@ -8,7 +8,8 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from ngdist.frontends.cleanup import constants, remove_dead, rename_values
+from ngdist.frontends.cleanup import constants, remove_dead
+from ngdist.frontends.renames import rename_values
 
 
 def constant_ifs(model: onnx.ModelProto) -> int:

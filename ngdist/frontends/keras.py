@@ -46,7 +46,7 @@ from onnx import numpy_helper
 from ngdist import optim
 from ngdist.errors import ArgumentError, GraphError
 from ngdist.frontends import keras_loss
-from ngdist.frontends.cleanup import rename_values
+from ngdist.frontends.renames import rename_graph
 from ngdist.frontends.keras_loss import translate_loss  # noqa: F401  (the frontend's API)
 from ngdist.frontends.keras_optim import translate_optimizer
 from ngdist.ir.writeback import WriteBack
@@ -128,14 +128,7 @@ def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -
 
 
 def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
-    for node in graph.node:
-        rename_values(node, {old: new})  # (and what its branches read)
-    for vi in [*graph.input, *graph.output, *graph.value_info]:
-        if vi.name == old:
-            vi.name = new
-    for t in graph.initializer:
-        if t.name == old:
-            t.name = new
+    rename_graph(graph, {old: new})
 
 
 def _match(arr: np.ndarray, marked: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
@@ -278,11 +271,8 @@ def _canonical_names(graph: onnx.GraphProto, keep: set[str], prefix: str = "") -
                 renames[out] = _GENERATED.sub("", out.split(":")[0]) + f"__g{next(counter)}"
         if _GENERATED.search(node.name):
             node.name = _GENERATED.sub("", node.name) + f"__g{next(counter)}"
-    for node in graph.node:
-        rename_values(node, renames)  # (and what its branches read)
+    rename_graph(graph, renames)
     ordered = [inits[n] for n in order]
-    for t in ordered:
-        t.name = renames.get(t.name, t.name)
     del graph.initializer[:]
     graph.initializer.extend(ordered)
     del graph.value_info[:]  # re-inferred by the ONNX frontend

@@ -29,7 +29,7 @@ from typing import Any
 import onnx
 
 from ngdist.errors import ArgumentError, GraphError
-from ngdist.frontends.cleanup import rename_inputs
+from ngdist.frontends.renames import rename_graph
 from ngdist.frontends.torch_attention import sdpa_export
 from ngdist.frontends.torch_buffers import appended_outputs
 from ngdist.frontends.torch_stop_gradient import mark_stop_gradients, no_grad_detached
@@ -196,9 +196,5 @@ def rename_aliases(model: onnx.ModelProto, aliases: dict[str, str]) -> None:
     """Initializers named by an alias take the tensor's own name (unless that name is an
     initializer too), and so do the node inputs that read them."""
     names = {t.name for t in model.graph.initializer}
-    renames = {a: n for a, n in aliases.items() if a in names and n not in names}
-    for t in model.graph.initializer:
-        t.name = renames.get(t.name, t.name)
-    for node in model.graph.node:
-        rename_inputs(node, renames)  # (and what its branches read)
+    rename_graph(model.graph, {a: n for a, n in aliases.items() if a in names and n not in names})
 

@@ -30,7 +30,7 @@ from typing import Any
 import onnx
 
 from ngdist.errors import GraphError, OptionError
-from ngdist.frontends.cleanup import rename_values
+from ngdist.frontends.renames import rename_graph
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +211,7 @@ def _strip_prefix(model: onnx.ModelProto) -> None:
                if t.name.startswith(prefix)}
     renames.update((o, _value_name(o)) for n in model.graph.node for o in n.output
                    if _value_name(o) != o)
-    for t in model.graph.initializer:
-        t.name = renames.get(t.name, t.name)
-    for node in model.graph.node:
-        rename_values(node, renames)  # (and what its If/Loop/Scan branches read)
-    for info in model.graph.value_info:
-        info.name = renames.get(info.name, info.name)
+    rename_graph(model.graph, renames)
 
 
 def export_with_loss(module: Any, loss: Any, args: tuple[Any, ...], input_names: list[str],
@@ -287,11 +282,7 @@ def _name_model_output(model: onnx.ModelProto, name: str) -> None:
     if source in {i.name for i in graph.input} | {t.name for t in graph.initializer}:
         return
     graph.node.remove(node)
-    for n in graph.node:
-        rename_values(n, {source: name})  # (and what its branches read)
-    for info in graph.value_info:
-        if info.name == source:
-            info.name = name
+    rename_graph(graph, {source: name})
 
 
 def _random_like(value: Any, output: Any) -> Any:

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from ngdist.errors import GraphError
 from ngdist.frontends import torch_loss
-from ngdist.frontends.cleanup import rename_inputs
+from ngdist.frontends.renames import rename_graph
 from ngdist.frontends.torch_buffers import same_bytes
 
 
@@ -39,12 +39,7 @@ def rename_initializers(model: onnx.ModelProto, state: dict[str, np.ndarray]) ->
         elif len(hits) > 1:
             raise GraphError(f"the exported initializer {t.name!r} equals several state_dict "
                              f"entries {hits}; cannot tell which one it is")
-    if not renames:
-        return
-    for t in g.initializer:
-        t.name = renames.get(t.name, t.name)
-    for node in g.node:
-        rename_inputs(node, renames)  # (and what its branches read)
+    rename_graph(g, renames)
 
 
 def mark_unique(module: Any) -> dict[str, np.ndarray]:
