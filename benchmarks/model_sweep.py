@@ -10,8 +10,8 @@ regenerated from it.
 
     python benchmarks/model_sweep.py [--source torchvision timm transformers]
         [--only NAME ...] [--json FILE] [--merge FILE ...] [--failed] [--skip-done]
-        [--limit N] [--timeout 600] [--jobs 1] [--all-constructors] [--list] [--no-docs]
-        [--report]
+        [--limit N] [--timeout 600] [--memory 8] [--jobs 1] [--all-constructors] [--list]
+        [--no-docs] [--report]
 
 ``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``: that
 case alone, not ``llama4``) or prefixes ending in ``/`` (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file;
@@ -74,12 +74,13 @@ def find_case(name: str, family: str) -> Any:
                           lambda: zoo_sweep_hf._build(task, model_type))
 
 
-def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | None = None
-            ) -> dict[str, Any]:
+def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | None = None,
+            memory: int | None = None) -> dict[str, Any]:
     """``name`` checked in a subprocess limited to ``cpu_seconds`` of CPU time (the machine's
     load does not count against a model), to ``wall_seconds`` (default 5x that) of wall
-    time (a hang blocks without using CPU) and to ``MEMORY`` bytes resident (checked twice a
-    second: the machine is shared); a limit reached or a crash is a failed row."""
+    time (a hang blocks without using CPU) and to ``memory`` (default ``MEMORY``) bytes
+    resident (checked twice a second: the machine is shared); a limit reached or a crash is a
+    failed row. A row run under a larger cap than ``MEMORY`` says so (``memory_cap``)."""
     import resource
     import signal
     import time
@@ -87,6 +88,9 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
     row: dict[str, Any] = {"name": name, "family": family, "status": "fail",
                            "source": {"tv": "torchvision", "timm": "timm"}.get(
                                name.split("/")[0], "transformers")}
+    memory = memory or MEMORY
+    if memory > MEMORY:
+        row["memory_cap"] = f"{memory / (1 << 30):g} GiB"
 
     def limit_cpu() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
@@ -107,8 +111,8 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                 if time.monotonic() > deadline:
                     stop = {"stage": "timeout", "error": f"no result within {wall:.0f} s of "
                                                           "wall time"}
-                elif _resident(proc.pid) > MEMORY:
-                    stop = {"stage": "memory", "error": f"more than {MEMORY >> 20} MiB "
+                elif _resident(proc.pid) > memory:
+                    stop = {"stage": "memory", "error": f"more than {memory >> 20} MiB "
                                                         "resident"}
                 if stop:
                     _end_group(proc.pid)
@@ -117,7 +121,8 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                 time.sleep(0.5)
         _end_group(proc.pid)  # a forked oracle its process left behind (past its CPU limit)
         if result.exists():
-            return json.loads(result.read_text())
+            cap = {k: row[k] for k in ("memory_cap",) if k in row}
+            return {**json.loads(result.read_text()), **cap}
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
         tail = " ".join(log.read_text().strip().splitlines()[-3:])[-400:]
@@ -194,6 +199,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         cause = "" if r["status"] == "pass" else f"{r.get('stage', '')}: {r.get('error', '')}"
         if r.get("first_batch"):
             cause += f" (on a second batch; the first: {r['first_batch']})"
+        if r.get("memory_cap"):
+            cause += f" (run under a resident cap of {r['memory_cap']})"
         if r.get("raw_in_ngdist"):
             cause += f" (raised inside ngdist at {r['raw_in_ngdist']})"
         cause = cause.replace("|", "\\|")
@@ -247,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="CPU seconds of a model's process: export, both compiles, the steps "
                         "and eager torch (the forked oracle has a limit of its own); wall "
                         "time: 5x that")
+    p.add_argument("--memory", type=float, default=MEMORY / (1 << 30),
+                   help="GiB a model's process may hold resident (its torch oracle, a forked "
+                        "child, besides); a row run above the default says so")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--all-constructors", action="store_true",
                    help="every torchvision constructor, not the smallest of each family")
@@ -283,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         return None
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool, \
             tqdm(total=len(cases), unit="model") as bar:
-        futures = [pool.submit(run_one, n, f, args.timeout) for n, f in cases]
+        futures = [pool.submit(run_one, n, f, args.timeout, None, int(args.memory * (1 << 30)))
+                   for n, f in cases]
         for fut in concurrent.futures.as_completed(futures):
             row = fut.result()
             rows = merge(args.json, [row])

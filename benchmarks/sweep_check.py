@@ -148,6 +148,7 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
                                        input_names=list(inputs), optimizer="sgd:lr=0.01")
     out["stage"] = "gradients"
     got = run_step(model, feeds)
+    del model  # (the weights' copy in the training model: the oracle's answer comes next)
     runs, memo = float32_runs(module, feeds), {}
 
     def oracle(asked: tuple[str, ...]) -> dict[str, Any]:

@@ -42,8 +42,10 @@ def run_step(model: onnx.ModelProto, batch: Mapping[str, np.ndarray],
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.enable_mem_reuse = plans_reuse(proto)  # (ngdist's sessions' rule: the same bits)
-    sess = ort.InferenceSession(proto.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    serialized = proto.SerializeToString()
+    del proto, g, kept, step  # (the weights in one place at a time: a large model fits)
+    sess = ort.InferenceSession(serialized, opts, providers=["CPUExecutionProvider"])
+    del serialized
     data = [i.name for i in sess.get_inputs() if meta.roles.get(i.name) == "data"]
     names = [o.name for o in sess.get_outputs()]
     out = sess.run(names, {n: np.asarray(batch[n]) for n in data})
