@@ -190,7 +190,7 @@ def check_gradients(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any,
     out.update(grad_err=err, torch32_err=own32, params=len(g64),
                torch32_runs=list(ref["runs"]), grad_spread=spread(errors, ref["runs"]))
     if bad:
-        sign = _kink_sign(bad, out_of_bounds(errors, ref["runs"]["default"], vs32),
+        sign = _kink_sign(bad, errors, ref["runs"]["default"],
                           lambda n: (got[f"{n}.grad"], g64[n], 0.0))
         raise StageError(f"gradient of {bad} {errors[bad]:.2e} from float64 (torch float32: "
                          f"{own[bad]:.1e}){sign}")
@@ -233,29 +233,42 @@ def _slices(got: np.ndarray, exact: np.ndarray, scale: float = 0.0) -> str:
     rows) are out of bound, and how close the others are, relative to ``scale`` (default: the
     exact tensor's largest entry): one channel off says one activation took the other side
     of a kink (a ReLU input within float32's error of 0), not a wrong formula."""
+    counted = _slice_count(got, exact, scale, TOL)
+    return "" if counted is None else f"; {counted[0]} of {counted[1]} slices along axis 0 " \
+                                      f"off, the rest within {counted[2]:.1e}"
+
+
+def _slice_count(got: np.ndarray, exact: np.ndarray, scale: float, bound: float
+                 ) -> tuple[int, int, float] | None:
+    """(slices along axis 0 past ``bound``, slices, the largest error of the others), errors
+    relative to ``scale`` (default: the exact tensor's largest entry); None for a tensor of
+    fewer than 2 slices."""
     if got.ndim < 1 or got.shape[0] < 2:  # (a bias's slices are its entries)
-        return ""
+        return None
     scale = max(scale or finite_max(exact), 1e-30)
     per = off(got, exact).reshape(got.shape[0], -1).max(1) / scale
-    outside = per > TOL
-    rest = float(per[~outside].max(initial=0.0))
-    return f"; {int(outside.sum())} of {got.shape[0]} slices along axis 0 off, the rest within " \
-           f"{rest:.1e}"
+    outside = per > bound
+    return int(outside.sum()), got.shape[0], float(per[~outside].max(initial=0.0))
 
 
-def _kink_sign(worst: str, bad: list[str], pair: Any) -> str:
+def _kink_sign(worst: str, errors: dict[str, float], default: dict[str, float],
+               pair: Any) -> str:
     """``_slices`` of the worst tensor ``worst``; where that is more than one slice, also the
-    last tensor of ``bad`` (out of bounds against torch's default float32 run: another run
-    can take the same kink's other side) that is off in one slice alone, named: a kink shows
-    there (the one channel next to it), the tensors before it inherit it in many slices.
-    ``pair(name)`` is (got, exact, scale) of a tensor."""
+    tensor nearest the loss (last in ``errors``) that is past ``FACTOR`` x torch's default
+    float32 error of it in one slice alone: a kink shows in the one channel next to it (an
+    error that can stay below the bound of a trained state), the tensors before it inherit
+    it in many slices. ``pair(name)`` is (got, exact, scale) of a tensor."""
     found = _slices(*pair(worst))
     if found.startswith("; 1 of "):
         return found
-    for name in reversed(bad):
-        one = _slices(*pair(name))
-        if name != worst and one.startswith("; 1 of "):
-            return f"{found}; 1 of {one[len('; 1 of '):].replace(' off', f' off in {name}', 1)}"
+    for name in reversed(errors):
+        bound = FACTOR * max(default.get(name, 0.0), 1e-7)
+        if name == worst or not errors[name] > bound:
+            continue
+        counted = _slice_count(*pair(name), bound)
+        if counted is not None and counted[0] == 1:
+            return f"{found}; 1 of {counted[1]} slices of {name} along axis 0 past {FACTOR:g}x " \
+                   f"torch's float32 error ({bound / FACTOR:.1e}), the rest within {counted[2]:.1e}"
     return found
 
 
@@ -304,8 +317,7 @@ def check_training(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any, opt:
             out[f"{opt}_spread"] = tight
         if bad:
             scale = scales(ref64, before)
-            vs32 = state_errors(mine, ref["ref32"], before, noise)
-            sign = _kink_sign(bad, out_of_bounds(errors, ref["runs"]["default"], vs32),
+            sign = _kink_sign(bad, errors, ref["runs"]["default"],
                               lambda n: (np.where(noise.get(n, False), ref64[n], mine[n]),
                                          ref64[n], scale[n]))  # (noise is not compared)
             raise StageError(f"{opt} step {step}: {bad} {errors[bad]:.2e} from float64 (torch "
