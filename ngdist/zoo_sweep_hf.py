@@ -43,6 +43,9 @@ from ngdist.zoo_sweep_inputs import (STREAMING, Logits, audio_feeds, audio_lm, i
                                      streaming_audio_lm, takes, token_batch, token_labels,
                                      vocab_size)
 
+# speculative-decoding drafters: their forward reads the target model's embeddings and its
+# keys and values (shared_kv_states), not token ids; they do not train alone
+DRAFTERS = ("gemma4_assistant", "gemma4_unified_assistant")
 TASKS = {
     "causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "seqcls": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
@@ -61,6 +64,9 @@ def hf_families(task: str) -> list[str]:
 
 
 def _model(task: str, model_type: str) -> Any:
+    if model_type in DRAFTERS:
+        raise ValueError(f"not built: {model_type} is a speculative-decoding drafter (its forward "
+                         "reads the target model's inputs_embeds and shared_kv_states)")
     tf = _transformers()
     from transformers.models.auto import modeling_auto
 

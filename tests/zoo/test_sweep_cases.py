@@ -28,6 +28,16 @@ def _loss(name: str) -> tuple[float, dict[str, np.ndarray]]:
         return float(loss_of(copy.deepcopy(module), loss_fn, _tensors(feeds))), feeds
 
 
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified_assistant"])
+def test_a_drafter_that_reads_its_target_models_states_is_not_built_and_says_why(model_type):
+    from ngdist import zoo_sweep_hf as hf
+
+    with pytest.raises(ValueError, match=f"^not built: {model_type} is a speculative-decoding "
+                                         r"drafter \(its forward reads the target model's "
+                                         r"inputs_embeds and shared_kv_states\)$"):
+        hf._build("causal", model_type)
+
+
 @pytest.mark.parametrize("name", ["hf/imgcls/hgnet_v2", "hf/causal/blt",
                                   "hf/imgcls/mobilevitv2", "hf/seqcls/esmc"])
 def test_a_config_whose_sizes_derive_from_others_builds_tiny_and_runs(name):
