@@ -686,3 +686,32 @@ def test_a_parameter_torch_reads_without_gradient_but_ngdist_trains_fails_the_gr
     with pytest.raises(sweep_check.StageError, match=r"1 parameters that torch gives no "
                        r"gradient .* get one from ngdist, e.g. \['table'\]"):
         sweep_check.check_gradients(Biased().train(), feeds, torch.nn.CrossEntropyLoss(), {})
+
+
+def test_grad_walk_names_the_first_tensor_past_torchs_error_and_its_slices(monkeypatch):
+    """benchmarks/grad_walk.py on a two-layer model: ngdist's gradients agree with float64
+    within torch float32's error; one channel of the first layer's gradient moved is the
+    first tensor past 10x torch's error from the loss back, in 1 slice."""
+    import grad_walk
+    import step_probe
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((4, 6)).astype(np.float32),
+             "y": np.array([0, 1, 2, 1])}
+    rows = grad_walk.walk(module, feeds, torch.nn.CrossEntropyLoss())
+    assert [r["tensor"] for r in rows] == ["2.bias", "2.weight", "0.bias", "0.weight"]
+    assert all(r["past"] == 0 and r["ngdist"] < 1e-6 for r in rows)
+    run_step = step_probe.run_step
+
+    def one_channel_off(model, batch):
+        got = run_step(model, batch)
+        got["0.weight.grad"][3] += 0.1
+        return got
+
+    monkeypatch.setattr(step_probe, "run_step", one_channel_off)
+    rows = grad_walk.walk(module, feeds, torch.nn.CrossEntropyLoss())
+    assert [(r["tensor"], r["past"], r["slices"]) for r in rows if r["past"]] == \
+        [("0.weight", 1, 5)]
