@@ -14,8 +14,10 @@ regenerated from it.
         [--no-docs] [--report]
 
 ``--only`` takes case names (``tv/resnet18``, ``timm/resnet10t``, ``hf/causal/llama``: that
-case alone, not ``llama4``) or prefixes ending in ``/`` (``hf/causal/``); ``--failed`` reruns the cases that failed in the JSON file;
-``--report`` regenerates the docs table from it.
+case alone, not ``llama4``) or prefixes ending in ``/`` (``hf/causal/``); a torchvision or timm
+model the catalogue does not hold (``timm/resnet50d``: not its family's smallest) runs as its own
+family (give it a ``--json`` of its own); ``--failed`` reruns the cases that failed in the
+JSON file; ``--report`` regenerates the docs table from it.
 """
 from __future__ import annotations
 
@@ -281,8 +283,11 @@ def main(argv: list[str] | None = None) -> None:
             datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     cases = [(c.name, c.family) for c in catalogue(tuple(args.source), args.all_constructors)]
     if args.only:
+        known = {c[0] for c in cases}
         cases = [c for c in cases if any(c[0] == o or (o.endswith("/") and c[0].startswith(o))
                                          for o in args.only)]
+        cases += [(o, o) for o in args.only  # a torchvision or timm model beyond the catalogue
+                  if o not in known and not o.endswith("/") and o.split("/")[0] in ("tv", "timm")]
     if args.failed:
         cases = [(n, r["family"]) for n, r in old.items() if r["status"] != "pass"]
     if args.skip_done:

@@ -292,6 +292,15 @@ def test_only_takes_a_case_name_alone_and_a_prefix_ending_in_a_slash(capsys):
     assert len([n for n in names if n.startswith("hf/audiocls/")]) > 5
 
 
+def test_only_runs_a_model_beyond_the_catalogue_as_its_own_family(capsys):
+    model_sweep.main(["--source", "torchvision", "--list", "--only", "tv/resnet18",
+                      "timm/resnet50d", "tv/", "hf/causal/nonesuch"])
+    listed = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert ["timm/resnet50d", "timm/resnet50d"] in listed  # (name, family)
+    assert [n for n, _ in listed].count("tv/resnet18") == 1
+    assert "hf/causal/nonesuch" not in [n for n, _ in listed]  # a Hugging Face case: catalogue only
+
+
 def test_a_nan_error_is_out_of_bounds_and_its_tensor_named():
     """The sweep's judge: an error that is NaN (a NaN gradient of ngdist, or against torch's
     float32) fails the tensor, never passes as 'not above the bound'."""
