@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ngdist.errors import ArgumentError
 from ngdist.zoo_sweep import Case, _no_dropout, _torch
 from ngdist.zoo_sweep_configs import BATCH, LABELS, LENGTH, VOCAB
 from ngdist.zoo_sweep_configs import transformers as _transformers
@@ -65,8 +66,9 @@ def hf_families(task: str) -> list[str]:
 
 def _model(task: str, model_type: str) -> Any:
     if model_type in DRAFTERS:
-        raise ValueError(f"not built: {model_type} is a speculative-decoding drafter (its forward "
-                         "reads the target model's inputs_embeds and shared_kv_states)")
+        raise ArgumentError(f"not built: {model_type} is a speculative-decoding drafter (its "
+                            "forward reads the target model's inputs_embeds and "
+                            "shared_kv_states)")
     tf = _transformers()
     from transformers.models.auto import modeling_auto
 
