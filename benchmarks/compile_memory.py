@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent),
+                str(Path(__file__).resolve().parents[1] / "tests")]
 
 MIB = 1 << 20
 
@@ -155,11 +155,9 @@ def oracle(stages: Stages, module: Any, feeds: dict[str, Any], loss_fn: Any) -> 
 
 def instrument_sweep(stages: Stages) -> None:
     """The sweep check's own stages (benchmarks/sweep_check.py) wrapped too."""
+    import step_probe
     import sweep_check
     import sweep_steps
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import step_probe
 
     for owner, attr, label in (
             (sweep_check, "check_gradients", "sweep: gradients"),

@@ -27,7 +27,7 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent),
                 str(Path(__file__).resolve().parents[1] / "tests")]
 
-FACTOR = 10.0  # the sweep's factor over torch's own float32 error
+from sweep_steps import FACTOR, finite_max, max_off  # noqa: E402
 
 
 def trained(name: str, sgd_steps: int) -> tuple[Any, dict[str, np.ndarray], Any]:
@@ -54,7 +54,7 @@ def walk(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any) -> list[dict[s
     """Per parameter, nearest the loss first: its errors from float64 and its slices past
     ``FACTOR`` x torch float32's error."""
     from step_probe import run_step
-    from sweep_check import module_inputs, tensors_of
+    from sweep_check import _slice_count, module_inputs, tensors_of
     from sweep_oracle import torch_grads
 
     from ngdist.frontends import torch as tfront
@@ -68,14 +68,14 @@ def walk(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any) -> list[dict[s
     g32 = torch_grads(module, feeds, loss_fn, False)[1]
     rows = []
     for name in reversed(list(g64)):
-        exact = g64[name]
-        scale = max(float(np.abs(exact).max()), 1e-30)
-        ours = np.abs(got[f"{name}.grad"] - exact) / scale
-        theirs = np.abs(g32[name] - exact) / scale
-        bound = FACTOR * max(float(theirs.max()), 1e-7)
-        per = ours.reshape(exact.shape[0], -1).max(1) if exact.ndim else ours.reshape(1)
-        rows.append({"tensor": name, "ngdist": float(ours.max()), "torch32": float(theirs.max()),
-                     "past": int((per > bound).sum()), "slices": per.size})
+        exact, ours = g64[name], got[f"{name}.grad"]
+        scale = max(finite_max(exact), 1e-30)
+        error, theirs = max_off(ours, exact) / scale, max_off(g32[name], exact) / scale
+        bound = FACTOR * max(theirs, 1e-7)
+        counted = _slice_count(ours, exact, scale, bound)
+        past, slices = counted[:2] if counted else (int(error > bound), 1)
+        rows.append({"tensor": name, "ngdist": error, "torch32": theirs, "past": past,
+                     "slices": slices})
     return rows
 
 
@@ -92,11 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = walk(*trained(args.name, args.sgd_steps))
     first = next((r for r in rows if r["ngdist"] > FACTOR * max(r["torch32"], 1e-7)), None)
     for r in rows[:args.top or None]:
-        mark = "  <- first past 10x torch" if r is first else ""
+        mark = f"  <- first past {FACTOR:g}x torch" if r is first else ""
         print(f"{r['tensor']:60s} ngdist {r['ngdist']:.1e}  torch f32 {r['torch32']:.1e}  "
               f"x{r['ngdist'] / max(r['torch32'], 1e-30):8.1f}  past {r['past']}/{r['slices']}"
               f"{mark}")
-    print(f"first tensor past 10x torch's float32 error: {first['tensor'] if first else 'none'}")
+    name = first["tensor"] if first else "none"
+    print(f"first tensor past {FACTOR:g}x torch's float32 error: {name}")
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from step_probe import chunks
 from sweep_oracle import torch_grads, torch_step
 
 TOL = 1e-4
 FACTOR = 10.0
 WIDER = "noise over every run"  # asked of the step oracle: AdamW's noise entries widened
-CHUNK = 1 << 22  # entries a reduction takes at a time: the float64 temporaries of a whole
-# large tensor (VGG's classifier weight: 102 M entries, 0.8 GB each) would cost more than
-# the model
 
 
 def scales(exact: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> dict[str, float]:
@@ -54,7 +52,7 @@ def finite_max(a: np.ndarray) -> float:
 def max_off(a: np.ndarray, b: np.ndarray, keep: np.ndarray | None = None,
             finite: bool = False) -> float:
     """The largest ``off(a, b)`` over the entries ``keep`` (all by default), of its finite
-    entries alone where ``finite``; ``CHUNK`` entries at a time."""
+    entries alone where ``finite``; ``step_probe.CHUNK`` entries at a time."""
     out = 0.0
     for part in chunks(a, b, *(() if keep is None else (keep,))):
         diff = off(part[0], part[1])
@@ -62,13 +60,6 @@ def max_off(a: np.ndarray, b: np.ndarray, keep: np.ndarray | None = None,
             diff = diff[part[2]]
         out = max(out, finite_max(diff) if finite else float(diff.max(initial=0.0)))
     return out
-
-
-def chunks(*arrays: np.ndarray):
-    """The arrays (of one shape), flattened, ``CHUNK`` entries at a time, side by side."""
-    flat = [np.ravel(a) for a in arrays]
-    for start in range(0, flat[0].size, CHUNK):
-        yield [f[start:start + CHUNK] for f in flat]
 
 
 def state_errors(state, exact, before, noise) -> dict[str, float]:

@@ -57,21 +57,30 @@ def run_step(model: onnx.ModelProto, batch: Mapping[str, np.ndarray],
     return result
 
 
+CHUNK = 1 << 22  # entries a reduction takes at a time: the float64 temporaries of a whole
+# large tensor (VGG's classifier weight: 102 M entries, 0.8 GB each) would cost more than
+# the model
+
+
 def max_rel_err(a: np.ndarray, b: np.ndarray, floor: float = 1e-12) -> float:
     """max |a - b| / max(max |b|, floor): the error relative to the reference tensor's scale.
 
     ``floor`` covers tensors whose exact value is zero (e.g. the gradient of a conv bias
     followed by BatchNorm, where the reference itself holds only rounding noise).
     """
-    a, b = np.broadcast_arrays(np.asarray(a), np.asarray(b))
-    a, b = np.ravel(a), np.ravel(b)
-    step = 1 << 22  # float64 temporaries a few million entries at a time, not a whole tensor's
     diff = top = 0.0
-    for i in range(0, a.size, step):
-        part = b[i:i + step].astype(np.float64)
-        diff = np.maximum(diff, np.abs(a[i:i + step] - part).max())  # (NaN stays NaN)
-        top = np.maximum(top, np.abs(part).max())
+    for got, ref in chunks(*np.broadcast_arrays(np.asarray(a), np.asarray(b))):
+        ref = ref.astype(np.float64)
+        diff = np.maximum(diff, np.abs(got - ref).max())  # (NaN stays NaN)
+        top = np.maximum(top, np.abs(ref).max())
     return float(diff / max(top, floor))
+
+
+def chunks(*arrays: np.ndarray):
+    """The arrays (of one shape), flattened, ``CHUNK`` entries at a time, side by side."""
+    flat = [np.ravel(a) for a in arrays]
+    for start in range(0, flat[0].size, CHUNK):
+        yield [f[start:start + CHUNK] for f in flat]
 
 
 def rank_results(proc, n: int) -> tuple[dict, list[dict]]:

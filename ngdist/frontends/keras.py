@@ -127,10 +127,6 @@ def _input_specs(model: Any, example_inputs: Any, names: Sequence[str] | None) -
     return [tf.TensorSpec(s, d, name=n) for s, d, n in zip(shapes, dtypes, names)]
 
 
-def _rename_value(graph: onnx.GraphProto, old: str, new: str) -> None:
-    rename_graph(graph, {old: new})
-
-
 def _match(arr: np.ndarray, marked: dict[str, np.ndarray]) -> list[tuple[str, tuple[int, ...]]]:
     hits = []
     for path, v in marked.items():
@@ -229,10 +225,8 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
     exp = KerasExport(proto, [s.name for s in specs], [])
     _link_variables(exp, variables, original, marked)
     _check_links(model, exp, marked)
-    for old in list(exp.links):
-        new = exp.links[old].path
-        _rename_value(proto.graph, old, new)
-        exp.links[new] = exp.links.pop(old)
+    rename_graph(proto.graph, {old: link.path for old, link in exp.links.items()})
+    exp.links = {link.path: link for link in exp.links.values()}
     # the loss graph's constants are its own (the deployed graph's const/N are other values)
     _canonical_names(proto.graph, set(exp.links), "" if loss is None else "ngdist.loss/")
     outs = [o.name for o in proto.graph.output]
@@ -241,8 +235,7 @@ def export(model: Any, example_inputs: Any = None, *, input_names: Sequence[str]
         exp.input_names = exp.input_names[:n_in]
         exp.output_names = [keras_loss.LOSS_OUTPUT]
         keras_loss.share_batch_axis(proto.graph, exp.input_names[0], labels)
-    for old, new in zip(outs, exp.output_names):
-        _rename_value(proto.graph, old, new)
+    rename_graph(proto.graph, dict(zip(outs, exp.output_names)))
     logger.info("exported Keras model %s: %d nodes, %d linked variables", model.name,
                 len(proto.graph.node), len(exp.links))
     return exp
