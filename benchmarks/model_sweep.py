@@ -43,6 +43,7 @@ BEGIN, END = "<!-- model_sweep: begin -->", "<!-- model_sweep: end -->"
 SOURCES = ("torchvision", "timm", "transformers")
 TIMM_CACHE = Path(tempfile.gettempdir()) / "ngdist_timm_families.json"
 MEMORY = 8 << 30  # bytes a model's process may hold resident (a failed row past it)
+CPU_SECONDS = 600  # CPU seconds a model's process may use (a failed row past it)
 
 
 def catalogue(sources: tuple[str, ...] = SOURCES, all_constructors: bool = True) -> list[Any]:
@@ -82,7 +83,8 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
     load does not count against a model), to ``wall_seconds`` (default 5x that) of wall
     time (a hang blocks without using CPU) and to ``memory`` (default ``MEMORY``) bytes
     resident (checked twice a second: the machine is shared); a limit reached or a crash is a
-    failed row. A row run under a larger cap than ``MEMORY`` says so (``memory_cap``)."""
+    failed row. A row run under a larger cap than ``MEMORY`` or ``CPU_SECONDS`` says so
+    (``memory_cap``, ``cpu_limit``)."""
     import resource
     import signal
     import time
@@ -93,6 +95,8 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
     memory = memory or MEMORY
     if memory > MEMORY:
         row["memory_cap"] = f"{memory / (1 << 30):g} GiB"
+    if cpu_seconds > CPU_SECONDS:
+        row["cpu_limit"] = f"{cpu_seconds:g} s"
 
     def limit_cpu() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
@@ -123,7 +127,7 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                 time.sleep(0.5)
         _end_group(proc.pid)  # a forked oracle its process left behind (past its CPU limit)
         if result.exists():
-            cap = {k: row[k] for k in ("memory_cap",) if k in row}
+            cap = {k: row[k] for k in ("memory_cap", "cpu_limit") if k in row}
             return {**json.loads(result.read_text()), **cap}
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
@@ -203,6 +207,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             cause += f" (on a second batch; the first: {r['first_batch']})"
         if r.get("memory_cap"):
             cause += f" (run under a resident cap of {r['memory_cap']})"
+        if r.get("cpu_limit"):
+            cause += f" (run under a CPU limit of {r['cpu_limit']})"
         if r.get("raw_in_ngdist"):
             cause += f" (raised inside ngdist at {r['raw_in_ngdist']})"
         cause = cause.replace("|", "\\|")
@@ -252,10 +258,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="fold these results files into --json first")
     p.add_argument("--report", action="store_true",
                    help="only regenerate the docs table from --json")
-    p.add_argument("--timeout", type=float, default=600,
+    p.add_argument("--timeout", type=float, default=CPU_SECONDS,
                    help="CPU seconds of a model's process: export, both compiles, the steps "
                         "and eager torch (the forked oracle has a limit of its own); wall "
-                        "time: 5x that")
+                        "time: 5x that; a row run above the default says so")
     p.add_argument("--memory", type=float, default=MEMORY / (1 << 30),
                    help="GiB a model's process may hold resident (its torch oracle, a forked "
                         "child, besides); a row run above the default says so")

@@ -275,10 +275,11 @@ def test_a_model_past_its_memory_or_wall_time_is_a_failed_row(monkeypatch):
                         lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
     row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 1)
     assert (row["stage"], row["error"]) == ("timeout", "no result within 1 s of wall time")
-    assert "memory_cap" not in row
-    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 1, memory=12 << 30)
-    assert row["memory_cap"] == "12 GiB"  # a row run above the default cap says so
-    assert "(run under a resident cap of 12 GiB)" in model_sweep.table([row])
+    assert "memory_cap" not in row and "cpu_limit" not in row
+    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 900, 1, memory=12 << 30)
+    assert (row["memory_cap"], row["cpu_limit"]) == ("12 GiB", "900 s")  # above the defaults
+    assert "(run under a resident cap of 12 GiB) (run under a CPU limit of 900 s)" in \
+        model_sweep.table([row])
     with pytest.raises(ProcessLookupError):  # its session (a forked oracle too) is gone
         os.killpg(started[0].pid, 0)
 
