@@ -87,7 +87,6 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
     (``memory_cap``, ``cpu_limit``)."""
     import resource
     import signal
-    import time
 
     row: dict[str, Any] = {"name": name, "family": family, "status": "fail",
                            "source": {"tv": "torchvision", "timm": "timm"}.get(
@@ -111,26 +110,20 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     cwd=tmp, preexec_fn=limit_cpu, start_new_session=True)
-            stop = None
-            deadline = time.monotonic() + wall
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    stop = {"stage": "timeout", "error": f"no result within {wall:.0f} s of "
-                                                          "wall time"}
-                elif _resident(proc.pid) > memory:
-                    stop = {"stage": "memory", "error": f"more than {memory >> 20} MiB "
-                                                        "resident"}
-                if stop:
-                    _end_group(proc.pid)
-                    proc.wait()
-                    return {**row, **stop}
-                time.sleep(0.5)
+            stop, cpu = _watch(proc, wall, memory)
+            if stop:
+                return {**row, **stop}
         _end_group(proc.pid)  # a forked oracle its process left behind (past its CPU limit)
         if result.exists():
             cap = {k: row[k] for k in ("memory_cap", "cpu_limit") if k in row}
             return {**json.loads(result.read_text()), **cap}
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        if proc.returncode == -signal.SIGXCPU or (proc.returncode == -signal.SIGKILL
+                                                   and cpu >= cpu_seconds - 1):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
+        if proc.returncode == -signal.SIGKILL:
+            return {**row, "stage": "killed",
+                    "error": f"killed (SIGKILL) after {cpu:.0f} s of CPU, below its limit: the "
+                             "machine's out-of-memory killer or another process ended it"}
         tail = " ".join(log.read_text().strip().splitlines()[-3:])[-400:]
         return {**row, "stage": "crash", "error": f"exit {proc.returncode}: {tail}"}
 
@@ -144,6 +137,38 @@ def _end_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _watch(proc: subprocess.Popen, wall: float, memory: int
+           ) -> tuple[dict[str, str] | None, float]:
+    """Waits for a model's process: (the failed row's stage and error where it ran past
+    ``wall`` seconds or ``memory`` bytes resident, its process group then ended; the CPU
+    seconds of the process itself, its forked oracle's apart, when last seen alive)."""
+    import time
+
+    deadline, cpu = time.monotonic() + wall, 0.0
+    while proc.poll() is None:
+        stop = None
+        if time.monotonic() > deadline:
+            stop = {"stage": "timeout", "error": f"no result within {wall:.0f} s of wall time"}
+        elif _resident(proc.pid) > memory:
+            stop = {"stage": "memory", "error": f"more than {memory >> 20} MiB resident"}
+        if stop:
+            _end_group(proc.pid)
+            proc.wait()
+            return stop, cpu
+        cpu = max(cpu, _cpu_seconds(proc.pid))
+        time.sleep(0.5)
+    return None, cpu
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user and system) of process ``pid`` itself (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _resident(pid: int) -> int:

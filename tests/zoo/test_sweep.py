@@ -284,6 +284,30 @@ def test_a_model_past_its_memory_or_wall_time_is_a_failed_row(monkeypatch):
         os.killpg(started[0].pid, 0)
 
 
+def test_a_model_killed_below_its_cpu_limit_is_not_called_too_slow(monkeypatch):
+    """A model's process ended by SIGKILL (the machine's out-of-memory killer) is a "killed"
+    row that gives the CPU time it had used; one past its CPU limit is a timeout."""
+    import signal
+    import threading
+
+    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 2, 60)
+    assert (row["stage"], row["error"]) == ("timeout", "more than 2 s of CPU")
+    started, popen = [], model_sweep.subprocess.Popen
+
+    def start(*a, **k):
+        started.append(popen(*a, **k))
+        threading.Timer(3.0, os.kill, (started[-1].pid, signal.SIGKILL)).start()
+        return started[-1]
+
+    monkeypatch.setattr(model_sweep.subprocess, "Popen", start)
+    row = model_sweep.run_one("tv/resnet18", "tv/resnet", 60, 60)
+    assert row["stage"] == "killed", row
+    assert row["error"].startswith("killed (SIGKILL) after ") and row["error"].endswith(
+        " s of CPU, below its limit: the machine's out-of-memory killer or another process "
+        "ended it")
+    assert 0 < float(row["error"].split()[3]) < 60
+
+
 def test_only_takes_a_case_name_alone_and_a_prefix_ending_in_a_slash(capsys):
     model_sweep.main(["--source", "transformers", "--list", "--only", "hf/causal/llama",
                       "hf/audiocls/"])
