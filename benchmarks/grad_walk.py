@@ -51,8 +51,8 @@ def trained(name: str, sgd_steps: int) -> tuple[Any, dict[str, np.ndarray], Any]
 
 
 def walk(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any) -> list[dict[str, Any]]:
-    """Per parameter, nearest the loss first: its errors from float64 and its slices past
-    ``FACTOR`` x torch float32's error."""
+    """Per parameter, nearest the loss first: its errors from float64, whether it is past
+    ``FACTOR`` x torch float32's error (``over``), and its slices past that."""
     from step_probe import run_step
     from sweep_check import _slice_count, module_inputs, tensors_of
     from sweep_oracle import torch_grads
@@ -74,8 +74,8 @@ def walk(module: Any, feeds: dict[str, np.ndarray], loss_fn: Any) -> list[dict[s
         bound = FACTOR * max(theirs, 1e-7)
         counted = _slice_count(ours, exact, scale, bound)
         past, slices = counted[:2] if counted else (int(error > bound), 1)
-        rows.append({"tensor": name, "ngdist": error, "torch32": theirs, "past": past,
-                     "slices": slices})
+        rows.append({"tensor": name, "ngdist": error, "torch32": theirs, "over": error > bound,
+                     "past": past, "slices": slices})
     return rows
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     rows = walk(*trained(args.name, args.sgd_steps))
-    first = next((r for r in rows if r["ngdist"] > FACTOR * max(r["torch32"], 1e-7)), None)
+    first = next((r for r in rows if r["over"]), None)
     for r in rows[:args.top or None]:
         mark = f"  <- first past {FACTOR:g}x torch" if r is first else ""
         print(f"{r['tensor']:60s} ngdist {r['ngdist']:.1e}  torch f32 {r['torch32']:.1e}  "

@@ -92,10 +92,9 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                            "source": {"tv": "torchvision", "timm": "timm"}.get(
                                name.split("/")[0], "transformers")}
     memory = memory or MEMORY
-    if memory > MEMORY:
-        row["memory_cap"] = f"{memory / (1 << 30):g} GiB"
-    if cpu_seconds > CPU_SECONDS:
-        row["cpu_limit"] = f"{cpu_seconds:g} s"
+    limits = {**({"memory_cap": f"{memory / (1 << 30):g} GiB"} if memory > MEMORY else {}),
+              **({"cpu_limit": f"{cpu_seconds:g} s"} if cpu_seconds > CPU_SECONDS else {})}
+    row.update(limits)
 
     def limit_cpu() -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_seconds), int(cpu_seconds) + 10))
@@ -115,8 +114,7 @@ def run_one(name: str, family: str, cpu_seconds: float, wall_seconds: float | No
                 return {**row, **stop}
         _end_group(proc.pid)  # a forked oracle its process left behind (past its CPU limit)
         if result.exists():
-            cap = {k: row[k] for k in ("memory_cap", "cpu_limit") if k in row}
-            return {**json.loads(result.read_text()), **cap}
+            return {**json.loads(result.read_text()), **limits}
         if proc.returncode == -signal.SIGXCPU or (proc.returncode == -signal.SIGKILL
                                                    and cpu >= cpu_seconds - 1):
             return {**row, "stage": "timeout", "error": f"more than {cpu_seconds:.0f} s of CPU"}
